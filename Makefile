@@ -1,0 +1,39 @@
+# The Go edition of the Transactional Outbox example. Needs only Go and make.
+#
+#   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
+#   make example                             the article's scenario, printed
+#   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
+#   make bench                               the benchmarks quoted in README.md
+#   make lint                                staticcheck (fetched through the Go module proxy)
+
+PATTERN  := patterns/enterprise/outbox
+T        ?= $(PATTERN)
+GO       ?= go
+FUZZTIME ?= 3m
+# The race detector needs cgo, which Go turns off where it finds no C compiler.
+RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
+
+.PHONY: test pattern example fuzz bench lint
+
+test: pattern
+	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
+	$(GO) vet ./...
+	$(GO) test $(RACE) -cover -count=1 ./...
+
+pattern:
+	@if [ "$(T)" != "$(PATTERN)" ]; then \
+		echo "make: T=$(T) is not in this module: it holds $(PATTERN) only" >&2; exit 2; fi
+
+# Without a package argument go test streams the example's output, so the
+# transcript it also writes to stderr reaches the terminal.
+example:
+	$(GO) test -count=1 -run '^Example$$'
+
+fuzz:
+	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) .
+
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem -count 5 .
+
+lint:
+	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...

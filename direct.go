@@ -1,0 +1,55 @@
+package outbox
+
+import (
+	"encoding/json"
+	"fmt"
+)
+
+// DirectOrderService places orders the naive way, and exists to show why that
+// is wrong: it commits the order to the database and then publishes
+// [OrderPlaced] to the broker. These are two writes to two systems with no
+// transaction around both (a dual write). If the broker is down, or the
+// process dies between the two, the order is saved and the event is lost for
+// good: nothing will ever publish it. Use [OrderService] instead.
+//
+// A DirectOrderService is safe for concurrent use by multiple goroutines.
+type DirectOrderService struct {
+	db     *Database
+	broker MessageBroker
+}
+
+// NewDirectOrderService returns a DirectOrderService that saves orders in db
+// and publishes their events to broker.
+func NewDirectOrderService(db *Database, broker MessageBroker) *DirectOrderService {
+	return &DirectOrderService{db: db, broker: broker}
+}
+
+// PlaceOrder saves an order of totalCents, commits it, then publishes
+// OrderPlaced, and returns the new order's id.
+//
+// If the broker refuses the message, PlaceOrder returns the broker's error
+// (wrapped; [errors.Is] finds it), yet the order stays saved and its event is
+// lost: that is the dual-write bug. A total of zero or less is refused with an
+// error wrapping [ErrInvalidTotal]; then nothing is saved or published.
+func (s *DirectOrderService) PlaceOrder(totalCents int64) (int64, error) {
+	var order Order
+	var payload []byte
+	err := s.db.Transaction(func(tx *Tx) error {
+		var err error
+		if order, err = tx.InsertOrder(totalCents); err != nil {
+			return err
+		}
+		payload, err = json.Marshal(order)
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+
+	// The order is committed. If Publish fails, or the process dies right
+	// here, no one will ever send this event.
+	if err := s.broker.Publish(Message{Type: OrderPlaced, Payload: string(payload)}); err != nil {
+		return 0, fmt.Errorf("order %d saved, but %s not published: %w", order.ID, OrderPlaced, err)
+	}
+	return order.ID, nil
+}

@@ -1,0 +1,3 @@
+module example.com/patterns/enterprise/outbox
+
+go 1.26
