@@ -30,7 +30,7 @@ example:
 	$(GO) test -count=1 -run '^Example$$'
 
 fuzz:
-	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) .
+	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 10s .
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -count 5 .

@@ -78,14 +78,10 @@ func TestErrorInsideTransactionRollsBackOrderAndMessage(t *testing.T) {
 
 	errDeclined := errors.New("payment declined")
 	err := db.Transaction(func(tx *outbox.Tx) error {
-		order, err := tx.InsertOrder(2500)
-		if err != nil {
+		if err := insertOrderAndMessage(tx, 2500); err != nil {
 			return err
 		}
-		if _, err := tx.InsertOutbox(outbox.OrderPlaced, order); err != nil {
-			return err
-		}
-		return errDeclined
+		return errDeclined // something fails after both writes
 	})
 	if err != errDeclined {
 		t.Fatalf("Transaction returned %v, want the function's own error", err)
@@ -122,8 +118,9 @@ func TestPanicInsideTransactionRollsBackAndRepanics(t *testing.T) {
 	got := func() (recovered any) {
 		defer func() { recovered = recover() }()
 		db.Transaction(func(tx *outbox.Tx) error {
-			order, _ := tx.InsertOrder(2500)
-			tx.InsertOutbox(outbox.OrderPlaced, order)
+			if err := insertOrderAndMessage(tx, 2500); err != nil {
+				return err
+			}
 			panic(errBoom)
 		})
 		return nil
@@ -143,8 +140,9 @@ func TestGoexitInsideTransactionRollsBack(t *testing.T) {
 	go func() {
 		defer close(done)
 		db.Transaction(func(tx *outbox.Tx) error {
-			order, _ := tx.InsertOrder(2500)
-			tx.InsertOutbox(outbox.OrderPlaced, order)
+			if err := insertOrderAndMessage(tx, 2500); err != nil {
+				return err
+			}
 			runtime.Goexit()
 			return nil
 		})
@@ -377,8 +375,9 @@ func TestRolledBackOrderIsNeverPublishedNorHidesLaterRows(t *testing.T) {
 	shop, relay := outbox.NewOrderService(db), outbox.NewOutboxRelay(db, broker)
 	place(t, shop, 100)
 	db.Transaction(func(tx *outbox.Tx) error {
-		order, _ := tx.InsertOrder(666)
-		tx.InsertOutbox(outbox.OrderPlaced, order)
+		if err := insertOrderAndMessage(tx, 666); err != nil {
+			return err
+		}
 		return errors.New("rolled back")
 	})
 	place(t, shop, 200)
@@ -657,8 +656,9 @@ func TestStressApplicationUnderLoadPublishesEveryOrderOnce(t *testing.T) {
 					}
 				default: // a transaction that fails after both writes
 					db.Transaction(func(tx *outbox.Tx) error {
-						order, _ := tx.InsertOrder(rolledBackTotal + total)
-						tx.InsertOutbox(outbox.OrderPlaced, order)
+						if err := insertOrderAndMessage(tx, rolledBackTotal+total); err != nil {
+							return err
+						}
 						return errors.New("rolled back")
 					})
 				}
@@ -732,33 +732,47 @@ func FuzzModel(f *testing.F) {
 	f.Add([]byte{opLoseAck, 0, opBrokerDown, 0, opPlace, 9, opRelayPass, 0, opFailNth, 0, opBrokerUp, 0,
 		opRelayPass, 0, opRelayReboot, 0, opRelayPass, 0, opPlaceFailed, 1, opRelayPass, 0})
 	f.Fuzz(func(t *testing.T, ops []byte) {
-		if len(ops) > 400 {
-			ops = ops[:400]
+		if len(ops) > 256 {
+			ops = ops[:256] // 128 steps; the checks after each step cost O(steps)
 		}
 		h := newHarness()
 		for i := 0; i+1 < len(ops); i += 2 {
-			step := fmt.Sprintf("step %d (op %d, arg %d)", i/2, ops[i]%opCount, ops[i+1])
-			h.do(t, step, ops[i]%opCount, ops[i+1])
-			h.check(t, step)
+			s := step{i / 2, ops[i] % opCount, ops[i+1]}
+			h.do(t, s)
+			h.check(t, s)
 		}
 		h.drain(t)
-		h.check(t, "final drain")
+		h.check(t, step{n: -1})
 		if n := len(h.model.totals); h.model.sent != n {
 			t.Fatalf("after the final drain %d of %d rows are sent", h.model.sent, n)
 		}
 	})
 }
 
+// step names an operation in failure messages.
+type step struct {
+	n       int // -1 for the final drain
+	op, arg byte
+}
+
+func (s step) String() string {
+	if s.n < 0 {
+		return "final drain"
+	}
+	return fmt.Sprintf("step %d (op %d, arg %d)", s.n, s.op, s.arg)
+}
+
 // model is the reference: what a correct library must have done.
 type model struct {
-	totals   []int64 // committed orders: order i+1 has totals[i]
-	sent     int     // rows 1..sent are marked sent: always a prefix
-	log      []int64 // ids of the messages the broker received, duplicates included
-	lostAcks int     // how many acknowledgements were lost so far
-	down     bool    // the InMemoryBroker is down
-	calls    int     // Publish calls that reached the fault injectors
-	failAt   int     // the call failOnNth refuses; 0 for none
-	loseAck  bool    // lostAck is armed
+	totals   []int64          // committed orders: order i+1 has totals[i]
+	events   []outbox.Message // and its OrderPlaced message is events[i]
+	sent     int              // rows 1..sent are marked sent: always a prefix
+	log      []int64          // ids of the messages the broker received, duplicates included
+	lostAcks int              // how many acknowledgements were lost so far
+	down     bool             // the InMemoryBroker is down
+	calls    int              // Publish calls that reached the fault injectors
+	failAt   int              // the call failOnNth refuses; 0 for none
+	loseAck  bool             // lostAck is armed
 }
 
 // pass is the reference relay pass over the reference broker chain
@@ -798,7 +812,8 @@ func newHarness() *harness {
 	return h
 }
 
-func (h *harness) do(t *testing.T, step string, op, arg byte) {
+func (h *harness) do(t *testing.T, step step) {
+	op, arg := step.op, step.arg
 	m := &h.model
 	orders, rows := h.db.Orders(), h.db.Outbox()
 	unchanged := func() {
@@ -812,17 +827,14 @@ func (h *harness) do(t *testing.T, step string, op, arg byte) {
 		total := int64(arg) + 1
 		id, err := outbox.NewOrderService(h.db).PlaceOrder(total)
 		m.totals = append(m.totals, total)
+		m.events = append(m.events, orderPlaced(int64(len(m.totals)), total))
 		if id != int64(len(m.totals)) || err != nil {
 			t.Fatalf("%s: PlaceOrder(%d) = %d, %v; want %d, nil", step, total, id, err, len(m.totals))
 		}
 	case opPlaceFailed:
 		errFailed := errors.New("failed")
 		err := h.db.Transaction(func(tx *outbox.Tx) error {
-			order, err := tx.InsertOrder(int64(arg) + 1)
-			if err != nil {
-				return err
-			}
-			if _, err := tx.InsertOutbox(outbox.OrderPlaced, order); err != nil {
+			if err := insertOrderAndMessage(tx, int64(arg)+1); err != nil {
 				return err
 			}
 			return errFailed
@@ -866,10 +878,10 @@ func (h *harness) drain(t *testing.T) {
 	h.model.down, h.model.failAt, h.model.loseAck = false, 0, false
 	h.broker.SetDown(false)
 	h.fail.n, h.lost.lose = 0, false
-	h.do(t, "final drain", opRelayPass, 0)
+	h.do(t, step{n: -1, op: opRelayPass})
 }
 
-func (h *harness) check(t *testing.T, step string) {
+func (h *harness) check(t *testing.T, step step) {
 	t.Helper()
 	m := &h.model
 
@@ -884,7 +896,7 @@ func (h *harness) check(t *testing.T, step string) {
 		if orders[i] != (outbox.Order{ID: id, TotalCents: total}) {
 			t.Fatalf("%s: order %d is %v, the model has %d cents", step, id, orders[i], total)
 		}
-		if want := (outbox.OutboxMessage{Message: orderPlaced(id, total), Sent: i < m.sent}); rows[i] != want {
+		if want := (outbox.OutboxMessage{Message: m.events[i], Sent: i < m.sent}); rows[i] != want {
 			t.Fatalf("%s: outbox row %d is %v, want %v", step, id, rows[i], want)
 		}
 	}
@@ -977,8 +989,9 @@ func BenchmarkTransaction(b *testing.B) {
 			fill(b, db, rows)
 			for b.Loop() {
 				db.Transaction(func(tx *outbox.Tx) error {
-					order, _ := tx.InsertOrder(2500)
-					tx.InsertOutbox(outbox.OrderPlaced, order)
+					if err := insertOrderAndMessage(tx, 2500); err != nil {
+						return err
+					}
 					return errRollback
 				})
 			}
@@ -990,11 +1003,7 @@ func BenchmarkTransaction(b *testing.B) {
 func fill(tb testing.TB, db *outbox.Database, n int) {
 	err := db.Transaction(func(tx *outbox.Tx) error {
 		for range n {
-			order, err := tx.InsertOrder(2500)
-			if err != nil {
-				return err
-			}
-			if _, err := tx.InsertOutbox(outbox.OrderPlaced, order); err != nil {
+			if err := insertOrderAndMessage(tx, 2500); err != nil {
 				return err
 			}
 		}
@@ -1006,6 +1015,17 @@ func fill(tb testing.TB, db *outbox.Database, n int) {
 }
 
 // Helpers.
+
+// insertOrderAndMessage makes the two writes of OrderService.PlaceOrder in
+// tx: an order of total cents and its OrderPlaced outbox row.
+func insertOrderAndMessage(tx *outbox.Tx, total int64) error {
+	order, err := tx.InsertOrder(total)
+	if err != nil {
+		return err
+	}
+	_, err = tx.InsertOutbox(outbox.OrderPlaced, order)
+	return err
+}
 
 // orderPlaced is the message that order id of total cents must produce.
 func orderPlaced(id, total int64) outbox.Message {
