@@ -10,9 +10,14 @@ import (
 // [OrderPlaced] to the broker. These are two writes to two systems with no
 // transaction around both (a dual write). If the broker is down, or the
 // process dies between the two, the order is saved and the event is lost for
-// good: nothing will ever publish it. Use [OrderService] instead.
+// good: nothing will ever publish it. Retrying Publish does not help, since
+// after a crash no one is left to retry; publishing first is worse, since a
+// failed commit then leaves the warehouse reserving stock for an order that
+// does not exist. Use [OrderService] instead.
 //
 // A DirectOrderService is safe for concurrent use by multiple goroutines.
+// Create one with [NewDirectOrderService]: the zero value has no database and
+// no broker.
 type DirectOrderService struct {
 	db     *Database
 	broker MessageBroker
@@ -39,7 +44,7 @@ func (s *DirectOrderService) PlaceOrder(totalCents int64) (int64, error) {
 		if order, err = tx.InsertOrder(totalCents); err != nil {
 			return err
 		}
-		payload, err = json.Marshal(order)
+		payload, err = json.Marshal(order) // the event, while the order can still roll back
 		return err
 	})
 	if err != nil {

@@ -26,7 +26,8 @@ import (
 // is not involved at all. The message reaches the broker later, through an
 // [OutboxRelay].
 //
-// An OrderService is safe for concurrent use by multiple goroutines.
+// An OrderService is safe for concurrent use by multiple goroutines. Create
+// one with [NewOrderService]: the zero value has no database to write to.
 type OrderService struct {
 	db *Database
 }
@@ -66,7 +67,8 @@ func (s *OrderService) PlaceOrder(totalCents int64) (int64, error) {
 // overlapping calls to PublishPending run one after the other, so none
 // publishes a row that another has just published. Two relays over one
 // Database do not coordinate like that; run one relay per Database (a real
-// service claims rows instead, see the README).
+// service claims rows instead, see the README). Create one with
+// [NewOutboxRelay]: the zero value has no database and no broker.
 type OutboxRelay struct {
 	db     *Database
 	broker MessageBroker
