@@ -570,12 +570,23 @@ func TestOverlappingPassesDoNotPublishARowTwice(t *testing.T) {
 	wantPublished(t, broker, orderPlaced(1, 2500), orderPlaced(2, 4000))
 }
 
+// yielding is a broker that lets other goroutines run before each Publish,
+// as a network call would, so that concurrent passes really interleave.
+type yielding struct{ next outbox.MessageBroker }
+
+func (b yielding) Publish(msg outbox.Message) error {
+	runtime.Gosched()
+	return b.next.Publish(msg)
+}
+
 // Overlapping passes of one relay, racing with new orders and a broker that
-// goes down and up, publish every row exactly once, in id order.
+// goes down and up, publish every row exactly once, in id order. Under load a
+// relay without its lock fails this test on most runs;
+// TestOverlappingPassesDoNotPublishARowTwice catches that every time.
 func TestConcurrentPassesPublishEachRowOnce(t *testing.T) {
 	db, broker := new(outbox.Database), new(outbox.InMemoryBroker)
-	shop, relay := outbox.NewOrderService(db), outbox.NewOutboxRelay(db, broker)
-	const placers, passers, each = 8, 8, 25
+	shop, relay := outbox.NewOrderService(db), outbox.NewOutboxRelay(db, yielding{broker})
+	const placers, passers, each = 8, 8, 60
 	var wg sync.WaitGroup
 	for p := range placers {
 		wg.Go(func() {
@@ -743,7 +754,7 @@ func FuzzModel(f *testing.F) {
 		}
 		h.drain(t)
 		h.check(t, step{n: -1})
-		if n := len(h.model.totals); h.model.sent != n {
+		if n := len(h.model.placed); h.model.sent != n {
 			t.Fatalf("after the final drain %d of %d rows are sent", h.model.sent, n)
 		}
 	})
@@ -764,21 +775,27 @@ func (s step) String() string {
 
 // model is the reference: what a correct library must have done.
 type model struct {
-	totals   []int64          // committed orders: order i+1 has totals[i]
-	events   []outbox.Message // and its OrderPlaced message is events[i]
-	sent     int              // rows 1..sent are marked sent: always a prefix
-	log      []int64          // ids of the messages the broker received, duplicates included
-	lostAcks int              // how many acknowledgements were lost so far
-	down     bool             // the InMemoryBroker is down
-	calls    int              // Publish calls that reached the fault injectors
-	failAt   int              // the call failOnNth refuses; 0 for none
-	loseAck  bool             // lostAck is armed
+	placed   []placed // committed orders in id order: order i+1 is placed[i]
+	sent     int      // rows 1..sent are marked sent: always a prefix
+	log      []int64  // ids of the messages the broker received, duplicates included
+	lostAcks int      // how many acknowledgements were lost so far
+	down     bool     // the InMemoryBroker is down
+	calls    int      // Publish calls that reached the fault injectors
+	failAt   int      // the call failOnNth refuses; 0 for none
+	loseAck  bool     // lostAck is armed
+}
+
+// placed is a committed order in the model, with the OrderPlaced message it
+// must have in the outbox (kept, not rebuilt, to keep each check cheap).
+type placed struct {
+	order outbox.Order
+	event outbox.Message
 }
 
 // pass is the reference relay pass over the reference broker chain
 // (failOnNth, then lostAck, then InMemoryBroker).
 func (m *model) pass() (published int, err error) {
-	for ; m.sent < len(m.totals); m.sent++ {
+	for ; m.sent < len(m.placed); m.sent++ {
 		m.calls++
 		switch {
 		case m.calls == m.failAt, m.down:
@@ -826,10 +843,10 @@ func (h *harness) do(t *testing.T, step step) {
 	case opPlace:
 		total := int64(arg) + 1
 		id, err := outbox.NewOrderService(h.db).PlaceOrder(total)
-		m.totals = append(m.totals, total)
-		m.events = append(m.events, orderPlaced(int64(len(m.totals)), total))
-		if id != int64(len(m.totals)) || err != nil {
-			t.Fatalf("%s: PlaceOrder(%d) = %d, %v; want %d, nil", step, total, id, err, len(m.totals))
+		want := int64(len(m.placed)) + 1
+		m.placed = append(m.placed, placed{outbox.Order{ID: want, TotalCents: total}, orderPlaced(want, total)})
+		if id != want || err != nil {
+			t.Fatalf("%s: PlaceOrder(%d) = %d, %v; want %d, nil", step, total, id, err, want)
 		}
 	case opPlaceFailed:
 		errFailed := errors.New("failed")
@@ -888,16 +905,15 @@ func (h *harness) check(t *testing.T, step step) {
 	// Every committed order has exactly one outbox row, with its payload;
 	// ids strictly increase; the sent rows are exactly the first m.sent.
 	orders, rows := h.db.Orders(), h.db.Outbox()
-	if len(orders) != len(m.totals) || len(rows) != len(m.totals) {
-		t.Fatalf("%s: %d orders and %d outbox rows, the model has %d", step, len(orders), len(rows), len(m.totals))
+	if len(orders) != len(m.placed) || len(rows) != len(m.placed) {
+		t.Fatalf("%s: %d orders and %d outbox rows, the model has %d", step, len(orders), len(rows), len(m.placed))
 	}
-	for i, total := range m.totals {
-		id := int64(i + 1)
-		if orders[i] != (outbox.Order{ID: id, TotalCents: total}) {
-			t.Fatalf("%s: order %d is %v, the model has %d cents", step, id, orders[i], total)
+	for i, p := range m.placed {
+		if orders[i] != p.order {
+			t.Fatalf("%s: order %d is %v, the model has %v", step, i+1, orders[i], p.order)
 		}
-		if want := (outbox.OutboxMessage{Message: m.events[i], Sent: i < m.sent}); rows[i] != want {
-			t.Fatalf("%s: outbox row %d is %v, want %v", step, id, rows[i], want)
+		if want := (outbox.OutboxMessage{Message: p.event, Sent: i < m.sent}); rows[i] != want {
+			t.Fatalf("%s: outbox row %d is %v, want %v", step, i+1, rows[i], want)
 		}
 	}
 
