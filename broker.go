@@ -19,13 +19,17 @@ type Message struct {
 	// ID is the id of the outbox row the message was relayed from. A message
 	// that is published again after a failure keeps its id, so a consumer
 	// can drop the duplicates that at-least-once delivery brings. It is zero
-	// for a message published without an outbox, by [DirectOrderService].
+	// for a message published without an outbox, by DirectOrderService.
 	ID      int64
-	Type    string // the event type, such as [OrderPlaced]
+	Type    string // the event type, such as OrderPlaced
 	Payload string // the event as JSON
 }
 
 // MessageBroker is the producer side of a message broker.
+//
+// Implementations must be safe for concurrent use by multiple goroutines: an
+// application shares one broker client between its request handlers and its
+// relay, as real broker clients allow.
 type MessageBroker interface {
 	// Publish hands msg to the broker. A nil error means the broker has
 	// accepted the message; an error means it may not have.

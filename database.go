@@ -23,15 +23,15 @@ var ErrTxDone = errors.New("outbox: transaction has already been committed or ro
 // OrderPlaced event: {"orderId":1,"totalCents":2500}. Amounts are in cents, so
 // that no money is ever a float.
 type Order struct {
-	ID         int64 `json:"orderId"`
-	TotalCents int64 `json:"totalCents"`
+	ID         int64 `json:"orderId"`    // assigned by InsertOrder: 1, 2, 3, ... in commit order
+	TotalCents int64 `json:"totalCents"` // the order's total in cents; always positive
 }
 
 // OutboxMessage is a row of the outbox table: a [Message] waiting for the
 // [OutboxRelay], and whether the relay has published it yet.
 type OutboxMessage struct {
 	Message
-	Sent bool
+	Sent bool // set by MarkSent once the broker has accepted the message; never cleared
 }
 
 // Database is an in-memory stand-in for a relational database with two
@@ -42,13 +42,20 @@ type OutboxMessage struct {
 // database/sql query outside a transaction does, and see only committed rows.
 //
 // A Database is safe for concurrent use by multiple goroutines. It runs one
-// transaction at a time, so ids are assigned in commit order; see the README
-// for why a real database differs. A Database must not be copied after first
-// use.
+// transaction at a time, so ids are assigned in commit order. A real database
+// runs transactions side by side and hands out ids when rows are inserted, so
+// there a row with a smaller id can commit after one with a larger id; select
+// unsent rows by their sent flag, as [OutboxRelay] does, never by "ids above
+// the last one sent". A Database must not be copied after first use.
 type Database struct {
 	mu     sync.Mutex
 	orders map[int64]Order // keyed by order id
 	outbox []OutboxMessage // in id order; the row with id N is outbox[N-1]
+
+	// beforeCommit, when set, runs inside every transaction whose function
+	// succeeded, just before its changes are kept. Only the package's tests
+	// set it (export_test.go), to stop the process at that point.
+	beforeCommit func()
 }
 
 // Transaction runs fn in a transaction and commits its changes if fn returns
@@ -76,6 +83,9 @@ func (db *Database) Transaction(fn func(tx *Tx) error) error {
 
 	if err := fn(tx); err != nil {
 		return err
+	}
+	if db.beforeCommit != nil {
+		db.beforeCommit()
 	}
 	committed = true
 	return nil

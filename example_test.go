@@ -6,12 +6,18 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"testing"
+	"text/tabwriter"
 	"time"
 
 	"example.com/patterns/enterprise/outbox"
@@ -34,46 +40,27 @@ const maxOrderBody = 1 << 10
 // alone. It never sees the broker, so its answer depends only on the database.
 //
 // It answers 201 Created with {"orderId":N} and the order's Location. Bad
-// input is refused before anything is written: a body that is not one JSON
-// object with only known fields, or has no totalCents, gets 400 Bad Request; a
-// body over maxOrderBody gets 413 Content Too Large; a well-formed total of
+// input is refused before anything is written, with {"error":"..."} saying
+// what is wrong in the client's terms: a body that is not exactly one JSON
+// object whose only field is "totalCents", a whole number, gets 400 Bad
+// Request; a body over maxOrderBody gets 413 Content Too Large; a total of
 // zero or less gets 422 Unprocessable Content, because the request is
-// understood but breaks a business rule (the service's ErrInvalidTotal). Other
-// methods get 405 Method Not Allowed with "Allow: POST" from the ServeMux.
+// understood but breaks a business rule (the service's ErrInvalidTotal).
+// Other methods get 405 Method Not Allowed with "Allow: POST" from the
+// ServeMux.
 func newHandler(orders *outbox.OrderService) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
-		var req struct {
-			TotalCents *int64 `json:"totalCents"` // a pointer, to tell a missing total from 0
-		}
-		dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxOrderBody))
-		dec.DisallowUnknownFields()
-		err := dec.Decode(&req)
-		if err == nil { // after the object, only the end of the body may come
-			switch err = dec.Decode(&struct{}{}); err {
-			case io.EOF:
-				err = nil
-			case nil:
-				err = errors.New("body must hold a single JSON object")
-			}
-		}
-		var tooLarge *http.MaxBytesError
-		switch {
-		case errors.As(err, &tooLarge):
-			writeJSON(w, http.StatusRequestEntityTooLarge, map[string]string{"error": err.Error()})
-			return
-		case err != nil:
-			writeJSON(w, http.StatusBadRequest, map[string]string{"error": err.Error()})
-			return
-		case req.TotalCents == nil:
-			writeJSON(w, http.StatusBadRequest, map[string]string{"error": "totalCents is required"})
+		total, status, problem := readOrder(w, r)
+		if problem != "" {
+			writeJSON(w, status, map[string]string{"error": problem})
 			return
 		}
-
-		id, err := orders.PlaceOrder(*req.TotalCents)
+		id, err := orders.PlaceOrder(total)
 		switch {
 		case errors.Is(err, outbox.ErrInvalidTotal):
-			writeJSON(w, http.StatusUnprocessableEntity, map[string]string{"error": err.Error()})
+			writeJSON(w, http.StatusUnprocessableEntity, map[string]string{
+				"error": fmt.Sprintf("totalCents must be a positive number of cents, got %d", total)})
 			return
 		case err != nil:
 			writeJSON(w, http.StatusInternalServerError, map[string]string{"error": "cannot save the order"})
@@ -85,6 +72,120 @@ func newHandler(orders *outbox.OrderService) http.Handler {
 		writeJSON(w, http.StatusCreated, map[string]int64{"orderId": id})
 	})
 	return mux
+}
+
+// readOrder reads the body of POST /orders, which must be exactly one JSON
+// object whose only field is "totalCents", a whole number. It returns the
+// total, or a status and a message for the client. Field names match
+// exactly: encoding/json alone would also take "TotalCents".
+func readOrder(w http.ResponseWriter, r *http.Request) (total int64, status int, problem string) {
+	const example = `{"totalCents":2500}`
+	tooLarge := fmt.Sprintf("body must be at most %d bytes", maxOrderBody)
+	if r.ContentLength > maxOrderBody { // refused before reading a byte
+		return 0, http.StatusRequestEntityTooLarge, tooLarge
+	}
+	var limitHit *http.MaxBytesError // a body of unknown length that runs over
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxOrderBody))
+
+	var fields map[string]json.RawMessage
+	if err := dec.Decode(&fields); errors.As(err, &limitHit) {
+		return 0, http.StatusRequestEntityTooLarge, tooLarge
+	} else if err != nil || fields == nil {
+		return 0, http.StatusBadRequest, "body must be a JSON object, such as " + example
+	}
+	if _, err := dec.Token(); errors.As(err, &limitHit) {
+		return 0, http.StatusRequestEntityTooLarge, tooLarge
+	} else if err != io.EOF {
+		return 0, http.StatusBadRequest, "body must hold one JSON object, but more follows it"
+	}
+	for _, name := range slices.Sorted(maps.Keys(fields)) {
+		if name != "totalCents" {
+			return 0, http.StatusBadRequest, fmt.Sprintf("unknown field %q: the only field is \"totalCents\"", name)
+		}
+	}
+	raw, ok := fields["totalCents"]
+	if !ok {
+		return 0, http.StatusBadRequest, "totalCents is required, as in " + example
+	}
+	total, err := strconv.ParseInt(string(raw), 10, 64)
+	if errors.Is(err, strconv.ErrRange) {
+		return 0, http.StatusBadRequest, "totalCents is out of range"
+	} else if err != nil {
+		return 0, http.StatusBadRequest, "totalCents must be a whole number of cents, such as 2500"
+	}
+	return total, 0, ""
+}
+
+// Bad input gets a status, a message in the client's terms (never a Go
+// type), and writes nothing. Each case has a database of its own.
+func TestPostOrdersRefusesBadInputAndWritesNothing(t *testing.T) {
+	const (
+		notObject = `body must be a JSON object, such as {"totalCents":2500}`
+		notWhole  = `totalCents must be a whole number of cents, such as 2500`
+		tooLarge  = `body must be at most 1024 bytes`
+	)
+	big := strings.Repeat(" ", maxOrderBody)
+	for _, tc := range []struct {
+		name, method, body string
+		status             int
+		message            string
+	}{
+		{"empty body", "POST", ``, 400, notObject},
+		{"not JSON", "POST", `totalCents=2500`, 400, notObject},
+		{"not an object", "POST", `[2500]`, 400, notObject},
+		{"null", "POST", `null`, 400, notObject},
+		{"unknown field", "POST", `{"totalCents":2500,"coupon":"FREE"}`, 400, `unknown field "coupon": the only field is "totalCents"`},
+		{"field name in another case", "POST", `{"TotalCents":5}`, 400, `unknown field "TotalCents": the only field is "totalCents"`},
+		{"two objects", "POST", `{"totalCents":1}{"totalCents":2}`, 400, `body must hold one JSON object, but more follows it`},
+		{"missing total", "POST", `{}`, 400, `totalCents is required, as in {"totalCents":2500}`},
+		{"null total", "POST", `{"totalCents":null}`, 400, notWhole},
+		{"total as string", "POST", `{"totalCents":"2500"}`, 400, notWhole},
+		{"fractional cents", "POST", `{"totalCents":25.5}`, 400, notWhole},
+		{"total beyond int64", "POST", `{"totalCents":9223372036854775808}`, 400, `totalCents is out of range`},
+		{"zero total", "POST", `{"totalCents":0}`, 422, `totalCents must be a positive number of cents, got 0`},
+		{"negative total", "POST", `{"totalCents":-2500}`, 422, `totalCents must be a positive number of cents, got -2500`},
+		{"body too large", "POST", big + `{"totalCents":2500}`, 413, tooLarge},
+		{"body too large after the object", "POST", `{"totalCents":2500}` + big, 413, tooLarge},
+		{"GET", "GET", ``, 405, ""},
+		{"PUT", "PUT", `{"totalCents":2500}`, 405, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			db := new(outbox.Database)
+			shop := httptest.NewServer(newHandler(outbox.NewOrderService(db)))
+			defer shop.Close()
+			resp, body := do(t, tc.method, shop.URL+"/orders", tc.body)
+			wantRefusal(t, resp.StatusCode, resp.Header, body, tc.status, tc.message)
+			wantOrders(t, db)
+			wantOutbox(t, db)
+		})
+	}
+
+	// A body of unknown length is cut off at the limit while it is read. It
+	// is served in-process: over a connection, net/http would then wait half a
+	// second before closing it, for the rest of a body no one reads.
+	db := new(outbox.Database)
+	req := httptest.NewRequest("POST", "/orders", io.MultiReader(strings.NewReader(`{"totalCents":2500}`+big)))
+	rec := httptest.NewRecorder()
+	newHandler(outbox.NewOrderService(db)).ServeHTTP(rec, req)
+	wantRefusal(t, rec.Code, rec.Header(), rec.Body.String(), 413, tooLarge)
+	wantOrders(t, db)
+}
+
+func wantRefusal(t *testing.T, status int, header http.Header, body string, wantStatus int, wantMessage string) {
+	t.Helper()
+	if status != wantStatus {
+		t.Errorf("status %d (%s), want %d", status, body, wantStatus)
+	}
+	if wantStatus == http.StatusMethodNotAllowed {
+		if header.Get("Allow") != http.MethodPost {
+			t.Errorf("Allow %q, want POST", header.Get("Allow"))
+		}
+		return
+	}
+	var got struct{ Error string }
+	if err := json.Unmarshal([]byte(body), &got); err != nil || got.Error != wantMessage {
+		t.Errorf("body %q, want the error %q", body, wantMessage)
+	}
 }
 
 func writeJSON(w http.ResponseWriter, status int, body any) {
@@ -128,17 +229,130 @@ func startApp(db *outbox.Database, broker outbox.MessageBroker, every time.Durat
 	return handler, func() { cancel(); wg.Wait() }
 }
 
-// placeOrder is a customer: it posts an order over real HTTP and returns the
-// response's status line and Location.
-func placeOrder(url string, totalCents int64) (status, location string, err error) {
+// The whole application under load: 16 customers place orders at once, over
+// HTTP and through the service, with bad input and rolled-back transactions
+// among them, while the background relay runs and an operator takes the
+// broker down three times, each time until a pass has met it down. After
+// shutdown and a final pass, every committed order has exactly one
+// OrderPlaced, in id order, and nothing else was published.
+func TestStressApplicationUnderLoadPublishesEveryOrderOnce(t *testing.T) {
+	const seed = 20261130
+	t.Logf("seed %d", seed)
+	db, broker := new(outbox.Database), new(outbox.InMemoryBroker)
+	var failedPasses atomic.Int64
+	handler, stop := startApp(db, broker, time.Millisecond, func(_ int, err error) {
+		if err != nil {
+			failedPasses.Add(1)
+		}
+	})
+	shop := httptest.NewServer(handler)
+	defer shop.Close()
+	service := outbox.NewOrderService(db)
+
+	const rolledBackTotal = 1_000_000 // no committed order has a total this large
+	var committed atomic.Int64
+	var wg sync.WaitGroup
+	wg.Go(func() { // the operator
+		for range 3 {
+			broker.SetDown(true)
+			failed := failedPasses.Load()
+			if _, err := service.PlaceOrder(1); err != nil { // a row for the down broker to refuse
+				t.Error(err)
+				return
+			}
+			committed.Add(1)
+			if !waitFor(func() bool { return failedPasses.Load() > failed }) {
+				t.Error("no relay pass met the broker while it was down")
+			}
+			broker.SetDown(false)
+		}
+	})
+	for c := range 16 {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(seed, uint64(c)))
+			for i := range 30 {
+				total := int64(1 + rng.IntN(99_999))
+				switch (c + i) % 4 { // every kind, in an order that differs between customers
+				case 0:
+					if status, _, err := postOrder(shop.URL, total); status != http.StatusCreated {
+						t.Errorf("POST: %d, %v; want 201 whatever the broker does", status, err)
+						continue
+					}
+					committed.Add(1)
+				case 1:
+					if _, err := service.PlaceOrder(total); err != nil {
+						t.Error(err)
+						continue
+					}
+					committed.Add(1)
+				case 2:
+					if status, _, err := postOrder(shop.URL, -total); status != http.StatusUnprocessableEntity {
+						t.Errorf("POST of a total of %d: %d, %v; want 422", -total, status, err)
+					}
+				case 3:
+					if err := rollBack(db, rolledBackTotal+total); err != errRolledBack {
+						t.Errorf("rolled-back transaction returned %v", err)
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	stop()
+	t.Logf("%d orders committed; %d relay passes met the broker down", committed.Load(), failedPasses.Load())
+
+	wantPass(t, outbox.NewOutboxRelay(db, broker), len(db.Pending()), nil)
+	n := int(committed.Load())
+	orders, rows, published := db.Orders(), db.Outbox(), broker.Published()
+	if len(orders) != n || len(rows) != n || len(published) != n {
+		t.Fatalf("%d orders, %d outbox rows, %d published; want %d of each", len(orders), len(rows), len(published), n)
+	}
+	for i, order := range orders {
+		switch want := orderPlaced(order.ID, order.TotalCents); {
+		case order.ID != int64(i+1) || order.TotalCents >= rolledBackTotal:
+			t.Fatalf("order %d is %v: ids are not 1..%d, or it was rolled back", i+1, order, n)
+		case rows[i] != outbox.OutboxMessage{Message: want, Sent: true}:
+			t.Fatalf("outbox row %d is %v, want %v sent", i+1, rows[i], want)
+		case published[i] != want:
+			t.Fatalf("message %d published: %v, want %v", i+1, published[i], want)
+		}
+	}
+}
+
+// postOrder is a customer: it posts an order over real HTTP and returns the
+// response's status code and Location.
+func postOrder(url string, totalCents int64) (status int, location string, err error) {
 	resp, err := http.Post(url+"/orders", "application/json",
 		strings.NewReader(fmt.Sprintf(`{"totalCents":%d}`, totalCents)))
 	if err != nil {
-		return "", "", err
+		return 0, "", err
 	}
 	defer resp.Body.Close()
-	io.Copy(io.Discard, resp.Body)
-	return resp.Status, resp.Header.Get("Location"), nil
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		return 0, "", err
+	}
+	return resp.StatusCode, resp.Header.Get("Location"), nil
+}
+
+// do sends a request over real HTTP and returns the response with its body.
+// It stops the test on a transport error, so it must run on the test's own
+// goroutine; goroutines use postOrder instead.
+func do(t *testing.T, method, url, body string) (*http.Response, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp, string(data)
 }
 
 // waitFor polls cond until it holds, for at most ten seconds, and reports
@@ -174,13 +388,13 @@ func Example() {
 	broker.SetDown(true)
 	fmt.Fprintln(out, "The broker is down.")
 	for customer, total := range []int64{2500, 4000} {
-		status, location, err := placeOrder(shop.URL, total)
+		status, location, err := postOrder(shop.URL, total)
 		if err != nil {
 			fmt.Fprintln(out, "POST failed:", err)
 			return
 		}
-		fmt.Fprintf(out, "Customer %d: POST /orders {\"totalCents\":%d} -> %s, Location %s\n",
-			customer+1, total, status, location)
+		fmt.Fprintf(out, "Customer %d: POST /orders {\"totalCents\":%d} -> %d %s, Location %s\n",
+			customer+1, total, status, http.StatusText(status), location)
 	}
 	fmt.Fprintf(out, "Saved: %d orders; waiting in the outbox: %d messages.\n",
 		len(db.Orders()), len(db.Pending()))
@@ -217,6 +431,247 @@ func Example() {
 	// Relay pass 3: published 0, error: <nil>; the broker holds 2 messages, nothing sent twice.
 }
 
+// The crash table: the article's whole argument in one run. One order is
+// placed in each of four ways, and the process dies at one point; then it
+// restarts (new services, a new relay, nothing that was in memory) over the
+// same database and broker, and the table says what became of the order and
+// of its event. The first row is no crash at all: the broker is down.
+func Example_crashPoints() {
+	out := io.MultiWriter(os.Stdout, os.Stderr) // shown by go test -run Example, as Example's transcript
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "the process dies\tplacing the order\twhat becomes of the order and its event")
+	for _, point := range crashPoints {
+		for i, w := range ways {
+			where := point.String()
+			if i > 0 {
+				where = ""
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\n", where, w.name, crashOutcome(w, point))
+		}
+	}
+	tw.Flush()
+
+	// Output:
+	// the process dies                 placing the order  what becomes of the order and its event
+	// never: the broker is down        direct             order saved, event lost for good
+	//                                  publish first      nothing saved, nothing sent
+	//                                  direct + retries   order saved, event lost for good
+	//                                  outbox + relay     row waits; the next relay pass sends it
+	// inside the transaction           direct             nothing saved, nothing sent
+	//                                  publish first      event sent for an order that does not exist
+	//                                  direct + retries   nothing saved, nothing sent
+	//                                  outbox + relay     nothing saved, nothing sent
+	// before the broker has the event  direct             order saved, event lost for good
+	//                                  publish first      nothing saved, nothing sent
+	//                                  direct + retries   order saved, event lost for good
+	//                                  outbox + relay     row waits; the next relay pass sends it
+	// after the broker has the event   direct             order saved, event sent
+	//                                  publish first      event sent for an order that does not exist
+	//                                  direct + retries   order saved, event sent
+	//                                  outbox + relay     sent twice with the same id; the consumer drops one
+}
+
+// The outcomes of the crash table, in a reader's words.
+const (
+	nothing   = "nothing saved, nothing sent"
+	lost      = "order saved, event lost for good"
+	phantom   = "event sent for an order that does not exist"
+	sentOnce  = "order saved, event sent"
+	waits     = "row waits; the next relay pass sends it"
+	sentTwice = "sent twice with the same id; the consumer drops one"
+)
+
+// crashPoint is where the process dies while it places an order.
+type crashPoint int
+
+const (
+	brokerDown        crashPoint = iota // no crash: the broker is down throughout
+	crashBeforeCommit                   // inside the transaction, before it commits
+	crashBeforeBroker                   // in a call to the broker, before the broker has the event
+	crashAfterBroker                    // in a call to the broker, after the broker has the event
+)
+
+var crashPoints = []crashPoint{brokerDown, crashBeforeCommit, crashBeforeBroker, crashAfterBroker}
+
+func (p crashPoint) String() string {
+	return [...]string{"never: the broker is down", "inside the transaction",
+		"before the broker has the event", "after the broker has the event"}[p]
+}
+
+// errCrash is the panic that stands for the process dying. Recovering it
+// stands for the restart.
+var errCrash = errors.New("the process died")
+
+// crashingBroker is a broker whose process dies during Publish: before it
+// hands msg to next, or after next has it.
+type crashingBroker struct {
+	next  outbox.MessageBroker
+	point crashPoint
+}
+
+func (b crashingBroker) Publish(msg outbox.Message) error {
+	if b.point == crashAfterBroker {
+		if err := b.next.Publish(msg); err != nil {
+			return err
+		}
+	}
+	panic(errCrash)
+}
+
+// way is one way of placing an order. place runs it as a fresh process would,
+// making its services anew; restart is what the process does after it comes
+// back, nil for ways that kept nothing to finish with.
+type way struct {
+	name    string
+	place   func(db *outbox.Database, broker outbox.MessageBroker) error
+	restart func(db *outbox.Database, broker outbox.MessageBroker) error
+}
+
+var ways = []way{
+	{"direct", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		_, err := outbox.NewDirectOrderService(db, broker).PlaceOrder(2500)
+		return err
+	}, nil},
+	{"publish first", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		_, err := publishFirstService{db, broker}.PlaceOrder(2500)
+		return err
+	}, nil},
+	{"direct + retries", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		_, err := retryingDirectService{db, broker, 3}.PlaceOrder(2500)
+		return err
+	}, nil},
+	{"outbox + relay", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		if _, err := outbox.NewOrderService(db).PlaceOrder(2500); err != nil {
+			return err
+		}
+		_, err := outbox.NewOutboxRelay(db, broker).PublishPending()
+		return err
+	}, func(db *outbox.Database, broker outbox.MessageBroker) error {
+		_, err := outbox.NewOutboxRelay(db, broker).PublishPending()
+		return err
+	}},
+}
+
+// crashOutcome places one order of 2500 cents the given way, lets the process
+// die at point, restarts it, and says what became of the order and its event.
+// The errors that placing returns are not the question here: a dead process
+// tells no one anything. What counts is what the database and the broker keep.
+func crashOutcome(w way, point crashPoint) string {
+	db, broker := new(outbox.Database), new(outbox.InMemoryBroker)
+	var calls outbox.MessageBroker = broker
+	switch point {
+	case brokerDown:
+		broker.SetDown(true)
+	case crashBeforeCommit:
+		outbox.SetBeforeCommit(db, func() { panic(errCrash) })
+	default:
+		calls = crashingBroker{broker, point}
+	}
+	crashes(func() { w.place(db, calls) })
+
+	broker.SetDown(false) // the restart: the broker is up, nothing armed
+	outbox.SetBeforeCommit(db, nil)
+	waited := len(db.Pending()) > 0 && len(broker.Published()) == 0
+	if w.restart != nil {
+		if err := w.restart(db, broker); err != nil {
+			return "restart failed: " + err.Error()
+		}
+	}
+
+	orders, events := db.Orders(), broker.Published()
+	switch {
+	case len(orders) == 0 && len(events) == 0:
+		return nothing
+	case len(orders) == 0:
+		return phantom
+	case len(events) == 0:
+		return lost
+	case len(orders) > 1 || events[0].Payload != `{"orderId":1,"totalCents":2500}`:
+		return fmt.Sprintf("wrong: orders %v, events %v", orders, events)
+	case len(events) == 2 && events[0] == events[1]:
+		return sentTwice
+	case len(events) > 1:
+		return fmt.Sprintf("wrong: events %v", events)
+	case waited:
+		return waits
+	}
+	return sentOnce
+}
+
+// crashes runs f and reports whether the process died in it (f panicked with
+// errCrash). Any other panic goes on.
+func crashes(f func()) (crashed bool) {
+	defer func() {
+		if r := recover(); r != nil {
+			if r != errCrash {
+				panic(r)
+			}
+			crashed = true
+		}
+	}()
+	f()
+	return false
+}
+
+// publishFirstService is a WRONG way to place an order, shown only to be
+// rejected, as the article does: it publishes OrderPlaced inside the
+// transaction, before the commit. If the commit then fails, or the process
+// dies first, the warehouse reserves stock for an order that does not exist.
+type publishFirstService struct {
+	db     *outbox.Database
+	broker outbox.MessageBroker
+}
+
+func (s publishFirstService) PlaceOrder(totalCents int64) (int64, error) {
+	var order outbox.Order
+	err := s.db.Transaction(func(tx *outbox.Tx) error {
+		var err error
+		if order, err = tx.InsertOrder(totalCents); err != nil {
+			return err
+		}
+		payload, err := json.Marshal(order)
+		if err != nil {
+			return err
+		}
+		return s.broker.Publish(outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)})
+	})
+	if err != nil {
+		return 0, err
+	}
+	return order.ID, nil
+}
+
+// retryingDirectService is another WRONG way: DirectOrderService's dual write
+// with retries around Publish. Retries help while the process lives; when it
+// dies between the commit and a successful Publish, no one is left to retry.
+type retryingDirectService struct {
+	db       *outbox.Database
+	broker   outbox.MessageBroker
+	attempts int
+}
+
+func (s retryingDirectService) PlaceOrder(totalCents int64) (int64, error) {
+	var order outbox.Order
+	err := s.db.Transaction(func(tx *outbox.Tx) error {
+		var err error
+		order, err = tx.InsertOrder(totalCents)
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	payload, err := json.Marshal(order)
+	if err != nil {
+		return 0, err
+	}
+	for range s.attempts {
+		if err = s.broker.Publish(outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)}); err == nil {
+			return order.ID, nil
+		}
+	}
+	return 0, fmt.Errorf("order %d saved, but %s not published after %d attempts: %w", order.ID, outbox.OrderPlaced, s.attempts, err)
+}
+
 // The whole application: the root wires the POST /orders handler and a
 // background relay on a ticker over one Database and one broker. Orders come
 // in over real HTTP on loopback while the broker is down; the background relay
@@ -238,12 +693,12 @@ func Example_application() {
 
 	fmt.Println("broker down")
 	for _, total := range []int64{2500, 4000} {
-		status, location, err := placeOrder(shop.URL, total)
+		status, location, err := postOrder(shop.URL, total)
 		if err != nil {
 			fmt.Println("POST failed:", err)
 			return
 		}
-		fmt.Printf("POST /orders {\"totalCents\":%d} -> %s, Location %s\n", total, status, location)
+		fmt.Printf("POST /orders {\"totalCents\":%d} -> %d %s, Location %s\n", total, status, http.StatusText(status), location)
 	}
 	if !waitFor(refused.Load) {
 		fmt.Println("the background relay never reached the broker")
@@ -353,4 +808,106 @@ func ExampleOutboxRelay_PublishPending() {
 	// 1 OrderPlaced {"orderId":1,"totalCents":2500}
 	// 2 OrderPlaced {"orderId":2,"totalCents":4000}
 	// published again: 0 | error: <nil>
+}
+
+// What the pattern costs: the benchmarks that README.md quotes («Плюсы и
+// минусы», measured). Each op gets a fixture of its own, made with the timer
+// stopped, so nothing that is measured grows with b.N.
+
+// PlaceOrder on an empty database, where the snapshot copies nothing: the
+// outbox's extra row against the direct service's publish to a slice in
+// memory.
+func BenchmarkPlaceOrder(b *testing.B) {
+	b.Run("write=outbox", func(b *testing.B) {
+		loopFresh(b, 1000, func() *outbox.OrderService { return outbox.NewOrderService(new(outbox.Database)) },
+			func(shop *outbox.OrderService) (int64, error) { return shop.PlaceOrder(2500) })
+	})
+	b.Run("write=direct", func(b *testing.B) {
+		loopFresh(b, 1000, func() *outbox.DirectOrderService {
+			return outbox.NewDirectOrderService(new(outbox.Database), new(outbox.InMemoryBroker))
+		}, func(shop *outbox.DirectOrderService) (int64, error) { return shop.PlaceOrder(2500) })
+	})
+}
+
+// Delivering messages: one relay pass over a fixed batch of pending rows
+// (read them, publish each, mark each sent) against Publish alone, per
+// message (ns/msg), each into a broker of its own.
+func BenchmarkDeliver(b *testing.B) {
+	for _, batch := range []int{1, 100} {
+		b.Run(fmt.Sprintf("batch=%d/via=relay", batch), func(b *testing.B) {
+			loopFresh(b, 10_000/batch, func() *outbox.OutboxRelay {
+				db := new(outbox.Database)
+				fill(b, db, batch)
+				return outbox.NewOutboxRelay(db, new(outbox.InMemoryBroker))
+			}, func(relay *outbox.OutboxRelay) (int, error) { return relay.PublishPending() })
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*batch), "ns/msg")
+		})
+		b.Run(fmt.Sprintf("batch=%d/via=publish", batch), func(b *testing.B) {
+			msg := orderPlaced(1, 2500)
+			loopFresh(b, 10_000/batch, func() *outbox.InMemoryBroker { return new(outbox.InMemoryBroker) },
+				func(broker *outbox.InMemoryBroker) (int, error) {
+					for range batch {
+						if err := broker.Publish(msg); err != nil {
+							return 0, err
+						}
+					}
+					return batch, nil
+				})
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*batch), "ns/msg")
+		})
+	}
+}
+
+// One transaction (an order and its outbox row, rolled back so that the
+// size stays put) over tables of 100 and of 10,000 rows each: the snapshot
+// copies both tables, so its cost grows with them.
+func BenchmarkTransaction(b *testing.B) {
+	for _, rows := range []int{100, 10_000} {
+		b.Run(fmt.Sprintf("rows=%d", rows), func(b *testing.B) {
+			db := new(outbox.Database)
+			fill(b, db, rows)
+			for b.Loop() {
+				if err := rollBack(db, 2500); err != errRolledBack {
+					b.Fatalf("Transaction returned %v", err)
+				}
+			}
+		})
+	}
+}
+
+// loopFresh runs op once per b.Loop iteration, each time on a fixture of its
+// own. It makes the fixtures chunk at a time with the timer stopped.
+func loopFresh[F any, N comparable](b *testing.B, chunk int, fixture func() F, op func(F) (N, error)) {
+	b.Helper()
+	var fixtures []F
+	for b.Loop() {
+		if len(fixtures) == 0 {
+			b.StopTimer()
+			for range chunk {
+				fixtures = append(fixtures, fixture())
+			}
+			b.StartTimer()
+		}
+		f := fixtures[len(fixtures)-1]
+		fixtures = fixtures[:len(fixtures)-1]
+		if _, err := op(f); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// fill commits n orders with their outbox rows in one transaction.
+func fill(tb testing.TB, db *outbox.Database, n int) {
+	tb.Helper()
+	err := db.Transaction(func(tx *outbox.Tx) error {
+		for range n {
+			if err := insertOrderAndMessage(tx, 2500); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
 }
