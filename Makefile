@@ -3,13 +3,16 @@
 #   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
 #   make example                             the article's scenario, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
-#   make bench                               the benchmarks quoted in README.md
+#   make bench                               the benchmarks quoted in README.md, and their ratios
 #   make lint                                staticcheck (fetched through the Go module proxy)
 
 PATTERN  := patterns/enterprise/outbox
 T        ?= $(PATTERN)
 GO       ?= go
 FUZZTIME ?= 3m
+# benchstat, like staticcheck, is a tool run through the module proxy, never a
+# dependency of the package.
+BENCHSTAT := $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-22c9c6c9d4da
 # The race detector needs cgo, which Go turns off where it finds no C compiler.
 RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 
@@ -32,8 +35,14 @@ example:
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 10s .
 
+# Six runs of each benchmark into bench.txt (about a minute), then each ratio the README quotes,
+# measured side by side in the same run: outbox against direct, relay against
+# Publish, 10,000 rows against 100.
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -count 5 .
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime 300ms -count 6 . | tee bench.txt
+	$(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(direct outbox)' bench.txt
+	$(BENCHSTAT) -filter .name:Deliver -col '/via@(publish relay)' bench.txt
+	$(BENCHSTAT) -filter .name:Transaction -col /rows bench.txt
 
 lint:
 	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...

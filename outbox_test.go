@@ -498,7 +498,11 @@ func TestOverlappingPassesDoNotPublishARowTwice(t *testing.T) {
 
 	results := make(chan error, 2)
 	go func() { _, err := relay.PublishPending(); results <- err }()
-	<-entered // the first pass is publishing message 1 and has marked nothing
+	select {
+	case <-entered: // the first pass is publishing message 1 and has marked nothing
+	case err := <-results:
+		t.Fatalf("the first pass ended (error %v) without publishing message 1", err)
+	}
 	go func() { _, err := relay.PublishPending(); results <- err }()
 	select {
 	case msg := <-later:
