@@ -1,7 +1,7 @@
 # The Go edition of the Transactional Outbox example. Needs only Go and make.
 #
 #   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
-#   make example                             the article's scenario, printed
+#   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
 #   make bench                               the benchmarks quoted in README.md, and their ratios
 #   make lint                                staticcheck (fetched through the Go module proxy)
@@ -27,10 +27,10 @@ pattern:
 	@if [ "$(T)" != "$(PATTERN)" ]; then \
 		echo "make: T=$(T) is not in this module: it holds $(PATTERN) only" >&2; exit 2; fi
 
-# Without a package argument go test streams the example's output, so the
-# transcript it also writes to stderr reaches the terminal.
+# Without a package argument go test streams the examples' standard error,
+# where they copy the transcript and the crash table, to the terminal.
 example:
-	$(GO) test -count=1 -run '^Example$$'
+	$(GO) test -count=1 -run '^Example(_crashPoints)?$$'
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 10s .

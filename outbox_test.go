@@ -701,7 +701,7 @@ func runHistory(history history, checkFrom int) error {
 		return fmt.Errorf("final drain: %w", err)
 	}
 	if pending := h.db.Pending(); len(pending) != 0 {
-		return fmt.Errorf("after the final drain %d rows are still unsent", len(pending))
+		return fmt.Errorf("after the final drain Pending still returns %v", pending)
 	}
 	return nil
 }
