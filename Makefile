@@ -35,9 +35,9 @@ example:
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 10s .
 
-# Six runs of each benchmark into bench.txt (about a minute), then each ratio the README quotes,
-# measured side by side in the same run: outbox against direct, relay against
-# Publish, 10,000 rows against 100.
+# Six runs of each benchmark into bench.txt (about 45 s on 2 cores), then each
+# ratio the README quotes, measured side by side in the same run: outbox
+# against direct, relay against Publish, 10,000 rows against 100.
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 300ms -count 6 . | tee bench.txt
 	$(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(direct outbox)' bench.txt
