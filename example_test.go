@@ -729,6 +729,7 @@ func Example_application() {
 	// relay stopped; broker holds 2 messages
 }
 
+// A transaction whose function fails after both writes keeps neither.
 func ExampleDatabase_Transaction() {
 	db := new(outbox.Database)
 	errDeclined := errors.New("payment declined")
@@ -751,6 +752,7 @@ func ExampleDatabase_Transaction() {
 	// orders: 0 | outbox rows: 0
 }
 
+// The dual write with the broker down: the order is saved, its event is lost.
 func ExampleDirectOrderService_PlaceOrder() {
 	db := new(outbox.Database)
 	broker := new(outbox.InMemoryBroker)
@@ -767,6 +769,8 @@ func ExampleDirectOrderService_PlaceOrder() {
 	// orders saved: 1 | events published: 0
 }
 
+// PlaceOrder needs only the database: the order and its message are written
+// together, and a total of zero is refused with ErrInvalidTotal.
 func ExampleOrderService_PlaceOrder() {
 	db := new(outbox.Database)
 	shop := outbox.NewOrderService(db) // no broker: PlaceOrder needs only the database
@@ -785,6 +789,8 @@ func ExampleOrderService_PlaceOrder() {
 	// error: outbox: order total must be a positive number of cents, got 0 | is ErrInvalidTotal: true
 }
 
+// A pass publishes the waiting messages in id order; the next pass finds
+// nothing to send again.
 func ExampleOutboxRelay_PublishPending() {
 	db := new(outbox.Database)
 	broker := new(outbox.InMemoryBroker)

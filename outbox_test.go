@@ -528,6 +528,8 @@ func TestOverlappingPassesDoNotPublishARowTwice(t *testing.T) {
 // every step the tables, the broker's log and every result must match the
 // model, and a final drain must leave nothing unsent.
 
+// The model on random histories, read from pairs of bytes: make test runs the
+// seed corpus below, make fuzz searches further.
 func FuzzModel(f *testing.F) {
 	f.Add([]byte{opPlace, 10, opRelayPass, 0})
 	f.Add([]byte{opPlace, 1, opPlaceFailed, 2, opBadInput, 0, opBadInput, 7, opPlace, 3, opRelayPass, 0})
