@@ -23,14 +23,20 @@ import (
 	"example.com/patterns/enterprise/outbox"
 )
 
-// This file holds the application of the article's section "Как это
-// собирается": two entry points over one database, wired by a root.
+// This file holds what surrounds the pattern, in this order:
+//
+//   - the application of the article's section "Как это собирается": two
+//     entry points over one database, wired by a root (newHandler, runRelay,
+//     startApp), then the tests of the application as a whole;
+//   - the examples: the article's scenario, the crash table, the application
+//     running, and one example for each main method;
+//   - the benchmarks that README.md quotes.
 //
 //	POST /orders: handler -> OrderService.PlaceOrder -> Database.Transaction
 //	background:   ticker  -> OutboxRelay.PublishPending -> outbox -> broker
 //
-// It lives beside the examples, not in the package, because it is the
-// application's code, not the pattern's.
+// The application lives beside the examples, not in the package, because it
+// is the application's code, not the pattern's.
 
 // maxOrderBody is the largest request body POST /orders reads. An order is a
 // few dozen bytes of JSON; anything much larger is a mistake or an attack.
@@ -116,6 +122,47 @@ func readOrder(w http.ResponseWriter, r *http.Request) (total int64, status int,
 	return total, 0, ""
 }
 
+func writeJSON(w http.ResponseWriter, status int, body any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(body) // the status is sent; a failed write has no one left to tell
+}
+
+// runRelay is the background process: on every tick it asks relay for one
+// pass and reports the result to onPass (a real service would log it). A pass
+// that fails because the broker is down leaves the messages in the outbox, and
+// the next tick tries again: the relay returns the broker's error, and the
+// decision to try later is made here, by the code that runs it. runRelay
+// returns when ctx is cancelled.
+func runRelay(ctx context.Context, relay *outbox.OutboxRelay, every time.Duration, onPass func(published int, err error)) {
+	ticker := time.NewTicker(every)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+			onPass(relay.PublishPending())
+		}
+	}
+}
+
+// startApp is the application root. It hands one db and one broker to both
+// entry points: the HTTP handler, which gets an OrderService, and the
+// background relay, which gets an OutboxRelay and runs on its own goroutine.
+// (In a real service db is a connection pool and broker a broker client.)
+// It returns the handler and stop, which stops the relay and waits until its
+// goroutine has returned.
+func startApp(db *outbox.Database, broker outbox.MessageBroker, every time.Duration, onPass func(int, error)) (handler http.Handler, stop func()) {
+	handler = newHandler(outbox.NewOrderService(db))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { runRelay(ctx, outbox.NewOutboxRelay(db, broker), every, onPass) })
+
+	return handler, func() { cancel(); wg.Wait() }
+}
+
 // Bad input gets a status, a message in the client's terms (never a Go
 // type), and writes nothing. Each case has a database of its own.
 func TestPostOrdersRefusesBadInputAndWritesNothing(t *testing.T) {
@@ -186,47 +233,6 @@ func wantRefusal(t *testing.T, status int, header http.Header, body string, want
 	if err := json.Unmarshal([]byte(body), &got); err != nil || got.Error != wantMessage {
 		t.Errorf("body %q, want the error %q", body, wantMessage)
 	}
-}
-
-func writeJSON(w http.ResponseWriter, status int, body any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(body) // the status is sent; a failed write has no one left to tell
-}
-
-// runRelay is the background process: on every tick it asks relay for one
-// pass and reports the result to onPass (a real service would log it). A pass
-// that fails because the broker is down leaves the messages in the outbox, and
-// the next tick tries again: the relay returns the broker's error, and the
-// decision to try later is made here, by the code that runs it. runRelay
-// returns when ctx is cancelled.
-func runRelay(ctx context.Context, relay *outbox.OutboxRelay, every time.Duration, onPass func(published int, err error)) {
-	ticker := time.NewTicker(every)
-	defer ticker.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-ticker.C:
-			onPass(relay.PublishPending())
-		}
-	}
-}
-
-// startApp is the application root. It hands one db and one broker to both
-// entry points: the HTTP handler, which gets an OrderService, and the
-// background relay, which gets an OutboxRelay and runs on its own goroutine.
-// (In a real service db is a connection pool and broker a broker client.)
-// It returns the handler and stop, which stops the relay and waits until its
-// goroutine has returned.
-func startApp(db *outbox.Database, broker outbox.MessageBroker, every time.Duration, onPass func(int, error)) (handler http.Handler, stop func()) {
-	handler = newHandler(outbox.NewOrderService(db))
-
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() { runRelay(ctx, outbox.NewOutboxRelay(db, broker), every, onPass) })
-
-	return handler, func() { cancel(); wg.Wait() }
 }
 
 // The whole application under load: 16 customers place orders at once, over
