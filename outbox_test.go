@@ -317,8 +317,8 @@ func TestMarkSentOfMissingRowAndChangedCopiesChangeNothing(t *testing.T) {
 }
 
 // ---- How it is wired: POST /orders over real HTTP («Как это собирается») ----
-// The application lives in example_test.go, and so does the test of how its
-// handler refuses bad input; Example_application runs the background relay.
+// The application lives in example_test.go, and so do its tests as a whole
+// (bad input over HTTP, load); Example_application runs the background relay.
 
 // "The answer 201 depends only on the database": the handler never sees the
 // broker, which is down.
