@@ -824,8 +824,9 @@ func ExampleOutboxRelay_PublishPending() {
 }
 
 // What the pattern costs: the benchmarks that README.md quotes («Плюсы и
-// минусы», measured). Each op gets a fixture of its own, made with the timer
-// stopped, so nothing that is measured grows with b.N.
+// минусы», measured). Nothing that is measured grows with b.N: a PlaceOrder or
+// Deliver op gets a fixture of its own, made with the timer stopped, and a
+// Transaction op rolls back, so its tables keep their size.
 
 // PlaceOrder on an empty database, where the snapshot copies nothing: the
 // outbox's extra row against the direct service's publish to a slice in
