@@ -1,0 +1,807 @@
+package postgres_test
+
+// The tests run against a real PostgreSQL named by OUTBOX_POSTGRES_URL; each
+// test gets a database of its own. `make postgres`, in the repository's root,
+// starts a throwaway server and runs them; without the variable every test
+// skips.
+//
+// In order: the article's four tests (as in the root package), both or
+// neither when the connection is killed, the trap (ids are not commit order),
+// claims under concurrency and the idempotent consumer, then head-of-line
+// blocking, cancellation and bad input.
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// ---- The article's four tests, on PostgreSQL ----
+
+// Article test 1: the dual write with the broker down saves the order and
+// loses its event.
+func TestDualWriteWithBrokerDownKeepsOrderButLosesEvent(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	broker := &outbox.InMemoryBroker{}
+	broker.SetDown(true)
+
+	id, err := postgres.NewDirectOrderService(db, broker).PlaceOrder(ctx, 2500)
+
+	if !errors.Is(err, outbox.ErrBrokerUnavailable) || id != 1 {
+		t.Fatalf("PlaceOrder = %d, %v; want 1 (the saved order) and ErrBrokerUnavailable", id, err)
+	}
+	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 2500})
+	broker.SetDown(false)
+	wantPublished(t, broker) // nothing will ever publish it
+}
+
+// Article test 2: with the outbox the same failure leaves the message in the
+// table, and the relay publishes it, byte for byte, once the broker is back.
+func TestOutboxKeepsMessageWhileBrokerIsDownAndRelaysItWhenBack(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	broker := &outbox.InMemoryBroker{}
+	broker.SetDown(true)
+	relay := postgres.NewOutboxRelay(db, broker)
+
+	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, outbox.ErrBrokerUnavailable) {
+		t.Fatalf("pass with the broker down = %d, %v; want 0, ErrBrokerUnavailable", n, err)
+	}
+	wantSent(t, db, false)
+
+	broker.SetDown(false)
+	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
+		t.Fatalf("pass with the broker up = %d, %v; want 1, <nil>", n, err)
+	}
+	wantPublished(t, broker, outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `{"orderId":1,"totalCents":2500}`})
+	wantSent(t, db, true)
+}
+
+var errRolledBack = errors.New("rolled back")
+
+// Article test 3: an error inside the transaction rolls back both the order
+// and the message; so does a panic.
+func TestErrorInsideTransactionRollsBackOrderAndMessage(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+
+	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		var id int64
+		if err := tx.QueryRowContext(ctx, `INSERT INTO orders (total_cents) VALUES (1000) RETURNING id`).Scan(&id); err != nil {
+			return err
+		}
+		if _, err := postgres.InsertOutbox(ctx, tx, outbox.OrderPlaced, outbox.Order{ID: id, TotalCents: 1000}); err != nil {
+			return err
+		}
+		return errRolledBack
+	})
+	if err != errRolledBack {
+		t.Fatalf("Transaction = %v, want the function's own error", err)
+	}
+
+	func() {
+		defer func() { _ = recover() }()
+		_ = postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO orders (total_cents) VALUES (1000)`); err != nil {
+				return err
+			}
+			if _, err := postgres.InsertOutbox(ctx, tx, outbox.OrderPlaced, outbox.Order{TotalCents: 1000}); err != nil {
+				return err
+			}
+			panic("the process dies")
+		})
+		t.Error("Transaction returned after its function panicked")
+	}()
+
+	wantOrders(t, db)
+	wantSent(t, db)
+}
+
+// Article test 4: a second relay pass does not publish again what the first
+// one sent.
+func TestSecondRelayPassDoesNotRepublishSentMessages(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	broker := &outbox.InMemoryBroker{}
+	relay := postgres.NewOutboxRelay(db, broker)
+	shop := postgres.NewOrderService(db)
+	for _, total := range []int64{2500, 4000} {
+		if _, err := shop.PlaceOrder(ctx, total); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	if n, err := relay.PublishPending(ctx); n != 2 || err != nil {
+		t.Fatalf("first pass = %d, %v; want 2, <nil>", n, err)
+	}
+	if n, err := relay.PublishPending(ctx); n != 0 || err != nil {
+		t.Fatalf("second pass = %d, %v; want 0, <nil>", n, err)
+	}
+	wantIDs(t, broker, 1, 2)
+}
+
+// ---- Both or neither, when the connection dies ----
+
+// The connection that runs PlaceOrder is killed (pg_terminate_backend, as
+// when the process or the network dies) after the order is inserted and
+// before the outbox row is: the server rolls back, and neither row exists.
+// The order's id is used up all the same: a sequence never gives a value
+// back, so ids have gaps.
+func TestConnectionKilledInsidePlaceOrderLeavesNeitherRow(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db, victim := open(t, name, ""), open(t, name, "victim")
+
+	// Hold a lock that the outbox insert waits for, and the orders insert not.
+	locker, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Rollback()
+	if _, err := locker.ExecContext(ctx, `LOCK TABLE outbox IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+
+	placed := make(chan error, 1)
+	go func() {
+		_, err := postgres.NewOrderService(victim).PlaceOrder(ctx, 2500)
+		placed <- err
+	}()
+	pid := waitForQuery(t, db, `SELECT pid FROM pg_stat_activity
+		WHERE application_name = 'victim' AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO outbox%'`)
+	var killed bool
+	if err := db.QueryRowContext(ctx, `SELECT pg_terminate_backend($1)`, pid).Scan(&killed); err != nil || !killed {
+		t.Fatalf("pg_terminate_backend = %v, %v", killed, err)
+	}
+	if err := <-placed; err == nil {
+		t.Fatal("PlaceOrder succeeded on a killed connection")
+	}
+	if err := locker.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+
+	wantOrders(t, db)
+	wantSent(t, db)
+	if id, err := postgres.NewOrderService(db).PlaceOrder(ctx, 4000); id != 2 || err != nil {
+		t.Fatalf("next PlaceOrder = %d, %v; want 2 (id 1 went with the killed transaction), <nil>", id, err)
+	}
+}
+
+// ---- The trap: ids are handed out at insert, not at commit ----
+
+// highWaterMarkRelay is WRONG, and exists to show why: it remembers the last
+// id it sent and asks only for rows above it. Under concurrent writers it
+// loses every row whose transaction commits after a row with a larger id was
+// sent.
+type highWaterMarkRelay struct {
+	db     *sql.DB
+	broker outbox.MessageBroker
+	last   int64
+}
+
+func (r *highWaterMarkRelay) PublishPending(ctx context.Context) (int, error) {
+	rows, err := r.db.QueryContext(ctx, `SELECT id, type, payload FROM outbox WHERE id > $1 ORDER BY id`, r.last)
+	if err != nil {
+		return 0, err
+	}
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		var m outbox.Message
+		if err := rows.Scan(&m.ID, &m.Type, &m.Payload); err != nil {
+			return n, err
+		}
+		if err := r.broker.Publish(m); err != nil {
+			return n, err
+		}
+		r.last = m.ID
+		n++
+	}
+	return n, rows.Err()
+}
+
+// Transaction A inserts its outbox row (id 7), transaction B inserts its row
+// (id 8) and commits, a relay pass runs, then A commits. OutboxRelay, which
+// asks for rows whose sent flag is unset, sends 7 on its next pass, after 8:
+// not lost, but out of id order. The high-water-mark relay never sends 7.
+func TestRowCommittedAfterAHigherIDIsSentLateNotLost(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	flagBroker, markBroker := &outbox.InMemoryBroker{}, &outbox.InMemoryBroker{}
+	relay := postgres.NewOutboxRelay(db, flagBroker)
+	wrong := &highWaterMarkRelay{db: db, broker: markBroker}
+	passBoth := func() {
+		t.Helper()
+		if _, err := relay.PublishPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := wrong.PublishPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	shop := postgres.NewOrderService(db)
+	for total := int64(100); total <= 600; total += 100 { // rows 1 to 6
+		if _, err := shop.PlaceOrder(ctx, total); err != nil {
+			t.Fatal(err)
+		}
+	}
+	passBoth()
+
+	a, b := begin(t, db), begin(t, db)
+	if id := insertOrderAndRow(t, a, 700); id != 7 {
+		t.Fatalf("A's outbox row has id %d, want 7", id)
+	}
+	if id := insertOrderAndRow(t, b, 800); id != 8 {
+		t.Fatalf("B's outbox row has id %d, want 8", id)
+	}
+	if err := b.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	passBoth() // sees 8; 7 is not committed yet
+	if err := a.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	passBoth()
+	passBoth()
+
+	flag, mark := ids(flagBroker), ids(markBroker)
+	t.Logf("sent flag (OutboxRelay):             published %v: row 7 goes one pass late, after 8", flag)
+	t.Logf("high-water mark (id > last sent id): published %v: row 7 is never sent", mark)
+	if want := []int64{1, 2, 3, 4, 5, 6, 8, 7}; !slices.Equal(flag, want) {
+		t.Errorf("OutboxRelay published %v, want %v", flag, want)
+	}
+	if want := []int64{1, 2, 3, 4, 5, 6, 8}; !slices.Equal(mark, want) {
+		t.Errorf("the high-water-mark relay published %v, want %v (the trap)", mark, want)
+	}
+	wantSent(t, db, true, true, true, true, true, true, true, true)
+}
+
+// ---- Claims under concurrency, and the idempotent consumer ----
+
+// Four relays, each on a connection pool of its own, drain thousands of rows
+// at the same time, and every row is published exactly once. Each relay's
+// first publish waits until all four are inside a pass at once, so the passes
+// are known to overlap: relays that claim the same rows publish them twice,
+// and relays that wait for each other's locks never get there together.
+func TestFourRelaysPublishEveryRowExactlyOnce(t *testing.T) {
+	const relays, rows = 4, 3000
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	if _, err := db.ExecContext(ctx, `INSERT INTO orders (total_cents) SELECT g FROM generate_series(1, $1) g`, rows); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
+		SELECT 'OrderPlaced', json_build_object('orderId', id, 'totalCents', total_cents) FROM orders ORDER BY id`); err != nil {
+		t.Fatal(err)
+	}
+
+	shared := &outbox.InMemoryBroker{}
+	var arrived sync.WaitGroup
+	arrived.Add(relays)
+	together := make(chan struct{})
+	go func() { arrived.Wait(); close(together) }()
+
+	var wg sync.WaitGroup
+	errs := make(chan error, relays)
+	for i := range relays {
+		var first sync.Once
+		broker := brokerFunc(func(m outbox.Message) error {
+			first.Do(func() {
+				arrived.Done()
+				select {
+				case <-together:
+				case <-time.After(30 * time.Second):
+					errs <- fmt.Errorf("relay %d waited 30 s for the other relays to be inside a pass at the same time", i)
+				}
+			})
+			return shared.Publish(m)
+		})
+		relay := postgres.NewOutboxRelay(open(t, name, fmt.Sprintf("relay-%d", i)), broker)
+		wg.Go(func() {
+			for {
+				n, err := relay.PublishPending(ctx)
+				if err != nil {
+					errs <- err
+					return
+				}
+				if n == 0 {
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+
+	count := make(map[int64]int)
+	for _, m := range shared.Published() {
+		count[m.ID]++
+	}
+	for id := int64(1); id <= rows; id++ {
+		if count[id] != 1 {
+			t.Errorf("message %d was published %d times, want once", id, count[id])
+		}
+	}
+	var unsent int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`).Scan(&unsent); err != nil || unsent != 0 {
+		t.Errorf("unsent rows after the drain: %d, %v; want 0", unsent, err)
+	}
+}
+
+// A relay that dies after the broker accepted its messages and before its
+// pass commits (its connection is killed from inside the last Publish) leaves
+// them unsent. The next relay publishes them again, with the same ids, and
+// the warehouse, which drops duplicates by Message.ID, reserves each order
+// once.
+func TestRelayThatDiesAfterPublishingSendsAgainAndConsumerAppliesOnce(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	place(t, db, 100, 200, 300)
+
+	broker := &outbox.InMemoryBroker{}
+	dying := brokerFunc(func(m outbox.Message) error {
+		if err := broker.Publish(m); err != nil {
+			return err
+		}
+		if m.ID == 3 { // accepted; now the relay's process dies
+			_, err := db.ExecContext(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'dying-relay'`)
+			return err
+		}
+		return nil
+	})
+	if n, err := postgres.NewOutboxRelay(open(t, name, "dying-relay"), dying).PublishPending(ctx); n != 3 || err == nil {
+		t.Fatalf("the dying relay's pass = %d, %v; want 3 and an error", n, err)
+	}
+	wantSent(t, db, false, false, false)
+
+	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 3 || err != nil {
+		t.Fatalf("the next relay's pass = %d, %v; want 3, <nil>", n, err)
+	}
+	wantIDs(t, broker, 1, 2, 3, 1, 2, 3)
+
+	warehouse := postgres.NewWarehouse(db)
+	var applied []bool
+	for _, m := range broker.Published() {
+		ok, err := warehouse.Handle(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		applied = append(applied, ok)
+	}
+	if want := []bool{true, true, true, false, false, false}; !slices.Equal(applied, want) {
+		t.Errorf("Handle applied %v, want %v", applied, want)
+	}
+	wantReservations(t, db, outbox.Order{ID: 1, TotalCents: 100}, outbox.Order{ID: 2, TotalCents: 200}, outbox.Order{ID: 3, TotalCents: 300})
+}
+
+// Two deliveries of one message at the same time reserve once: the second
+// insert into processed_messages waits for the first transaction, then finds
+// the id.
+func TestConcurrentDuplicatesAreAppliedOnce(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	warehouse := postgres.NewWarehouse(db)
+	msg := outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `{"orderId":1,"totalCents":2500}`}
+
+	var applied atomic.Int32
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			ok, err := warehouse.Handle(ctx, msg)
+			if err != nil {
+				t.Error(err)
+			}
+			if ok {
+				applied.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	if applied.Load() != 1 {
+		t.Errorf("%d of 8 deliveries were applied, want 1", applied.Load())
+	}
+	wantReservations(t, db, outbox.Order{ID: 1, TotalCents: 2500})
+}
+
+// ---- The relay's other promises ----
+
+// The relay knows nothing of orders: a row of another type, written with
+// InsertOutbox in a transaction of its own, goes to the broker unchanged and
+// in its place in id order.
+func TestRelayPublishesAnyRowInIDOrder(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100)
+	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		_, err := postgres.InsertOutbox(ctx, tx, "CustomerRegistered", map[string]string{"email": "a@example.com"})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	place(t, db, 300)
+	broker := &outbox.InMemoryBroker{}
+	if _, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); err != nil {
+		t.Fatal(err)
+	}
+	wantPublished(t, broker,
+		outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `{"orderId":1,"totalCents":100}`},
+		outbox.Message{ID: 2, Type: "CustomerRegistered", Payload: `{"email":"a@example.com"}`},
+		outbox.Message{ID: 3, Type: outbox.OrderPlaced, Payload: `{"orderId":2,"totalCents":300}`})
+}
+
+// A pass claims at most BatchSize rows; the rest wait for the next pass.
+func TestPassPublishesAtMostBatchSize(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 1, 2, 3, 4, 5)
+	broker := &outbox.InMemoryBroker{}
+	relay := postgres.NewOutboxRelay(db, broker)
+	relay.BatchSize = 2
+	var got []int
+	for range 4 {
+		n, err := relay.PublishPending(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, n)
+	}
+	if want := []int{2, 2, 1, 0}; !slices.Equal(got, want) {
+		t.Errorf("passes published %v, want %v", got, want)
+	}
+	wantIDs(t, broker, 1, 2, 3, 4, 5)
+}
+
+// Head-of-line blocking: a message the broker refuses on every pass holds
+// back every message after it, which are fine.
+func TestMessageRefusedForEverBlocksEveryLaterMessage(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100, 200, 300)
+	broker := &outbox.InMemoryBroker{}
+	refuse2 := brokerFunc(func(m outbox.Message) error {
+		if m.ID == 2 {
+			return errRefused
+		}
+		return broker.Publish(m)
+	})
+	relay := postgres.NewOutboxRelay(db, refuse2)
+	for pass := 1; pass <= 3; pass++ {
+		n, err := relay.PublishPending(ctx)
+		if want := map[bool]int{true: 1, false: 0}[pass == 1]; n != want || !errors.Is(err, errRefused) ||
+			err.Error() != "publish message 2: message refused" {
+			t.Fatalf("pass %d = %d, %v; want %d, publish message 2: message refused", pass, n, err, want)
+		}
+	}
+	wantIDs(t, broker, 1)
+	wantSent(t, db, true, false, false)
+}
+
+// A context cancelled in the middle of a pass stops it: nothing more is
+// published, and nothing is marked, so no row is marked that the broker did
+// not accept. What the pass did publish goes again on the next pass.
+func TestCancelledPassMarksNothingUnpublished(t *testing.T) {
+	db := newDatabase(t)
+	place(t, db, 100, 200, 300)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	broker := &outbox.InMemoryBroker{}
+	cancelAt2 := brokerFunc(func(m outbox.Message) error {
+		if m.ID == 2 {
+			cancel()
+		}
+		return broker.Publish(m)
+	})
+
+	n, err := postgres.NewOutboxRelay(db, cancelAt2).PublishPending(ctx)
+	if n != 2 || !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled pass = %d, %v; want 2, context.Canceled", n, err)
+	}
+	wantIDs(t, broker, 1, 2)
+	wantSent(t, db, false, false, false)
+
+	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(context.Background()); n != 3 || err != nil {
+		t.Fatalf("next pass = %d, %v; want 3, <nil>", n, err)
+	}
+	wantIDs(t, broker, 1, 2, 1, 2, 3)
+}
+
+// ---- Bad input changes nothing ----
+
+// Both services refuse a total of zero or less with ErrInvalidTotal before
+// any statement, so nothing is written and no id is used up; the orders
+// table's CHECK refuses it too, for writers that bypass the services.
+func TestPlaceOrderRejectsTotalOfZeroOrLess(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	broker := &outbox.InMemoryBroker{}
+	services := map[string]func(context.Context, int64) (int64, error){
+		"outbox": postgres.NewOrderService(db).PlaceOrder,
+		"direct": postgres.NewDirectOrderService(db, broker).PlaceOrder,
+	}
+	for name, placeOrder := range services {
+		for _, total := range []int64{0, -1, math.MinInt64} {
+			if id, err := placeOrder(ctx, total); id != 0 || !errors.Is(err, outbox.ErrInvalidTotal) {
+				t.Errorf("%s PlaceOrder(%d) = %d, %v; want 0, ErrInvalidTotal", name, total, id, err)
+			}
+		}
+	}
+	wantOrders(t, db)
+	wantSent(t, db)
+	wantPublished(t, broker)
+
+	if id, err := postgres.NewOrderService(db).PlaceOrder(ctx, 1); id != 1 || err != nil {
+		t.Errorf("PlaceOrder(1) = %d, %v; want 1, <nil>", id, err)
+	}
+	_, err := db.ExecContext(ctx, `INSERT INTO orders (total_cents) VALUES (0)`)
+	if pgErr := (*pgconn.PgError)(nil); !errors.As(err, &pgErr) || pgErr.Code != "23514" {
+		t.Errorf("INSERT of a zero total = %v, want a check_violation (23514)", err)
+	}
+	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 1})
+}
+
+// The warehouse refuses a message it cannot apply or deduplicate, and
+// records nothing for it.
+func TestWarehouseRefusesBadMessagesAndRecordsNothing(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	warehouse := postgres.NewWarehouse(db)
+	if _, err := warehouse.Handle(ctx, outbox.Message{Type: outbox.OrderPlaced, Payload: `{"orderId":1,"totalCents":5}`}); !errors.Is(err, postgres.ErrNoMessageID) {
+		t.Errorf("Handle of a message with no id = %v, want ErrNoMessageID", err)
+	}
+	if _, err := warehouse.Handle(ctx, outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `[1]`}); err == nil ||
+		!strings.HasPrefix(err.Error(), "message 1: decode OrderPlaced payload: ") {
+		t.Errorf("Handle of a payload that is not an order = %v, want a decode error", err)
+	}
+	var processed int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM processed_messages`).Scan(&processed); err != nil || processed != 0 {
+		t.Errorf("processed_messages holds %d rows (%v), want 0", processed, err)
+	}
+	wantReservations(t, db)
+	if ok, err := warehouse.Handle(ctx, outbox.Message{ID: 1, Type: "CustomerRegistered", Payload: `{}`}); !ok || err != nil {
+		t.Errorf("Handle of another type = %v, %v; want true (recorded, no effect), <nil>", ok, err)
+	}
+	wantReservations(t, db)
+}
+
+// CreateTables may run again on a database that has the tables.
+func TestCreateTablesTwice(t *testing.T) {
+	db := newDatabase(t)
+	place(t, db, 100)
+	if err := postgres.CreateTables(context.Background(), db); err != nil {
+		t.Fatal(err)
+	}
+	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 100})
+}
+
+// ---- Helpers ----
+
+var errRefused = errors.New("message refused")
+
+// brokerFunc makes a function a MessageBroker, for the fault brokers above.
+type brokerFunc func(outbox.Message) error
+
+func (f brokerFunc) Publish(msg outbox.Message) error { return f(msg) }
+
+// server is the connection OUTBOX_POSTGRES_URL names, or nil.
+var server *pgx.ConnConfig
+
+func TestMain(m *testing.M) {
+	url := os.Getenv("OUTBOX_POSTGRES_URL")
+	if url == "" {
+		fmt.Println("postgres: OUTBOX_POSTGRES_URL is not set, so every test skips; `make postgres` in the repository's root runs them on a throwaway server")
+		os.Exit(m.Run())
+	}
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "OUTBOX_POSTGRES_URL:", err)
+		os.Exit(2)
+	}
+	server = cfg
+	os.Exit(m.Run())
+}
+
+var databases atomic.Int64
+
+// newDatabaseName creates a database with the example's tables for tb alone,
+// to be dropped when tb ends, and returns its name.
+func newDatabaseName(tb testing.TB) string {
+	tb.Helper()
+	if server == nil {
+		tb.Skip("no server: run make postgres")
+	}
+	ctx := context.Background()
+	admin := open(tb, server.Database, "")
+	name := fmt.Sprintf("outbox_test_%d_%d", os.Getpid(), databases.Add(1))
+	if _, err := admin.ExecContext(ctx, "CREATE DATABASE "+name); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		if _, err := admin.ExecContext(ctx, "DROP DATABASE "+name+" WITH (FORCE)"); err != nil {
+			tb.Error(err)
+		}
+	})
+	if err := postgres.CreateTables(ctx, open(tb, name, "")); err != nil {
+		tb.Fatal(err)
+	}
+	return name
+}
+
+// newDatabase is newDatabaseName, opened.
+func newDatabase(tb testing.TB) *sql.DB {
+	tb.Helper()
+	return open(tb, newDatabaseName(tb), "")
+}
+
+// open returns a connection pool to the database named, whose connections
+// show app as their application_name in pg_stat_activity; it is closed when
+// tb ends.
+func open(tb testing.TB, database, app string) *sql.DB {
+	cfg := server.Copy()
+	cfg.Database = database
+	if app != "" {
+		cfg.RuntimeParams["application_name"] = app
+	}
+	db := stdlib.OpenDB(*cfg)
+	tb.Cleanup(func() { db.Close() })
+	return db
+}
+
+func place(t *testing.T, db *sql.DB, totals ...int64) {
+	t.Helper()
+	shop := postgres.NewOrderService(db)
+	for _, total := range totals {
+		if _, err := shop.PlaceOrder(context.Background(), total); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func begin(t *testing.T, db *sql.DB) *sql.Tx {
+	t.Helper()
+	tx, err := db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	return tx
+}
+
+// insertOrderAndRow does what PlaceOrder does inside its transaction, in a
+// transaction the test commits when it chooses, and returns the row's id.
+func insertOrderAndRow(t *testing.T, tx *sql.Tx, total int64) int64 {
+	t.Helper()
+	ctx := context.Background()
+	order := outbox.Order{TotalCents: total}
+	if err := tx.QueryRowContext(ctx, `INSERT INTO orders (total_cents) VALUES ($1) RETURNING id`, total).Scan(&order.ID); err != nil {
+		t.Fatal(err)
+	}
+	id, err := postgres.InsertOutbox(ctx, tx, outbox.OrderPlaced, order)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// waitForQuery polls query, which returns one number, until it returns a
+// row, for at most 30 s.
+func waitForQuery(t *testing.T, db *sql.DB, query string) int64 {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		var n int64
+		err := db.QueryRow(query).Scan(&n)
+		if err == nil {
+			return n
+		}
+		if err != sql.ErrNoRows {
+			t.Fatal(err)
+		}
+	}
+	t.Fatalf("no row in 30 s from %s", query)
+	return 0
+}
+
+func ids(broker *outbox.InMemoryBroker) []int64 {
+	var ids []int64
+	for _, m := range broker.Published() {
+		ids = append(ids, m.ID)
+	}
+	return ids
+}
+
+func wantIDs(t *testing.T, broker *outbox.InMemoryBroker, want ...int64) {
+	t.Helper()
+	if got := ids(broker); !slices.Equal(got, want) {
+		t.Errorf("broker received message ids %v, want %v", got, want)
+	}
+}
+
+func wantPublished(t *testing.T, broker *outbox.InMemoryBroker, want ...outbox.Message) {
+	t.Helper()
+	if got := broker.Published(); !slices.Equal(got, want) {
+		t.Errorf("broker received %v, want %v", got, want)
+	}
+}
+
+func wantOrders(t *testing.T, db *sql.DB, want ...outbox.Order) {
+	t.Helper()
+	if got := queryOrders(t, db, `SELECT id, total_cents FROM orders ORDER BY id`); !slices.Equal(got, want) {
+		t.Errorf("orders table: %v, want %v", got, want)
+	}
+}
+
+func wantReservations(t *testing.T, db *sql.DB, want ...outbox.Order) {
+	t.Helper()
+	if got := queryOrders(t, db, `SELECT order_id, total_cents FROM reservations ORDER BY id`); !slices.Equal(got, want) {
+		t.Errorf("reservations table: %v, want %v", got, want)
+	}
+}
+
+func queryOrders(t *testing.T, db *sql.DB, query string) []outbox.Order {
+	t.Helper()
+	rows, err := db.Query(query)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var orders []outbox.Order
+	for rows.Next() {
+		var o outbox.Order
+		if err := rows.Scan(&o.ID, &o.TotalCents); err != nil {
+			t.Fatal(err)
+		}
+		orders = append(orders, o)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return orders
+}
+
+// wantSent checks the outbox table's rows, in id order: whether each is sent.
+func wantSent(t *testing.T, db *sql.DB, want ...bool) {
+	t.Helper()
+	rows, err := db.Query(`SELECT sent_at IS NOT NULL FROM outbox ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var got []bool
+	for rows.Next() {
+		var sent bool
+		if err := rows.Scan(&sent); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, sent)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("outbox rows sent: %v, want %v", got, want)
+	}
+}
