@@ -32,9 +32,10 @@ func NewDirectOrderService(db *Database, broker MessageBroker) *DirectOrderServi
 // PlaceOrder saves an order of totalCents, commits it, then publishes
 // OrderPlaced, and returns the new order's id.
 //
-// If the broker refuses the message, PlaceOrder returns the broker's error
-// (wrapped; [errors.Is] finds it), yet the order stays saved and its event is
-// lost: that is the dual-write bug. A total of zero or less is refused with an
+// If the broker refuses the message, PlaceOrder returns the id of the order
+// it saved together with the broker's error (wrapped; [errors.Is] finds it),
+// as [io.Writer] returns what it wrote with its error: the order exists, and
+// its event is lost. That is the dual-write bug. A total of zero or less is refused with an
 // error wrapping [ErrInvalidTotal]; then nothing is saved or published.
 func (s *DirectOrderService) PlaceOrder(totalCents int64) (int64, error) {
 	var order Order
@@ -54,7 +55,7 @@ func (s *DirectOrderService) PlaceOrder(totalCents int64) (int64, error) {
 	// The order is committed. If Publish fails, or the process dies right
 	// here, no one will ever send this event.
 	if err := s.broker.Publish(Message{Type: OrderPlaced, Payload: string(payload)}); err != nil {
-		return 0, fmt.Errorf("order %d saved, but %s not published: %w", order.ID, OrderPlaced, err)
+		return order.ID, fmt.Errorf("order %d saved, but %s not published: %w", order.ID, OrderPlaced, err)
 	}
 	return order.ID, nil
 }

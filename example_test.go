@@ -676,7 +676,7 @@ func (s retryingDirectService) PlaceOrder(totalCents int64) (int64, error) {
 			return order.ID, nil
 		}
 	}
-	return 0, fmt.Errorf("order %d saved, but %s not published after %d attempts: %w", order.ID, outbox.OrderPlaced, s.attempts, err)
+	return order.ID, fmt.Errorf("order %d saved, but %s not published after %d attempts: %w", order.ID, outbox.OrderPlaced, s.attempts, err)
 }
 
 // The whole application: the root wires the POST /orders handler and a

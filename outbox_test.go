@@ -31,8 +31,8 @@ func TestDualWriteWithBrokerDownKeepsOrderButLosesEvent(t *testing.T) {
 	shop := outbox.NewDirectOrderService(db, broker)
 
 	broker.SetDown(true)
-	if _, err := shop.PlaceOrder(2500); !errors.Is(err, outbox.ErrBrokerUnavailable) {
-		t.Fatalf("PlaceOrder with the broker down: error %v, want ErrBrokerUnavailable", err)
+	if id, err := shop.PlaceOrder(2500); id != 1 || !errors.Is(err, outbox.ErrBrokerUnavailable) {
+		t.Fatalf("PlaceOrder with the broker down = %d, %v; want 1 (the saved order) and ErrBrokerUnavailable", id, err)
 	}
 	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 2500})
 

@@ -341,10 +341,14 @@ func TestFourRelaysPublishEveryRowExactlyOnce(t *testing.T) {
 	for _, m := range shared.Published() {
 		count[m.ID]++
 	}
+	var wrong []string
 	for id := int64(1); id <= rows; id++ {
 		if count[id] != 1 {
-			t.Errorf("message %d was published %d times, want once", id, count[id])
+			wrong = append(wrong, fmt.Sprintf("message %d %d times", id, count[id]))
 		}
+	}
+	if len(wrong) > 0 {
+		t.Errorf("%d of %d messages were not published exactly once: %s", len(wrong), rows, strings.Join(wrong[:min(5, len(wrong))], ", "))
 	}
 	var unsent int
 	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`).Scan(&unsent); err != nil || unsent != 0 {
