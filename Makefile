@@ -73,11 +73,11 @@ postgres:
 		/^ *--- PASS/ { p++ } /^ *--- FAIL/ { f++ } /^ *--- SKIP/ { s++ } \
 		END { printf "postgres: %d passed, %d failed, %d skipped\n", p, f, s; exit s > 0 }'
 
-# Five interleaved rounds of the postgres/ module's benchmarks on a throwaway
+# Eight interleaved rounds of the postgres/ module's benchmarks on a throwaway
 # server, into bench-postgres.txt, then the ratios the postgres README quotes.
 bench-postgres:
 	cd postgres && $(GO) test -c -o ../bench-postgres.test .
-	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5; do \
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6 7 8; do \
 		./bench-postgres.test -test.run "^$$" -test.bench . -test.benchmem -test.benchtime 2000x || exit 1; \
 	done' | tee bench-postgres.txt
 	@rm -f bench-postgres.test

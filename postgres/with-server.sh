@@ -3,7 +3,8 @@
 #
 # Starts a throwaway PostgreSQL from the installed server programs: initdb into
 # a fresh temporary folder, the server listening only on a Unix socket in that
-# folder (no TCP port), fsync off. Runs COMMAND with OUTBOX_POSTGRES_URL naming
+# folder (no TCP port), fsync off (OUTBOX_POSTGRES_FSYNC=on turns it on, to
+# measure what a durable commit costs). Runs COMMAND with OUTBOX_POSTGRES_URL naming
 # that server, then stops the server and removes the folder, whether COMMAND
 # passed, failed or was interrupted. Exits with COMMAND's status.
 #
@@ -47,7 +48,7 @@ if ! "${as[@]}" "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --n
 	exit 1
 fi
 if ! "${as[@]}" "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-	-o "-k $dir -c listen_addresses='' -c fsync=off -c full_page_writes=off" start >/dev/null; then
+	-o "-k $dir -c listen_addresses='' -c fsync=${OUTBOX_POSTGRES_FSYNC:-off} -c full_page_writes=${OUTBOX_POSTGRES_FSYNC:-off}" start >/dev/null; then
 	cat "$dir/server.log" >&2
 	exit 1
 fi
