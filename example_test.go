@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"maps"
@@ -11,6 +12,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -23,13 +25,15 @@ import (
 	"example.com/patterns/enterprise/outbox"
 )
 
-// This file holds what surrounds the pattern, in this order:
+// This file holds what surrounds the pattern, in the order a reader wants it:
 //
+//   - the examples: the article's scenario (Example), the crash table
+//     (Example_crashPoints), the application running (Example_application),
+//     and one example for each main method;
+//   - the crash table's machinery and its test, TestCrashPoints;
 //   - the application of the article's section "Как это собирается": two
 //     entry points over one database, wired by a root (newHandler, runRelay,
 //     startApp), then the tests of the application as a whole;
-//   - the examples: the article's scenario, the crash table, the application
-//     running, and one example for each main method;
 //   - the benchmarks that README.md quotes.
 //
 //	POST /orders: handler -> OrderService.PlaceOrder -> Database.Transaction
@@ -37,6 +41,587 @@ import (
 //
 // The application lives beside the examples, not in the package, because it
 // is the application's code, not the pattern's.
+
+// The article's scenario. The broker is down while two customers place orders
+// through POST /orders; both get 201, because the answer depends only on the
+// database. The relay is called by hand, as in the article's test: the first
+// pass sends nothing and both messages wait in the outbox; once the broker is
+// back, the second pass publishes both in id order; the third finds nothing
+// and sends nothing again.
+func Example() {
+	db := new(outbox.Database)
+	broker := new(outbox.InMemoryBroker)
+	relay := outbox.NewOutboxRelay(db, broker)
+	shop := httptest.NewServer(newHandler(outbox.NewOrderService(db)))
+	defer shop.Close()
+
+	broker.SetDown(true)
+	fmt.Println("The broker is down.")
+	for customer, total := range []int64{2500, 4000} {
+		status, location, err := postOrder(shop.URL, total)
+		if err != nil {
+			fmt.Println("POST failed:", err)
+			return
+		}
+		fmt.Printf("Customer %d: POST /orders {\"totalCents\":%d} -> %d %s, Location %s\n",
+			customer+1, total, status, http.StatusText(status), location)
+	}
+	fmt.Printf("Saved: %d orders; waiting in the outbox: %d messages.\n",
+		len(db.Orders()), len(db.Pending()))
+
+	published, err := relay.PublishPending()
+	fmt.Printf("Relay pass 1: published %d, stopped with %q.\n", published, err)
+	fmt.Printf("Still waiting in the outbox: %d messages.\n", len(db.Pending()))
+
+	broker.SetDown(false)
+	fmt.Println("The broker is back up.")
+	published, err = relay.PublishPending()
+	fmt.Printf("Relay pass 2: published %d, error: %v.\n", published, err)
+	for _, msg := range broker.Published() {
+		fmt.Printf("  the broker received message %d: %s %s\n", msg.ID, msg.Type, msg.Payload)
+	}
+	fmt.Printf("Still waiting in the outbox: %d messages.\n", len(db.Pending()))
+
+	published, err = relay.PublishPending()
+	fmt.Printf("Relay pass 3: published %d, error: %v; the broker holds %d messages, nothing sent twice.\n",
+		published, err, len(broker.Published()))
+
+	// Output:
+	// The broker is down.
+	// Customer 1: POST /orders {"totalCents":2500} -> 201 Created, Location /orders/1
+	// Customer 2: POST /orders {"totalCents":4000} -> 201 Created, Location /orders/2
+	// Saved: 2 orders; waiting in the outbox: 2 messages.
+	// Relay pass 1: published 0, stopped with "publish message 1: outbox: message broker unavailable".
+	// Still waiting in the outbox: 2 messages.
+	// The broker is back up.
+	// Relay pass 2: published 2, error: <nil>.
+	//   the broker received message 1: OrderPlaced {"orderId":1,"totalCents":2500}
+	//   the broker received message 2: OrderPlaced {"orderId":2,"totalCents":4000}
+	// Still waiting in the outbox: 0 messages.
+	// Relay pass 3: published 0, error: <nil>; the broker holds 2 messages, nothing sent twice.
+}
+
+// The crash table: the article's whole argument in one run. One order is
+// placed in each of five ways, and the process dies at one point; then it
+// restarts (new services, a new relay, nothing that was in memory) over the
+// same database and broker, with the broker up, and the table says what
+// became of the order and of its event. The first row is no crash at all: the
+// broker is down while the order is placed, and back for the restart.
+// TestCrashPoints, below, asserts every cell.
+func Example_crashPoints() {
+	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "the process dies\tplacing the order\twhat becomes of the order and its event")
+	for _, point := range crashPoints {
+		for i, w := range ways {
+			where := point.String()
+			if i > 0 {
+				where = ""
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\n", where, w.name, crashOutcome(w, point))
+		}
+	}
+	tw.Flush()
+
+	// Output:
+	// the process dies                 placing the order           what becomes of the order and its event
+	// never: the broker is down        direct                      order saved, event lost for good
+	//                                  publish first               nothing saved, nothing sent
+	//                                  direct + retries            order saved, event lost for good
+	//                                  outbox in two transactions  row waits; the next relay pass sends it
+	//                                  outbox + relay              row waits; the next relay pass sends it
+	// at the first commit              direct                      nothing saved, nothing sent
+	//                                  publish first               event sent for an order that does not exist
+	//                                  direct + retries            nothing saved, nothing sent
+	//                                  outbox in two transactions  nothing saved, nothing sent
+	//                                  outbox + relay              nothing saved, nothing sent
+	// at the last commit               direct                      nothing saved, nothing sent
+	//                                  publish first               event sent for an order that does not exist
+	//                                  direct + retries            nothing saved, nothing sent
+	//                                  outbox in two transactions  order saved, event lost for good
+	//                                  outbox + relay              nothing saved, nothing sent
+	// before the broker has the event  direct                      order saved, event lost for good
+	//                                  publish first               nothing saved, nothing sent
+	//                                  direct + retries            order saved, event lost for good
+	//                                  outbox in two transactions  row waits; the next relay pass sends it
+	//                                  outbox + relay              row waits; the next relay pass sends it
+	// after the broker has the event   direct                      order saved, event sent
+	//                                  publish first               event sent for an order that does not exist
+	//                                  direct + retries            order saved, event sent
+	//                                  outbox in two transactions  sent twice with the same id; dropping by id keeps 1
+	//                                  outbox + relay              sent twice with the same id; dropping by id keeps 1
+}
+
+// The whole application: the root wires the POST /orders handler and a
+// background relay on a ticker over one Database and one broker. Orders come
+// in over real HTTP on loopback while the broker is down; the background relay
+// keeps failing, then delivers them once the broker is back; the root shuts
+// the relay down cleanly.
+func Example_application() {
+	db := new(outbox.Database)
+	broker := new(outbox.InMemoryBroker)
+	broker.SetDown(true)
+
+	var refused atomic.Bool // set once a pass has hit the down broker
+	handler, stop := startApp(db, broker, 5*time.Millisecond, func(_ int, err error) {
+		if errors.Is(err, outbox.ErrBrokerUnavailable) {
+			refused.Store(true)
+		}
+	})
+	shop := httptest.NewServer(handler)
+	defer shop.Close()
+
+	fmt.Println("broker down")
+	for _, total := range []int64{2500, 4000} {
+		status, location, err := postOrder(shop.URL, total)
+		if err != nil {
+			fmt.Println("POST failed:", err)
+			return
+		}
+		fmt.Printf("POST /orders {\"totalCents\":%d} -> %d %s, Location %s\n", total, status, http.StatusText(status), location)
+	}
+	if !waitFor(refused.Load) {
+		fmt.Println("the background relay never reached the broker")
+	}
+	fmt.Printf("background relay: refused by the broker; %d messages wait in the outbox\n", len(db.Pending()))
+
+	broker.SetDown(false)
+	fmt.Println("broker up")
+	if !waitFor(func() bool { return len(db.Pending()) == 0 }) {
+		fmt.Println("the relay did not deliver in time")
+	}
+	for _, msg := range broker.Published() {
+		fmt.Printf("background relay delivered message %d: %s %s\n", msg.ID, msg.Type, msg.Payload)
+	}
+
+	stop()
+	fmt.Println("relay stopped; broker holds", len(broker.Published()), "messages")
+
+	// Output:
+	// broker down
+	// POST /orders {"totalCents":2500} -> 201 Created, Location /orders/1
+	// POST /orders {"totalCents":4000} -> 201 Created, Location /orders/2
+	// background relay: refused by the broker; 2 messages wait in the outbox
+	// broker up
+	// background relay delivered message 1: OrderPlaced {"orderId":1,"totalCents":2500}
+	// background relay delivered message 2: OrderPlaced {"orderId":2,"totalCents":4000}
+	// relay stopped; broker holds 2 messages
+}
+
+// A transaction whose function fails after both writes keeps neither.
+func ExampleDatabase_Transaction() {
+	db := new(outbox.Database)
+	errDeclined := errors.New("payment declined")
+
+	err := db.Transaction(func(tx *outbox.Tx) error {
+		order, err := tx.InsertOrder(2500)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.InsertOutbox(outbox.OrderPlaced, order); err != nil {
+			return err
+		}
+		return errDeclined // something fails after both writes
+	})
+
+	fmt.Println("error:", err, "| is errDeclined:", errors.Is(err, errDeclined))
+	fmt.Println("orders:", len(db.Orders()), "| outbox rows:", len(db.Outbox()))
+	// Output:
+	// error: payment declined | is errDeclined: true
+	// orders: 0 | outbox rows: 0
+}
+
+// The dual write with the broker down: the order is saved, its event is lost.
+func ExampleDirectOrderService_PlaceOrder() {
+	db := new(outbox.Database)
+	broker := new(outbox.InMemoryBroker)
+	shop := outbox.NewDirectOrderService(db, broker)
+
+	broker.SetDown(true)
+	_, err := shop.PlaceOrder(2500)
+	fmt.Println("error:", err)
+
+	broker.SetDown(false) // too late: nothing remembers the event
+	fmt.Println("orders saved:", len(db.Orders()), "| events published:", len(broker.Published()))
+	// Output:
+	// error: order 1 saved, but OrderPlaced not published: outbox: message broker unavailable
+	// orders saved: 1 | events published: 0
+}
+
+// PlaceOrder needs only the database: the order and its message are written
+// together, and a total of zero is refused with ErrInvalidTotal.
+func ExampleOrderService_PlaceOrder() {
+	db := new(outbox.Database)
+	shop := outbox.NewOrderService(db) // no broker: PlaceOrder needs only the database
+
+	id, err := shop.PlaceOrder(2500)
+	fmt.Println("order:", id, "| error:", err)
+	for _, row := range db.Outbox() {
+		fmt.Printf("outbox row %d: %s %s, sent: %t\n", row.ID, row.Type, row.Payload, row.Sent)
+	}
+
+	_, err = shop.PlaceOrder(0)
+	fmt.Println("error:", err, "| is ErrInvalidTotal:", errors.Is(err, outbox.ErrInvalidTotal))
+	// Output:
+	// order: 1 | error: <nil>
+	// outbox row 1: OrderPlaced {"orderId":1,"totalCents":2500}, sent: false
+	// error: outbox: order total must be a positive number of cents, got 0 | is ErrInvalidTotal: true
+}
+
+// A pass publishes the waiting messages in id order; the next pass finds
+// nothing to send again.
+func ExampleOutboxRelay_PublishPending() {
+	db := new(outbox.Database)
+	broker := new(outbox.InMemoryBroker)
+	shop := outbox.NewOrderService(db)
+	relay := outbox.NewOutboxRelay(db, broker)
+
+	for _, total := range []int64{2500, 4000} {
+		if _, err := shop.PlaceOrder(total); err != nil {
+			fmt.Println(err)
+			return
+		}
+	}
+	published, err := relay.PublishPending()
+	fmt.Println("published:", published, "| error:", err)
+	for _, msg := range broker.Published() {
+		fmt.Println(msg.ID, msg.Type, msg.Payload)
+	}
+	published, err = relay.PublishPending()
+	fmt.Println("published again:", published, "| error:", err)
+	// Output:
+	// published: 2 | error: <nil>
+	// 1 OrderPlaced {"orderId":1,"totalCents":2500}
+	// 2 OrderPlaced {"orderId":2,"totalCents":4000}
+	// published again: 0 | error: <nil>
+}
+
+// ---- Showing the transcripts ----
+
+// TestMain runs the tests and examples as usual. Then, if everything passed
+// and -run selected Example or Example_crashPoints, it runs those again with
+// their standard output sent to standard error, so that `go test -run
+// Example` shows what they print: go test prints nothing of a passing
+// example's output, and, run in the package's folder without a package
+// argument, it shows the test binary's standard error.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if code == 0 {
+		showTranscripts(flag.Lookup("test.run").Value.String())
+	}
+	os.Exit(code)
+}
+
+func showTranscripts(run string) {
+	if run == "" {
+		return
+	}
+	stdout := os.Stdout
+	defer func() { os.Stdout = stdout }()
+	os.Stdout = os.Stderr
+	for _, example := range []struct {
+		name string
+		run  func()
+	}{{"Example", Example}, {"Example_crashPoints", Example_crashPoints}} {
+		if matched, _ := regexp.MatchString(run, example.name); matched {
+			example.run()
+			fmt.Fprintln(os.Stderr)
+		}
+	}
+}
+
+// ---- The crash table: how Example_crashPoints computes its cells ----
+
+// The article's whole argument, cell by cell: wherever the process dies,
+// what becomes of the order and its event under each way of placing it.
+// Example_crashPoints prints the same table; this names the cell that
+// changes.
+func TestCrashPoints(t *testing.T) {
+	// In the order of ways: direct, publish first, direct + retries,
+	// outbox in two transactions, outbox + relay.
+	want := map[crashPoint][]string{
+		brokerDown:        {lost, nothing, lost, waits, waits},
+		crashFirstCommit:  {nothing, phantom, nothing, nothing, nothing},
+		crashLastCommit:   {nothing, phantom, nothing, lost, nothing},
+		crashBeforeBroker: {lost, nothing, lost, waits, waits},
+		crashAfterBroker:  {sentOnce, phantom, sentOnce, sentTwice, sentTwice},
+	}
+	for _, point := range crashPoints {
+		for i, w := range ways {
+			if got := crashOutcome(w, point); got != want[point][i] {
+				t.Errorf("%s, %s: %q, want %q", point, w.name, got, want[point][i])
+			}
+		}
+	}
+}
+
+// The outcomes of the crash table, in a reader's words.
+const (
+	nothing   = "nothing saved, nothing sent"
+	lost      = "order saved, event lost for good"
+	phantom   = "event sent for an order that does not exist"
+	sentOnce  = "order saved, event sent"
+	waits     = "row waits; the next relay pass sends it"
+	sentTwice = "sent twice with the same id; dropping by id keeps 1"
+)
+
+// crashPoint is where the process dies while it places an order.
+type crashPoint int
+
+const (
+	brokerDown        crashPoint = iota // no crash: the broker is down while the order is placed
+	crashFirstCommit                    // just before the first transaction commits
+	crashLastCommit                     // just before the last transaction commits (the same one, for a way with one)
+	crashBeforeBroker                   // in a call to the broker, before the broker has the event
+	crashAfterBroker                    // in a call to the broker, after the broker has the event
+)
+
+var crashPoints = []crashPoint{brokerDown, crashFirstCommit, crashLastCommit, crashBeforeBroker, crashAfterBroker}
+
+func (p crashPoint) String() string {
+	return [...]string{"never: the broker is down", "at the first commit", "at the last commit",
+		"before the broker has the event", "after the broker has the event"}[p]
+}
+
+// errCrash is the panic that stands for the process dying. Recovering it
+// stands for the restart.
+var errCrash = errors.New("the process died")
+
+// crashingBroker is a broker whose process dies during Publish: before it
+// hands msg to next, or after next has it.
+type crashingBroker struct {
+	next  outbox.MessageBroker
+	point crashPoint
+}
+
+func (b crashingBroker) Publish(msg outbox.Message) error {
+	if b.point == crashAfterBroker {
+		if err := b.next.Publish(msg); err != nil {
+			return err
+		}
+	}
+	panic(errCrash)
+}
+
+// way is one way of placing an order. place runs it as a fresh process would,
+// making its services anew; restart is what the process does after it comes
+// back, nil for ways that kept nothing to finish with.
+type way struct {
+	name    string
+	place   func(db *outbox.Database, broker outbox.MessageBroker) error
+	restart func(db *outbox.Database, broker outbox.MessageBroker) error
+}
+
+// relayPass is one pass of a new relay: the outbox ways' second half, and
+// what they do when the process comes back.
+func relayPass(db *outbox.Database, broker outbox.MessageBroker) error {
+	_, err := outbox.NewOutboxRelay(db, broker).PublishPending()
+	return err
+}
+
+var ways = []way{
+	{"direct", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		_, err := outbox.NewDirectOrderService(db, broker).PlaceOrder(2500)
+		return err
+	}, nil},
+	{"publish first", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		_, err := publishFirstService{db, broker}.PlaceOrder(2500)
+		return err
+	}, nil},
+	{"direct + retries", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		_, err := retryingDirectService{db, broker, 3}.PlaceOrder(2500)
+		return err
+	}, nil},
+	{"outbox in two transactions", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		if _, err := (splitOutboxService{db}).PlaceOrder(2500); err != nil {
+			return err
+		}
+		return relayPass(db, broker)
+	}, relayPass},
+	{"outbox + relay", func(db *outbox.Database, broker outbox.MessageBroker) error {
+		if _, err := outbox.NewOrderService(db).PlaceOrder(2500); err != nil {
+			return err
+		}
+		return relayPass(db, broker)
+	}, relayPass},
+}
+
+// crashOutcome places one order of 2500 cents the given way, lets the process
+// die at point, restarts it, and says what became of the order and its event.
+// The errors that placing returns are not the question here: a dead process
+// tells no one anything. What counts is what the database and the broker keep.
+func crashOutcome(w way, point crashPoint) string {
+	db, broker := new(outbox.Database), new(outbox.InMemoryBroker)
+	var calls outbox.MessageBroker = broker
+	switch point {
+	case brokerDown:
+		broker.SetDown(true)
+	case crashFirstCommit, crashLastCommit:
+		at := 1
+		if point == crashLastCommit {
+			at = commitsOf(w)
+		}
+		commits := 0
+		outbox.SetBeforeCommit(db, func() {
+			if commits++; commits == at {
+				panic(errCrash)
+			}
+		})
+	default:
+		calls = crashingBroker{broker, point}
+	}
+	crashes(func() { w.place(db, calls) })
+
+	broker.SetDown(false) // the restart: the broker is up, nothing armed
+	outbox.SetBeforeCommit(db, nil)
+	waited := len(db.Pending()) > 0 && len(broker.Published()) == 0
+	if w.restart != nil {
+		if err := w.restart(db, broker); err != nil {
+			return "restart failed: " + err.Error()
+		}
+	}
+
+	orders, events := db.Orders(), broker.Published()
+	switch {
+	case len(orders) == 0 && len(events) == 0:
+		return nothing
+	case len(orders) == 0:
+		return phantom
+	case len(events) == 0:
+		return lost
+	case len(orders) > 1 || events[0].Payload != `{"orderId":1,"totalCents":2500}`:
+		return fmt.Sprintf("wrong: orders %v, events %v", orders, events)
+	case len(events) == 2 && events[0] == events[1]:
+		return fmt.Sprintf("sent twice with the same id; dropping by id keeps %d", len(dropDuplicates(events)))
+	case len(events) > 1:
+		return fmt.Sprintf("wrong: events %v", events)
+	case waited:
+		return waits
+	}
+	return sentOnce
+}
+
+// commitsOf counts the commits that placing an order the given way makes,
+// in a run of its own where nothing fails.
+func commitsOf(w way) int {
+	db, commits := new(outbox.Database), 0
+	outbox.SetBeforeCommit(db, func() { commits++ })
+	w.place(db, new(outbox.InMemoryBroker))
+	return commits
+}
+
+// dropDuplicates is an idempotent consumer: it keeps the first message with
+// each id and drops the rest.
+func dropDuplicates(msgs []outbox.Message) []outbox.Message {
+	seen := make(map[int64]bool)
+	var kept []outbox.Message
+	for _, msg := range msgs {
+		if !seen[msg.ID] {
+			seen[msg.ID], kept = true, append(kept, msg)
+		}
+	}
+	return kept
+}
+
+// crashes runs f and reports whether the process died in it (f panicked with
+// errCrash). Any other panic goes on.
+func crashes(f func()) (crashed bool) {
+	defer func() {
+		if r := recover(); r != nil {
+			if r != errCrash {
+				panic(r)
+			}
+			crashed = true
+		}
+	}()
+	f()
+	return false
+}
+
+// publishFirstService is a WRONG way to place an order, shown only to be
+// rejected, as the article does: it publishes OrderPlaced inside the
+// transaction, before the commit. If the commit then fails, or the process
+// dies first, the warehouse reserves stock for an order that does not exist.
+type publishFirstService struct {
+	db     *outbox.Database
+	broker outbox.MessageBroker
+}
+
+func (s publishFirstService) PlaceOrder(totalCents int64) (int64, error) {
+	var order outbox.Order
+	err := s.db.Transaction(func(tx *outbox.Tx) error {
+		var err error
+		if order, err = tx.InsertOrder(totalCents); err != nil {
+			return err
+		}
+		payload, err := json.Marshal(order)
+		if err != nil {
+			return err
+		}
+		return s.broker.Publish(outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)})
+	})
+	if err != nil {
+		return 0, err
+	}
+	return order.ID, nil
+}
+
+// retryingDirectService is another WRONG way: DirectOrderService's dual write
+// with retries around Publish. Retries help while the process lives; when it
+// dies between the commit and a successful Publish, no one is left to retry.
+type retryingDirectService struct {
+	db       *outbox.Database
+	broker   outbox.MessageBroker
+	attempts int
+}
+
+func (s retryingDirectService) PlaceOrder(totalCents int64) (int64, error) {
+	var order outbox.Order
+	err := s.db.Transaction(func(tx *outbox.Tx) error {
+		var err error
+		order, err = tx.InsertOrder(totalCents)
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	payload, err := json.Marshal(order)
+	if err != nil {
+		return 0, err
+	}
+	for range s.attempts {
+		if err = s.broker.Publish(outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)}); err == nil {
+			return order.ID, nil
+		}
+	}
+	return order.ID, fmt.Errorf("order %d saved, but %s not published after %d attempts: %w", order.ID, outbox.OrderPlaced, s.attempts, err)
+}
+
+// splitOutboxService is a third WRONG way: an outbox whose row is written in
+// a transaction of its own, after the order's has committed. It has a table
+// and a relay, and still the dual write: a process that dies between the two
+// commits keeps the order and loses its event for good.
+type splitOutboxService struct {
+	db *outbox.Database
+}
+
+func (s splitOutboxService) PlaceOrder(totalCents int64) (int64, error) {
+	var order outbox.Order
+	err := s.db.Transaction(func(tx *outbox.Tx) error {
+		var err error
+		order, err = tx.InsertOrder(totalCents)
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	err = s.db.Transaction(func(tx *outbox.Tx) error {
+		_, err := tx.InsertOutbox(outbox.OrderPlaced, order)
+		return err
+	})
+	return order.ID, err
+}
+
+// ---- The application ----
 
 // maxOrderBody is the largest request body POST /orders reads. An order is a
 // few dozen bytes of JSON; anything much larger is a mistake or an attack.
@@ -162,6 +747,8 @@ func startApp(db *outbox.Database, broker outbox.MessageBroker, every time.Durat
 
 	return handler, func() { cancel(); wg.Wait() }
 }
+
+// ---- The application's tests ----
 
 // Bad input gets a status, a message in the client's terms (never a Go
 // type), and writes nothing. Each case has a database of its own.
@@ -376,456 +963,7 @@ func waitFor(cond func() bool) bool {
 	return cond()
 }
 
-// The article's scenario. The broker is down while two customers place orders
-// through POST /orders; both get 201, because the answer depends only on the
-// database. The relay is called by hand, as in the article's test: the first
-// pass sends nothing and both messages wait in the outbox; once the broker is
-// back, the second pass publishes both in id order; the third finds nothing
-// and sends nothing again.
-func Example() {
-	// go test compares what an example writes to os.Stdout with its Output
-	// comment and, when they match, prints nothing. So that
-	// `go test -run Example` also shows the scenario, every line goes to
-	// os.Stderr as well: go test run without a package argument (or with -v)
-	// prints the test binary's standard error on its own standard output.
-	out := io.MultiWriter(os.Stdout, os.Stderr)
-
-	db := new(outbox.Database)
-	broker := new(outbox.InMemoryBroker)
-	relay := outbox.NewOutboxRelay(db, broker)
-	shop := httptest.NewServer(newHandler(outbox.NewOrderService(db)))
-	defer shop.Close()
-
-	broker.SetDown(true)
-	fmt.Fprintln(out, "The broker is down.")
-	for customer, total := range []int64{2500, 4000} {
-		status, location, err := postOrder(shop.URL, total)
-		if err != nil {
-			fmt.Fprintln(out, "POST failed:", err)
-			return
-		}
-		fmt.Fprintf(out, "Customer %d: POST /orders {\"totalCents\":%d} -> %d %s, Location %s\n",
-			customer+1, total, status, http.StatusText(status), location)
-	}
-	fmt.Fprintf(out, "Saved: %d orders; waiting in the outbox: %d messages.\n",
-		len(db.Orders()), len(db.Pending()))
-
-	published, err := relay.PublishPending()
-	fmt.Fprintf(out, "Relay pass 1: published %d, stopped with %q.\n", published, err)
-	fmt.Fprintf(out, "Still waiting in the outbox: %d messages.\n", len(db.Pending()))
-
-	broker.SetDown(false)
-	fmt.Fprintln(out, "The broker is back up.")
-	published, err = relay.PublishPending()
-	fmt.Fprintf(out, "Relay pass 2: published %d, error: %v.\n", published, err)
-	for _, msg := range broker.Published() {
-		fmt.Fprintf(out, "  the broker received message %d: %s %s\n", msg.ID, msg.Type, msg.Payload)
-	}
-	fmt.Fprintf(out, "Still waiting in the outbox: %d messages.\n", len(db.Pending()))
-
-	published, err = relay.PublishPending()
-	fmt.Fprintf(out, "Relay pass 3: published %d, error: %v; the broker holds %d messages, nothing sent twice.\n",
-		published, err, len(broker.Published()))
-
-	// Output:
-	// The broker is down.
-	// Customer 1: POST /orders {"totalCents":2500} -> 201 Created, Location /orders/1
-	// Customer 2: POST /orders {"totalCents":4000} -> 201 Created, Location /orders/2
-	// Saved: 2 orders; waiting in the outbox: 2 messages.
-	// Relay pass 1: published 0, stopped with "publish message 1: outbox: message broker unavailable".
-	// Still waiting in the outbox: 2 messages.
-	// The broker is back up.
-	// Relay pass 2: published 2, error: <nil>.
-	//   the broker received message 1: OrderPlaced {"orderId":1,"totalCents":2500}
-	//   the broker received message 2: OrderPlaced {"orderId":2,"totalCents":4000}
-	// Still waiting in the outbox: 0 messages.
-	// Relay pass 3: published 0, error: <nil>; the broker holds 2 messages, nothing sent twice.
-}
-
-// The crash table: the article's whole argument in one run. One order is
-// placed in each of four ways, and the process dies at one point; then it
-// restarts (new services, a new relay, nothing that was in memory) over the
-// same database and broker, and the table says what became of the order and
-// of its event. The first row is no crash at all: the broker is down.
-func Example_crashPoints() {
-	out := io.MultiWriter(os.Stdout, os.Stderr) // shown by go test -run Example, as in Example
-	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "the process dies\tplacing the order\twhat becomes of the order and its event")
-	for _, point := range crashPoints {
-		for i, w := range ways {
-			where := point.String()
-			if i > 0 {
-				where = ""
-			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\n", where, w.name, crashOutcome(w, point))
-		}
-	}
-	tw.Flush()
-
-	// Output:
-	// the process dies                 placing the order  what becomes of the order and its event
-	// never: the broker is down        direct             order saved, event lost for good
-	//                                  publish first      nothing saved, nothing sent
-	//                                  direct + retries   order saved, event lost for good
-	//                                  outbox + relay     row waits; the next relay pass sends it
-	// inside the transaction           direct             nothing saved, nothing sent
-	//                                  publish first      event sent for an order that does not exist
-	//                                  direct + retries   nothing saved, nothing sent
-	//                                  outbox + relay     nothing saved, nothing sent
-	// before the broker has the event  direct             order saved, event lost for good
-	//                                  publish first      nothing saved, nothing sent
-	//                                  direct + retries   order saved, event lost for good
-	//                                  outbox + relay     row waits; the next relay pass sends it
-	// after the broker has the event   direct             order saved, event sent
-	//                                  publish first      event sent for an order that does not exist
-	//                                  direct + retries   order saved, event sent
-	//                                  outbox + relay     sent twice with the same id; the consumer drops one
-}
-
-// The outcomes of the crash table, in a reader's words.
-const (
-	nothing   = "nothing saved, nothing sent"
-	lost      = "order saved, event lost for good"
-	phantom   = "event sent for an order that does not exist"
-	sentOnce  = "order saved, event sent"
-	waits     = "row waits; the next relay pass sends it"
-	sentTwice = "sent twice with the same id; the consumer drops one"
-)
-
-// crashPoint is where the process dies while it places an order.
-type crashPoint int
-
-const (
-	brokerDown        crashPoint = iota // no crash: the broker is down throughout
-	crashBeforeCommit                   // inside the transaction, before it commits
-	crashBeforeBroker                   // in a call to the broker, before the broker has the event
-	crashAfterBroker                    // in a call to the broker, after the broker has the event
-)
-
-var crashPoints = []crashPoint{brokerDown, crashBeforeCommit, crashBeforeBroker, crashAfterBroker}
-
-func (p crashPoint) String() string {
-	return [...]string{"never: the broker is down", "inside the transaction",
-		"before the broker has the event", "after the broker has the event"}[p]
-}
-
-// errCrash is the panic that stands for the process dying. Recovering it
-// stands for the restart.
-var errCrash = errors.New("the process died")
-
-// crashingBroker is a broker whose process dies during Publish: before it
-// hands msg to next, or after next has it.
-type crashingBroker struct {
-	next  outbox.MessageBroker
-	point crashPoint
-}
-
-func (b crashingBroker) Publish(msg outbox.Message) error {
-	if b.point == crashAfterBroker {
-		if err := b.next.Publish(msg); err != nil {
-			return err
-		}
-	}
-	panic(errCrash)
-}
-
-// way is one way of placing an order. place runs it as a fresh process would,
-// making its services anew; restart is what the process does after it comes
-// back, nil for ways that kept nothing to finish with.
-type way struct {
-	name    string
-	place   func(db *outbox.Database, broker outbox.MessageBroker) error
-	restart func(db *outbox.Database, broker outbox.MessageBroker) error
-}
-
-var ways = []way{
-	{"direct", func(db *outbox.Database, broker outbox.MessageBroker) error {
-		_, err := outbox.NewDirectOrderService(db, broker).PlaceOrder(2500)
-		return err
-	}, nil},
-	{"publish first", func(db *outbox.Database, broker outbox.MessageBroker) error {
-		_, err := publishFirstService{db, broker}.PlaceOrder(2500)
-		return err
-	}, nil},
-	{"direct + retries", func(db *outbox.Database, broker outbox.MessageBroker) error {
-		_, err := retryingDirectService{db, broker, 3}.PlaceOrder(2500)
-		return err
-	}, nil},
-	{"outbox + relay", func(db *outbox.Database, broker outbox.MessageBroker) error {
-		if _, err := outbox.NewOrderService(db).PlaceOrder(2500); err != nil {
-			return err
-		}
-		_, err := outbox.NewOutboxRelay(db, broker).PublishPending()
-		return err
-	}, func(db *outbox.Database, broker outbox.MessageBroker) error {
-		_, err := outbox.NewOutboxRelay(db, broker).PublishPending()
-		return err
-	}},
-}
-
-// crashOutcome places one order of 2500 cents the given way, lets the process
-// die at point, restarts it, and says what became of the order and its event.
-// The errors that placing returns are not the question here: a dead process
-// tells no one anything. What counts is what the database and the broker keep.
-func crashOutcome(w way, point crashPoint) string {
-	db, broker := new(outbox.Database), new(outbox.InMemoryBroker)
-	var calls outbox.MessageBroker = broker
-	switch point {
-	case brokerDown:
-		broker.SetDown(true)
-	case crashBeforeCommit:
-		outbox.SetBeforeCommit(db, func() { panic(errCrash) })
-	default:
-		calls = crashingBroker{broker, point}
-	}
-	crashes(func() { w.place(db, calls) })
-
-	broker.SetDown(false) // the restart: the broker is up, nothing armed
-	outbox.SetBeforeCommit(db, nil)
-	waited := len(db.Pending()) > 0 && len(broker.Published()) == 0
-	if w.restart != nil {
-		if err := w.restart(db, broker); err != nil {
-			return "restart failed: " + err.Error()
-		}
-	}
-
-	orders, events := db.Orders(), broker.Published()
-	switch {
-	case len(orders) == 0 && len(events) == 0:
-		return nothing
-	case len(orders) == 0:
-		return phantom
-	case len(events) == 0:
-		return lost
-	case len(orders) > 1 || events[0].Payload != `{"orderId":1,"totalCents":2500}`:
-		return fmt.Sprintf("wrong: orders %v, events %v", orders, events)
-	case len(events) == 2 && events[0] == events[1]:
-		return sentTwice
-	case len(events) > 1:
-		return fmt.Sprintf("wrong: events %v", events)
-	case waited:
-		return waits
-	}
-	return sentOnce
-}
-
-// crashes runs f and reports whether the process died in it (f panicked with
-// errCrash). Any other panic goes on.
-func crashes(f func()) (crashed bool) {
-	defer func() {
-		if r := recover(); r != nil {
-			if r != errCrash {
-				panic(r)
-			}
-			crashed = true
-		}
-	}()
-	f()
-	return false
-}
-
-// publishFirstService is a WRONG way to place an order, shown only to be
-// rejected, as the article does: it publishes OrderPlaced inside the
-// transaction, before the commit. If the commit then fails, or the process
-// dies first, the warehouse reserves stock for an order that does not exist.
-type publishFirstService struct {
-	db     *outbox.Database
-	broker outbox.MessageBroker
-}
-
-func (s publishFirstService) PlaceOrder(totalCents int64) (int64, error) {
-	var order outbox.Order
-	err := s.db.Transaction(func(tx *outbox.Tx) error {
-		var err error
-		if order, err = tx.InsertOrder(totalCents); err != nil {
-			return err
-		}
-		payload, err := json.Marshal(order)
-		if err != nil {
-			return err
-		}
-		return s.broker.Publish(outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)})
-	})
-	if err != nil {
-		return 0, err
-	}
-	return order.ID, nil
-}
-
-// retryingDirectService is another WRONG way: DirectOrderService's dual write
-// with retries around Publish. Retries help while the process lives; when it
-// dies between the commit and a successful Publish, no one is left to retry.
-type retryingDirectService struct {
-	db       *outbox.Database
-	broker   outbox.MessageBroker
-	attempts int
-}
-
-func (s retryingDirectService) PlaceOrder(totalCents int64) (int64, error) {
-	var order outbox.Order
-	err := s.db.Transaction(func(tx *outbox.Tx) error {
-		var err error
-		order, err = tx.InsertOrder(totalCents)
-		return err
-	})
-	if err != nil {
-		return 0, err
-	}
-	payload, err := json.Marshal(order)
-	if err != nil {
-		return 0, err
-	}
-	for range s.attempts {
-		if err = s.broker.Publish(outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)}); err == nil {
-			return order.ID, nil
-		}
-	}
-	return order.ID, fmt.Errorf("order %d saved, but %s not published after %d attempts: %w", order.ID, outbox.OrderPlaced, s.attempts, err)
-}
-
-// The whole application: the root wires the POST /orders handler and a
-// background relay on a ticker over one Database and one broker. Orders come
-// in over real HTTP on loopback while the broker is down; the background relay
-// keeps failing, then delivers them once the broker is back; the root shuts
-// the relay down cleanly.
-func Example_application() {
-	db := new(outbox.Database)
-	broker := new(outbox.InMemoryBroker)
-	broker.SetDown(true)
-
-	var refused atomic.Bool // set once a pass has hit the down broker
-	handler, stop := startApp(db, broker, 5*time.Millisecond, func(_ int, err error) {
-		if errors.Is(err, outbox.ErrBrokerUnavailable) {
-			refused.Store(true)
-		}
-	})
-	shop := httptest.NewServer(handler)
-	defer shop.Close()
-
-	fmt.Println("broker down")
-	for _, total := range []int64{2500, 4000} {
-		status, location, err := postOrder(shop.URL, total)
-		if err != nil {
-			fmt.Println("POST failed:", err)
-			return
-		}
-		fmt.Printf("POST /orders {\"totalCents\":%d} -> %d %s, Location %s\n", total, status, http.StatusText(status), location)
-	}
-	if !waitFor(refused.Load) {
-		fmt.Println("the background relay never reached the broker")
-	}
-	fmt.Printf("background relay: refused by the broker; %d messages wait in the outbox\n", len(db.Pending()))
-
-	broker.SetDown(false)
-	fmt.Println("broker up")
-	if !waitFor(func() bool { return len(db.Pending()) == 0 }) {
-		fmt.Println("the relay did not deliver in time")
-	}
-	for _, msg := range broker.Published() {
-		fmt.Printf("background relay delivered message %d: %s %s\n", msg.ID, msg.Type, msg.Payload)
-	}
-
-	stop()
-	fmt.Println("relay stopped; broker holds", len(broker.Published()), "messages")
-
-	// Output:
-	// broker down
-	// POST /orders {"totalCents":2500} -> 201 Created, Location /orders/1
-	// POST /orders {"totalCents":4000} -> 201 Created, Location /orders/2
-	// background relay: refused by the broker; 2 messages wait in the outbox
-	// broker up
-	// background relay delivered message 1: OrderPlaced {"orderId":1,"totalCents":2500}
-	// background relay delivered message 2: OrderPlaced {"orderId":2,"totalCents":4000}
-	// relay stopped; broker holds 2 messages
-}
-
-// A transaction whose function fails after both writes keeps neither.
-func ExampleDatabase_Transaction() {
-	db := new(outbox.Database)
-	errDeclined := errors.New("payment declined")
-
-	err := db.Transaction(func(tx *outbox.Tx) error {
-		order, err := tx.InsertOrder(2500)
-		if err != nil {
-			return err
-		}
-		if _, err := tx.InsertOutbox(outbox.OrderPlaced, order); err != nil {
-			return err
-		}
-		return errDeclined // something fails after both writes
-	})
-
-	fmt.Println("error:", err, "| is errDeclined:", errors.Is(err, errDeclined))
-	fmt.Println("orders:", len(db.Orders()), "| outbox rows:", len(db.Outbox()))
-	// Output:
-	// error: payment declined | is errDeclined: true
-	// orders: 0 | outbox rows: 0
-}
-
-// The dual write with the broker down: the order is saved, its event is lost.
-func ExampleDirectOrderService_PlaceOrder() {
-	db := new(outbox.Database)
-	broker := new(outbox.InMemoryBroker)
-	shop := outbox.NewDirectOrderService(db, broker)
-
-	broker.SetDown(true)
-	_, err := shop.PlaceOrder(2500)
-	fmt.Println("error:", err)
-
-	broker.SetDown(false) // too late: nothing remembers the event
-	fmt.Println("orders saved:", len(db.Orders()), "| events published:", len(broker.Published()))
-	// Output:
-	// error: order 1 saved, but OrderPlaced not published: outbox: message broker unavailable
-	// orders saved: 1 | events published: 0
-}
-
-// PlaceOrder needs only the database: the order and its message are written
-// together, and a total of zero is refused with ErrInvalidTotal.
-func ExampleOrderService_PlaceOrder() {
-	db := new(outbox.Database)
-	shop := outbox.NewOrderService(db) // no broker: PlaceOrder needs only the database
-
-	id, err := shop.PlaceOrder(2500)
-	fmt.Println("order:", id, "| error:", err)
-	for _, row := range db.Outbox() {
-		fmt.Printf("outbox row %d: %s %s, sent: %t\n", row.ID, row.Type, row.Payload, row.Sent)
-	}
-
-	_, err = shop.PlaceOrder(0)
-	fmt.Println("error:", err, "| is ErrInvalidTotal:", errors.Is(err, outbox.ErrInvalidTotal))
-	// Output:
-	// order: 1 | error: <nil>
-	// outbox row 1: OrderPlaced {"orderId":1,"totalCents":2500}, sent: false
-	// error: outbox: order total must be a positive number of cents, got 0 | is ErrInvalidTotal: true
-}
-
-// A pass publishes the waiting messages in id order; the next pass finds
-// nothing to send again.
-func ExampleOutboxRelay_PublishPending() {
-	db := new(outbox.Database)
-	broker := new(outbox.InMemoryBroker)
-	shop := outbox.NewOrderService(db)
-	relay := outbox.NewOutboxRelay(db, broker)
-
-	for _, total := range []int64{2500, 4000} {
-		if _, err := shop.PlaceOrder(total); err != nil {
-			fmt.Println(err)
-			return
-		}
-	}
-	published, err := relay.PublishPending()
-	fmt.Println("published:", published, "| error:", err)
-	for _, msg := range broker.Published() {
-		fmt.Println(msg.ID, msg.Type, msg.Payload)
-	}
-	published, err = relay.PublishPending()
-	fmt.Println("published again:", published, "| error:", err)
-	// Output:
-	// published: 2 | error: <nil>
-	// 1 OrderPlaced {"orderId":1,"totalCents":2500}
-	// 2 OrderPlaced {"orderId":2,"totalCents":4000}
-	// published again: 0 | error: <nil>
-}
+// ---- Benchmarks ----
 
 // What the pattern costs: the benchmarks that README.md quotes («Плюсы и
 // минусы», measured). Nothing that is measured grows with b.N: a PlaceOrder or

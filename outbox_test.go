@@ -55,24 +55,8 @@ func TestDirectOrderServicePublishesTheCommittedOrder(t *testing.T) {
 	wantPublished(t, broker, outbox.Message{Type: "OrderPlaced", Payload: `{"orderId":1,"totalCents":2500}`})
 }
 
-// The article's whole argument, cell by cell: wherever the process dies,
-// what becomes of the order and its event under each way of placing it.
-// Example_crashPoints prints the same table.
-func TestCrashPoints(t *testing.T) {
-	want := map[crashPoint][4]string{ // direct, publish first, direct + retries, outbox + relay
-		brokerDown:        {lost, nothing, lost, waits},
-		crashBeforeCommit: {nothing, phantom, nothing, nothing},
-		crashBeforeBroker: {lost, nothing, lost, waits},
-		crashAfterBroker:  {sentOnce, phantom, sentOnce, sentTwice},
-	}
-	for _, point := range crashPoints {
-		for i, w := range ways {
-			if got := crashOutcome(w, point); got != want[point][i] {
-				t.Errorf("%s, %s: %q, want %q", point, w.name, got, want[point][i])
-			}
-		}
-	}
-}
+// The crash table, where the article's whole argument is run, is
+// TestCrashPoints in example_test.go, beside Example_crashPoints.
 
 // ---- The solution: one transaction («Решение») ----
 
