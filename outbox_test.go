@@ -266,6 +266,26 @@ func TestRelayPublishesInIDOrder(t *testing.T) {
 	wantPublished(t, broker, want...)
 }
 
+// "The relay knows nothing of orders: it moves rows from the table to the
+// broker." A row of another event type, written in a transaction of its own,
+// goes to the broker unchanged, in its place in id order.
+func TestRelayKnowsNothingOfOrders(t *testing.T) {
+	db, broker := new(outbox.Database), new(outbox.InMemoryBroker)
+	shop := outbox.NewOrderService(db)
+	place(t, shop, 100)
+	if err := db.Transaction(func(tx *outbox.Tx) error {
+		_, err := tx.InsertOutbox("CustomerRegistered", map[string]string{"email": "a@example.com"})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	place(t, shop, 300)
+	wantPass(t, outbox.NewOutboxRelay(db, broker), 3, nil)
+	wantPublished(t, broker, orderPlaced(1, 100),
+		outbox.Message{ID: 2, Type: "CustomerRegistered", Payload: `{"email":"a@example.com"}`},
+		outbox.Message{ID: 3, Type: "OrderPlaced", Payload: `{"orderId":2,"totalCents":300}`})
+}
+
 // "If the broker refused, the pass stops, and what did not go stays until
 // the next call": a pass whose 3rd publish is refused sends 1 and 2, marks
 // only those, and the next pass sends 3 and 4.
