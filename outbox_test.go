@@ -564,9 +564,8 @@ func FuzzModel(f *testing.F) {
 // Every history of up to maxSteps operations over a small alphabet, shortest
 // first, so that the first failure reported is a shortest counterexample.
 // Every proper prefix of a history was checked as a history of its own, so
-// only the last step and the drain are compared again. The histories of one
-// length are shared out among GOMAXPROCS workers; the one reported is the
-// first failing history in the order of the alphabet, however they ran.
+// only the last step and the drain are compared again. A plain loop: the
+// 111,110 histories take about 3.5 s with -race on two cores.
 func TestModelExhaustive(t *testing.T) {
 	maxSteps := 5
 	if testing.Short() {
@@ -578,34 +577,14 @@ func TestModelExhaustive(t *testing.T) {
 	}
 	checked := 0
 	for length, count := 1, len(alphabet); length <= maxSteps; length, count = length+1, count*len(alphabet) {
-		var next atomic.Int64
-		var mu sync.Mutex
-		failed, failure := count, error(nil) // the first failing history's number, and its error
-		historyOf := func(n int, history history) history {
-			for i := len(history) - 1; i >= 0; i-- { // n in base len(alphabet), a digit a step
-				history[i], n = alphabet[n%len(alphabet)], n/len(alphabet)
+		history := make(history, length)
+		for n := range count {
+			for i, rest := length-1, n; i >= 0; i, rest = i-1, rest/len(alphabet) { // n in base len(alphabet), a digit a step
+				history[i] = alphabet[rest%len(alphabet)]
 			}
-			return history
-		}
-		var wg sync.WaitGroup
-		for range runtime.GOMAXPROCS(0) {
-			wg.Go(func() {
-				history := make(history, length)
-				for n := int(next.Add(1) - 1); n < count; n = int(next.Add(1) - 1) {
-					if err := runHistory(historyOf(n, history), length-1); err != nil {
-						mu.Lock()
-						if n < failed {
-							failed, failure = n, err
-						}
-						mu.Unlock()
-						return
-					}
-				}
-			})
-		}
-		wg.Wait()
-		if failure != nil {
-			t.Fatalf("after %d shorter histories, this one fails: %v\n%v", checked, historyOf(failed, make(history, length)), failure)
+			if err := runHistory(history, length-1); err != nil {
+				t.Fatalf("after %d shorter histories, this one fails: %v\n%v", checked, history, err)
+			}
 		}
 		checked += count
 	}
