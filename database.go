@@ -23,7 +23,7 @@ var ErrTxDone = errors.New("outbox: transaction has already been committed or ro
 // OrderPlaced event: {"orderId":1,"totalCents":2500}. Amounts are in cents, so
 // that no money is ever a float.
 type Order struct {
-	ID         int64 `json:"orderId"`    // assigned by InsertOrder: 1, 2, 3, ... in commit order
+	ID         int64 `json:"orderId"`    // assigned by InsertOrder: 1, 2, 3, ...
 	TotalCents int64 `json:"totalCents"` // the order's total in cents; always positive
 }
 
@@ -47,6 +47,12 @@ type OutboxMessage struct {
 // there a row with a smaller id can commit after one with a larger id; select
 // unsent rows by their sent flag, as [OutboxRelay] does, never by "ids above
 // the last one sent". A Database must not be copied after first use.
+//
+// Ids are one more than the table's length, which is safe only because a
+// Database never deletes a row: a job that deleted sent rows would hand their
+// ids out again, and consumers that drop duplicates by [Message.ID] would drop
+// new messages. A real table takes ids from a sequence, which never hands out
+// a value twice.
 type Database struct {
 	mu     sync.Mutex
 	orders map[int64]Order // keyed by order id

@@ -67,8 +67,9 @@ func (s *OrderService) PlaceOrder(totalCents int64) (int64, error) {
 // overlapping calls to PublishPending run one after the other, so none
 // publishes a row that another has just published. Two relays over one
 // Database do not coordinate like that, so run one relay per Database. (A
-// real service that runs several relays has each claim its rows first, for
-// example with SELECT ... FOR UPDATE SKIP LOCKED.) Create one with
+// real service that runs several relays has each claim its rows, for example
+// with SELECT ... FOR UPDATE SKIP LOCKED in a transaction that stays open
+// until the rows are published and marked.) Create one with
 // [NewOutboxRelay]: the zero value has no database and no broker.
 type OutboxRelay struct {
 	db     *Database
