@@ -15,8 +15,12 @@ set -u
 bindir=$(pg_config --bindir 2>/dev/null || true)
 for prog in initdb pg_ctl postgres; do
 	if [ -z "$bindir" ] || [ ! -x "$bindir/$prog" ]; then
-		echo "make postgres: PostgreSQL's server program $prog was not found (pg_config --bindir names its folder)." >&2
-		echo "Install PostgreSQL 15 or later, on Debian or Ubuntu: apt-get install postgresql" >&2
+		if [ -z "$bindir" ]; then
+			echo "make postgres: pg_config was not found, so neither were PostgreSQL's server programs (initdb, pg_ctl, postgres)." >&2
+		else
+			echo "make postgres: PostgreSQL's server program $prog is not in $bindir (what pg_config --bindir names)." >&2
+		fi
+		echo "Install PostgreSQL 15 or later; on Debian or Ubuntu: apt-get install postgresql" >&2
 		exit 2
 	fi
 done
