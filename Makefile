@@ -68,7 +68,8 @@ lint:
 postgres:
 	cd postgres && gofmt_out=$$(gofmt -l .) && [ -z "$$gofmt_out" ] || { echo "gofmt would change: $$gofmt_out" >&2; exit 1; }
 	cd postgres && $(GO) vet ./...
-	postgres/with-server.sh bash -c 'cd postgres && $(GO) test $(RACE) -count=1 -v ./...' | awk '\
+	@echo "postgres/with-server.sh: go test $(RACE) -count=1 -v ./... in postgres/, on a throwaway server"
+	@postgres/with-server.sh bash -c 'cd postgres && $(GO) test $(RACE) -count=1 -v ./...' | awk '\
 		/^=== / { next } { print } \
 		/^ *--- PASS/ { p++ } /^ *--- FAIL/ { f++ } /^ *--- SKIP/ { s++ } \
 		END { printf "postgres: %d passed, %d failed, %d skipped\n", p, f, s; exit s > 0 }'
