@@ -575,12 +575,7 @@ type retryingDirectService struct {
 }
 
 func (s retryingDirectService) PlaceOrder(totalCents int64) (int64, error) {
-	var order outbox.Order
-	err := s.db.Transaction(func(tx *outbox.Tx) error {
-		var err error
-		order, err = tx.InsertOrder(totalCents)
-		return err
-	})
+	order, err := commitOrder(s.db, totalCents)
 	if err != nil {
 		return 0, err
 	}
@@ -605,12 +600,7 @@ type splitOutboxService struct {
 }
 
 func (s splitOutboxService) PlaceOrder(totalCents int64) (int64, error) {
-	var order outbox.Order
-	err := s.db.Transaction(func(tx *outbox.Tx) error {
-		var err error
-		order, err = tx.InsertOrder(totalCents)
-		return err
-	})
+	order, err := commitOrder(s.db, totalCents)
 	if err != nil {
 		return 0, err
 	}
@@ -619,6 +609,19 @@ func (s splitOutboxService) PlaceOrder(totalCents int64) (int64, error) {
 		return err
 	})
 	return order.ID, err
+}
+
+// commitOrder saves an order of totalCents in a transaction of its own: the
+// first half of the two wrong ways above that commit the order before they
+// see to its event.
+func commitOrder(db *outbox.Database, totalCents int64) (outbox.Order, error) {
+	var order outbox.Order
+	err := db.Transaction(func(tx *outbox.Tx) error {
+		var err error
+		order, err = tx.InsertOrder(totalCents)
+		return err
+	})
+	return order, err
 }
 
 // ---- The application ----
