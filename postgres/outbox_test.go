@@ -303,7 +303,7 @@ func TestFourRelaysPublishEveryRowExactlyOnce(t *testing.T) {
 	go func() { arrived.Wait(); close(together) }()
 
 	var wg sync.WaitGroup
-	errs := make(chan error, relays)
+	errs := make(chan error, 2*relays) // a relay reports at most a wait and a pass error
 	for i := range relays {
 		var first sync.Once
 		broker := brokerFunc(func(m outbox.Message) error {
