@@ -1,4 +1,6 @@
-# The Go edition of the Transactional Outbox example. Needs only Go and make.
+# The Go edition of the Transactional Outbox example. The root package needs only
+# Go and make; make postgres and make bench-postgres also need PostgreSQL's
+# server programs (initdb, pg_ctl, postgres), which they find with pg_config.
 #
 #   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
 #   make example                             the article's scenario and the crash table, printed
