@@ -12,7 +12,9 @@
 // several relays must claim rows; a consumer must drop duplicates.
 //
 // [CreateTables] creates the tables of schema.sql. The functions take a
-// *sql.DB opened with any PostgreSQL driver; the tests use pgx's stdlib.
+// *sql.DB opened with pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib),
+// as the tests do: the relay passes the ids it marks as a []int64, which pgx
+// sends as a PostgreSQL array.
 package postgres
 
 import (
