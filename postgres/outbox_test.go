@@ -80,10 +80,14 @@ func TestOutboxKeepsMessageWhileBrokerIsDownAndRelaysItWhenBack(t *testing.T) {
 var errRolledBack = errors.New("rolled back")
 
 // Article test 3: an error inside the transaction rolls back both the order
-// and the message; so does a panic.
+// and the message; so does a panic. The pool has one connection, so a
+// transaction left open instead of rolled back would keep it, and what comes
+// after would fail at the deadline instead of running.
 func TestErrorInsideTransactionRollsBackOrderAndMessage(t *testing.T) {
-	ctx := context.Background()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
 	db := newDatabase(t)
+	db.SetMaxOpenConns(1)
 
 	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
 		var id int64
@@ -113,6 +117,9 @@ func TestErrorInsideTransactionRollsBackOrderAndMessage(t *testing.T) {
 		t.Error("Transaction returned after its function panicked")
 	}()
 
+	if err := db.QueryRowContext(ctx, `SELECT 1`).Scan(new(int)); err != nil {
+		t.Fatalf("the connection is still taken, so a transaction was left open, not rolled back: %v", err)
+	}
 	wantOrders(t, db)
 	wantSent(t, db)
 }
