@@ -73,4 +73,4 @@ func BenchmarkDeliver(b *testing.B) {
 // benchmark does not grow a list in memory.
 type discard struct{}
 
-func (discard) Publish(outbox.Message) error { return nil }
+func (discard) Publish(context.Context, outbox.Message) error { return nil }

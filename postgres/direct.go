@@ -20,12 +20,13 @@ import (
 // no broker.
 type DirectOrderService struct {
 	db     *sql.DB
-	broker outbox.MessageBroker
+	broker MessageBroker
 }
 
 // NewDirectOrderService returns a DirectOrderService that saves orders in db
-// and publishes their events to broker.
-func NewDirectOrderService(db *sql.DB, broker outbox.MessageBroker) *DirectOrderService {
+// and publishes their events to broker (wrap one whose Publish takes no
+// context with [AdaptBroker]).
+func NewDirectOrderService(db *sql.DB, broker MessageBroker) *DirectOrderService {
 	return &DirectOrderService{db: db, broker: broker}
 }
 
@@ -44,7 +45,7 @@ func (s *DirectOrderService) PlaceOrder(ctx context.Context, totalCents int64) (
 	var order outbox.Order
 	err := Transaction(ctx, s.db, func(tx *sql.Tx) error {
 		var err error
-		order, err = insertOrder(ctx, tx, totalCents)
+		order, _, err = insertOrder(ctx, tx, sql.NullString{}, totalCents)
 		return err
 	})
 	if err != nil {
@@ -57,7 +58,7 @@ func (s *DirectOrderService) PlaceOrder(ctx context.Context, totalCents int64) (
 	if err != nil {
 		return order.ID, err // an Order is two integers: this cannot happen
 	}
-	if err := s.broker.Publish(outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)}); err != nil {
+	if err := s.broker.Publish(ctx, outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)}); err != nil {
 		return order.ID, fmt.Errorf("order %d saved, but %s not published: %w", order.ID, outbox.OrderPlaced, err)
 	}
 	return order.ID, nil

@@ -4,12 +4,17 @@
 // It is the translation of the teaching code: [OrderService] writes the order
 // and its [outbox.OrderPlaced] row in one database/sql transaction,
 // [OutboxRelay] publishes the unsent rows, and [DirectOrderService] shows the
-// dual write beside them. It reuses the root package's [outbox.MessageBroker],
-// [outbox.Message], [outbox.ErrInvalidTotal] and [outbox.ErrBrokerUnavailable],
-// so the contract is the same. What a real database adds, and the in-memory
-// one cannot show, is in the doc comments of [OutboxRelay] and [Warehouse]:
-// ids are handed out when rows are inserted, not when transactions commit;
-// several relays must claim rows; a consumer must drop duplicates.
+// dual write beside them. It reuses the root package's [outbox.Message],
+// [outbox.ErrInvalidTotal] and [outbox.ErrBrokerUnavailable], so the contract
+// is the same; its [MessageBroker] is the root one with a context, and
+// [AdaptBroker] makes any [outbox.MessageBroker] one.
+//
+// What a real database adds, and the in-memory one cannot show, is in the
+// doc comments of [OutboxRelay], [Transaction] and [Warehouse]: ids are
+// handed out when rows are inserted, not when transactions commit; several
+// relays must claim rows, and a claim held by a connection must be bounded in
+// time; a commit can fail with its outcome unknown; a consumer must drop
+// duplicates.
 //
 // [CreateTables] creates the tables of schema.sql. The functions take a
 // *sql.DB opened with pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib),
@@ -22,7 +27,10 @@ import (
 	"database/sql"
 	_ "embed"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"strings"
+	"unicode/utf8"
 
 	"example.com/patterns/enterprise/outbox"
 )
@@ -41,12 +49,25 @@ func CreateTables(ctx context.Context, db *sql.DB) error {
 	return nil
 }
 
-// Transaction runs fn in a transaction on db and commits it if fn returns
-// nil. If fn returns an error, or panics, the transaction is rolled back and
-// the error is returned unchanged (the panic goes on). If the commit itself
-// fails, nothing fn wrote is kept.
+// ErrCommitUnknown is wrapped by the error of a commit whose outcome is
+// unknown: the request reached the server, or may have, and no answer came
+// back (the connection died, the context ended). The transaction may have
+// committed or not, and only a look at the database can tell; a caller that
+// simply retries may write everything twice. [OrderService.PlaceOrderWithKey]
+// makes a retry safe.
+var ErrCommitUnknown = errors.New("postgres: commit outcome unknown")
+
+// Transaction runs fn in a READ COMMITTED transaction on db and commits it if
+// fn returns nil. The isolation level is asked for explicitly, so a
+// database whose default is stricter does not turn this module's waits
+// into serialization failures.
+//
+// If fn returns an error, or panics, the transaction is rolled back and the
+// error is returned unchanged (the panic goes on). If the commit fails with
+// the server's own error, nothing fn wrote is kept; any other commit error
+// wraps [ErrCommitUnknown], and then what fn wrote may be kept or not.
 func Transaction(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
-	tx, err := db.BeginTx(ctx, nil)
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return err
 	}
@@ -54,7 +75,32 @@ func Transaction(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) err
 	if err := fn(tx); err != nil {
 		return err
 	}
-	return tx.Commit()
+	return commit(tx)
+}
+
+// commit commits tx and tells an error the server sent (the transaction was
+// rolled back) from one it did not (the outcome is unknown).
+func commit(tx *sql.Tx) error {
+	err := tx.Commit()
+	switch {
+	case err == nil:
+		return nil
+	case sqlState(err) != "":
+		return fmt.Errorf("commit: %w", err)
+	default:
+		return fmt.Errorf("commit: %w: %w", ErrCommitUnknown, err)
+	}
+}
+
+// sqlState is the SQLSTATE code of the server's error in err's chain, or ""
+// if the server sent none. pgx's *pgconn.PgError, like other drivers' errors,
+// has a SQLState method.
+func sqlState(err error) string {
+	var server interface{ SQLState() string }
+	if errors.As(err, &server) {
+		return server.SQLState()
+	}
+	return ""
 }
 
 // InsertOutbox adds an unsent message of the given type to the outbox table,
@@ -89,21 +135,59 @@ func NewOrderService(db *sql.DB) *OrderService {
 	return &OrderService{db: db}
 }
 
+// ErrInvalidIdempotencyKey is returned, wrapped, by
+// [OrderService.PlaceOrderWithKey] for a key that is empty, longer than
+// [MaxIdempotencyKeyLen] bytes, not UTF-8, or holds a NUL byte.
+var ErrInvalidIdempotencyKey = errors.New("postgres: invalid idempotency key")
+
+// ErrIdempotencyKeyReused is returned, wrapped, by
+// [OrderService.PlaceOrderWithKey] when its key already placed an order of
+// another total: a retry must repeat the request it retries.
+var ErrIdempotencyKeyReused = errors.New("postgres: idempotency key already used for another order")
+
+// MaxIdempotencyKeyLen is the longest idempotency key, in bytes.
+const MaxIdempotencyKeyLen = 255
+
 // PlaceOrder inserts an order of totalCents into orders and an OrderPlaced
 // message for it into outbox, in one transaction, and returns the order's id.
 // Its result depends only on the database.
 //
 // A total of zero or less is refused with an error wrapping
-// [outbox.ErrInvalidTotal], and nothing is written.
+// [outbox.ErrInvalidTotal], and nothing is written. An error wrapping
+// [ErrCommitUnknown] leaves it unknown whether the order was placed: retry
+// with [OrderService.PlaceOrderWithKey], not with PlaceOrder, which would
+// place a second order with a second event.
 func (s *OrderService) PlaceOrder(ctx context.Context, totalCents int64) (int64, error) {
+	return s.place(ctx, sql.NullString{}, totalCents)
+}
+
+// PlaceOrderWithKey is PlaceOrder made safe to retry. key names the request
+// (an HTTP handler takes it from the Idempotency-Key header) and is stored
+// with the order under a unique constraint. If an order with key exists
+// already, PlaceOrderWithKey writes nothing and returns that order's id, so
+// a retry after an unknown outcome ([ErrCommitUnknown]) or a lost response
+// places one order and one event, however often it runs, also concurrently.
+//
+// A key that placed an order of another total is refused with
+// [ErrIdempotencyKeyReused]; an empty or malformed key with
+// [ErrInvalidIdempotencyKey]. Neither writes anything.
+func (s *OrderService) PlaceOrderWithKey(ctx context.Context, key string, totalCents int64) (int64, error) {
+	if len(key) == 0 || len(key) > MaxIdempotencyKeyLen || !utf8.ValidString(key) || strings.IndexByte(key, 0) >= 0 {
+		return 0, fmt.Errorf("%w: %q", ErrInvalidIdempotencyKey, key)
+	}
+	return s.place(ctx, sql.NullString{String: key, Valid: true}, totalCents)
+}
+
+func (s *OrderService) place(ctx context.Context, key sql.NullString, totalCents int64) (int64, error) {
 	if err := checkTotal(totalCents); err != nil {
 		return 0, err
 	}
 	var order outbox.Order
 	err := Transaction(ctx, s.db, func(tx *sql.Tx) error {
+		var placed bool
 		var err error
-		if order, err = insertOrder(ctx, tx, totalCents); err != nil {
-			return err
+		if order, placed, err = insertOrder(ctx, tx, key, totalCents); err != nil || !placed {
+			return err // !placed: the key's order exists, and so does its event
 		}
 		_, err = InsertOutbox(ctx, tx, outbox.OrderPlaced, order)
 		return err
@@ -123,12 +207,34 @@ func checkTotal(totalCents int64) error {
 	return nil
 }
 
-func insertOrder(ctx context.Context, tx *sql.Tx, totalCents int64) (outbox.Order, error) {
-	order := outbox.Order{TotalCents: totalCents}
-	err := tx.QueryRowContext(ctx,
-		`INSERT INTO orders (total_cents) VALUES ($1) RETURNING id`, totalCents).Scan(&order.ID)
-	if err != nil {
-		return outbox.Order{}, fmt.Errorf("insert into orders: %w", err)
+// insertOrder inserts an order of totalCents with key (NULL for none) and
+// reports placed. If key placed an order before, it inserts nothing and
+// returns that order with placed false, or ErrIdempotencyKeyReused if its
+// total differs. The orders table's CHECK, for a caller that skipped
+// checkTotal, comes back as outbox.ErrInvalidTotal.
+func insertOrder(ctx context.Context, tx *sql.Tx, key sql.NullString, totalCents int64) (order outbox.Order, placed bool, err error) {
+	order = outbox.Order{TotalCents: totalCents}
+	// ON CONFLICT waits for a transaction that holds the same key to end;
+	// under READ COMMITTED the SELECT after it then sees that order.
+	err = tx.QueryRowContext(ctx, `INSERT INTO orders (total_cents, idempotency_key) VALUES ($1, $2)
+		ON CONFLICT (idempotency_key) DO NOTHING RETURNING id`, totalCents, key).Scan(&order.ID)
+	switch {
+	case err == nil:
+		return order, true, nil
+	case errors.Is(err, sql.ErrNoRows) && key.Valid:
+		var first outbox.Order
+		if err := tx.QueryRowContext(ctx, `SELECT id, total_cents FROM orders WHERE idempotency_key = $1`,
+			key).Scan(&first.ID, &first.TotalCents); err != nil {
+			return outbox.Order{}, false, fmt.Errorf("find the order of idempotency key %q: %w", key.String, err)
+		}
+		if first.TotalCents != totalCents {
+			return outbox.Order{}, false, fmt.Errorf("%w: key %q placed order %d of %d cents, not %d",
+				ErrIdempotencyKeyReused, key.String, first.ID, first.TotalCents, totalCents)
+		}
+		return first, false, nil
+	case sqlState(err) == "23514": // check_violation
+		return outbox.Order{}, false, fmt.Errorf("insert into orders: %w, got %d: %w", outbox.ErrInvalidTotal, totalCents, err)
+	default:
+		return outbox.Order{}, false, fmt.Errorf("insert into orders: %w", err)
 	}
-	return order, nil
 }

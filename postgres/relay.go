@@ -3,7 +3,10 @@ package postgres
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
+	"strconv"
+	"time"
 
 	"example.com/patterns/enterprise/outbox"
 )
@@ -11,6 +14,30 @@ import (
 // DefaultBatchSize is how many rows a relay pass claims when
 // [OutboxRelay.BatchSize] is zero.
 const DefaultBatchSize = 100
+
+// DefaultPassTimeout is a relay pass's time budget when
+// [OutboxRelay.PassTimeout] is zero.
+const DefaultPassTimeout = 5 * time.Second
+
+// ClaimCheckInterval is how often, at most, a relay pass asks the server
+// whether its transaction is still alive while it publishes. A pass whose
+// session was lost (killed, timed out, cut off) goes on publishing for at
+// most this long before it notices and stops.
+const ClaimCheckInterval = 100 * time.Millisecond
+
+// ErrClaimLost is returned, wrapped, by [OutboxRelay.PublishPending] when a
+// pass finds in the middle of publishing that its transaction is gone, and
+// with it the locks that were its claim: another relay may already be
+// publishing the same rows.
+var ErrClaimLost = errors.New("postgres: relay pass lost its claim")
+
+// setLimits makes the server enforce the pass's budget on this transaction
+// alone (set_config with true is SET LOCAL): no statement and no lock wait
+// longer than $1 ms, and no pause between statements longer than $2 ms, after
+// which the server ends the session and frees the rows.
+const setLimits = `SELECT set_config('statement_timeout', $1, true),
+	set_config('lock_timeout', $1, true),
+	set_config('idle_in_transaction_session_timeout', $2, true)`
 
 // claimRows takes up to $1 unsent rows, lowest id first, and locks them for
 // the rest of the transaction. SKIP LOCKED passes over rows that another
@@ -26,31 +53,41 @@ LIMIT $1
 FOR UPDATE SKIP LOCKED`
 
 // markSent marks, in one statement, the rows the broker accepted.
-const markSent = `UPDATE outbox SET sent_at = now() WHERE id = ANY($1)`
+// clock_timestamp() is the time of the mark, just after the broker accepted
+// the last of them; now() would be the pass's start, before any publish.
+const markSent = `UPDATE outbox SET sent_at = clock_timestamp() WHERE id = ANY($1)`
 
 // OutboxRelay moves messages from the outbox table to the broker. It knows
 // nothing about orders: it publishes rows.
 //
-// Each pass is one transaction that claims a batch of unsent rows with
-// SELECT ... FOR UPDATE SKIP LOCKED and stays open while it publishes them and
-// marks them sent. Holding the transaction is the claim: while a relay is
-// alive, no other relay sees its rows, and when it dies its connection drops,
-// PostgreSQL rolls the pass back and the rows are free again, with no lease to
-// expire and no clock to trust. (A short claiming transaction alone would not
-// do: its locks end at its commit, before the publish. The other way is a
-// written lease, a claimed_until column, which frees the connection during
-// slow publishes but needs an expiry longer than any publish.) The price is a
-// transaction that lasts as long as a batch takes to publish, so keep batches
-// and broker timeouts small.
+// Each pass is one READ COMMITTED transaction that claims a batch of unsent
+// rows with SELECT ... FOR UPDATE SKIP LOCKED and stays open while it
+// publishes them and marks them sent. Holding the transaction is the claim:
+// no other relay sees the rows while the pass's session lives, and when the
+// session ends PostgreSQL rolls the pass back and the rows are free again.
+// (A short claiming transaction alone would not do: its locks end at its
+// commit, before the publish. The other way is a written lease, a
+// claimed_until column, which frees the connection during slow publishes but
+// needs an expiry longer than any publish.)
+//
+// The connection is a lease only while its socket closes when the relay
+// dies. If the relay's host vanishes or the network splits, nothing closes
+// it, and the server would keep the rows until TCP keepalive gives up (two
+// hours and more by default). So every pass has a time budget, PassTimeout,
+// and sets the server's limits for its own transaction from it: statements
+// and lock waits of at most the budget, and at most twice the budget idle
+// between statements, after which the server ends the session. A vanished
+// relay's rows are free again at most three times the budget after its last
+// statement began. A long pass also holds back vacuum on the whole server,
+// since its transaction has an id; the budget bounds that too.
 //
 // What several relays give up is one global order: each publishes its own
-// batch in id order, but batches of different relays interleave. And what no
-// relay can give is order by commit: PostgreSQL hands out an id when a row is
+// batch in id order, but batches of different relays interleave. And no
+// relay can give order by commit: PostgreSQL hands out an id when a row is
 // inserted, so a row with a smaller id can commit, and be published, after
-// one with a larger id. The sent flag makes sure such a row is not lost; it
-// does not make it go first. Delivery is at least once: a relay that dies
-// after publishing and before its commit leaves the rows unsent, and they go
-// again with the same ids.
+// one with a larger id (the trap, shown in this module's tests). Delivery is
+// at least once: a relay that dies after publishing and before its commit
+// leaves the rows unsent, and they go again with the same ids.
 //
 // An OutboxRelay is safe for concurrent use by multiple goroutines, and any
 // number of relays may run over one database: overlapping passes claim
@@ -58,72 +95,134 @@ const markSent = `UPDATE outbox SET sent_at = now() WHERE id = ANY($1)`
 // database and no broker.
 type OutboxRelay struct {
 	db     *sql.DB
-	broker outbox.MessageBroker
+	broker MessageBroker
 
-	// BatchSize is the most rows one pass claims and publishes; zero means
-	// DefaultBatchSize. Set it before the first pass.
+	// BatchSize is the most rows one pass claims and publishes; zero or less
+	// means DefaultBatchSize. Set it before the first pass.
 	BatchSize int
+
+	// PassTimeout is a pass's time budget for publishing; zero or less means
+	// DefaultPassTimeout. The pass's statements, its mark and its commit get
+	// as long again, so a pass ends at most twice PassTimeout after it
+	// began. Set it before the first pass, longer than the broker's slowest
+	// publish of a batch.
+	PassTimeout time.Duration
 }
 
 // NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
-// to broker, [DefaultBatchSize] rows a pass.
-func NewOutboxRelay(db *sql.DB, broker outbox.MessageBroker) *OutboxRelay {
+// to broker, [DefaultBatchSize] rows a pass. Wrap a broker whose Publish
+// takes no context, such as [outbox.InMemoryBroker], with [AdaptBroker].
+func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 	return &OutboxRelay{db: db, broker: broker}
 }
 
 // PublishPending makes one pass: it claims up to BatchSize unsent rows,
 // publishes them in id order, marks the ones the broker accepted sent in one
-// statement, commits, and returns how many the broker accepted.
+// statement, commits, and returns how many the broker accepted. Nothing the
+// broker did not accept is marked.
 //
 // At the first message the broker refuses, PublishPending stops publishing,
 // still marks and commits the messages before it, and returns the broker's
 // error wrapped with the message id, so that errors.Is(err,
 // [outbox.ErrBrokerUnavailable]) works. That message and all after it stay
-// unsent for the next pass. A row marked sent is never published again.
+// unsent for the next pass.
 //
-// If ctx is cancelled during a pass, PublishPending publishes nothing more,
-// and database/sql rolls the pass back: nothing is marked, and the messages
-// this pass published go again on a later pass, as after a crash. If the mark
-// or the commit fails, the error says so, and the count is still what the
-// broker accepted.
+// A pass stops publishing when its budget (PassTimeout) runs out or ctx
+// ends, and then still marks and commits what the broker accepted, under a
+// context of its own that ctx's cancellation does not cut. A shutdown in the
+// middle of a pass therefore sends again, later, at most the one message
+// whose publish was in flight. When the budget runs out between publishes,
+// the rest wait for the next pass and the error is nil; when ctx ends, the
+// error wraps ctx's.
+//
+// A row marked sent is not published again by a relay that holds its claim.
+// A relay whose session was lost can still publish what it claimed until it
+// notices: it checks at most every [ClaimCheckInterval], and then stops with
+// an error wrapping [ErrClaimLost]. That bounds the duplicates a lost claim
+// makes; it cannot remove them, and consumers must drop them.
+//
+// If the mark or the commit fails, the error says so and keeps the cause of
+// the stop too (errors.Is finds each); the count is still what the broker
+// accepted, and those messages go again. An error from the commit may wrap
+// [ErrCommitUnknown]: the marks may or may not have been kept.
 func (r *OutboxRelay) PublishPending(ctx context.Context) (int, error) {
+	published, _, err := r.pass(ctx)
+	return published, err
+}
+
+// pass is PublishPending, and also reports how many rows it claimed.
+func (r *OutboxRelay) pass(ctx context.Context) (published, claimed int, err error) {
 	batch := r.BatchSize
 	if batch <= 0 {
 		batch = DefaultBatchSize
 	}
-	tx, err := r.db.BeginTx(ctx, nil)
+	budget := r.PassTimeout
+	if budget <= 0 {
+		budget = DefaultPassTimeout
+	}
+
+	// Publishing stops at the budget or when the caller's ctx ends. The
+	// transaction lives under a context that the caller cannot cancel, so
+	// that what the broker accepted can still be marked, and that ends at
+	// twice the budget whatever happens.
+	pubCtx, cancelPub := context.WithTimeout(ctx, budget)
+	defer cancelPub()
+	txCtx, cancelTx := context.WithTimeout(context.WithoutCancel(ctx), 2*budget)
+	defer cancelTx()
+
+	tx, err := r.db.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
-		return 0, err
+		return 0, 0, fmt.Errorf("begin relay pass: %w", err)
 	}
 	defer tx.Rollback() // after a commit this does nothing; otherwise it frees the claim
 
-	msgs, err := claim(ctx, tx, batch)
+	if _, err := tx.ExecContext(txCtx, setLimits, millis(budget), millis(2*budget)); err != nil {
+		return 0, 0, fmt.Errorf("set relay pass limits: %w", err)
+	}
+	msgs, err := claim(txCtx, tx, batch)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 
 	var sent []int64
-	var publishErr error
+	var stop error // why publishing stopped before the end of the batch, if it matters
+	checked := time.Now()
 	for _, msg := range msgs {
-		if publishErr = ctx.Err(); publishErr != nil {
+		if pubCtx.Err() != nil {
+			if err := ctx.Err(); err != nil {
+				stop = fmt.Errorf("relay pass stopped: %w", err)
+			} // else the budget ran out: the rest wait for the next pass
 			break
 		}
-		if err := r.broker.Publish(msg); err != nil {
-			publishErr = fmt.Errorf("publish message %d: %w", msg.ID, err)
+		if time.Since(checked) >= ClaimCheckInterval {
+			if _, err := tx.ExecContext(txCtx, `SELECT 1`); err != nil {
+				stop = fmt.Errorf("%w after %d published messages: %w", ErrClaimLost, len(sent), err)
+				break
+			}
+			checked = time.Now()
+		}
+		if err := r.broker.Publish(pubCtx, msg); err != nil {
+			stop = fmt.Errorf("publish message %d: %w", msg.ID, err)
 			break
 		}
 		sent = append(sent, msg.ID)
 	}
 
 	if len(sent) > 0 {
-		if _, err := tx.ExecContext(ctx, markSent, sent); err != nil {
-			return len(sent), fmt.Errorf("mark %d published messages sent: %w", len(sent), err)
+		if _, err := tx.ExecContext(txCtx, markSent, sent); err != nil {
+			return len(sent), len(msgs), errors.Join(stop, fmt.Errorf("mark %d published messages sent: %w", len(sent), err))
 		}
 	}
-	if err := tx.Commit(); err != nil {
-		return len(sent), fmt.Errorf("commit relay pass: %w", err)
+	if err := commit(tx); err != nil {
+		return len(sent), len(msgs), errors.Join(stop, fmt.Errorf("relay pass: %w", err))
 	}
-	return len(sent), publishErr
+	return len(sent), len(msgs), stop
+}
+
+// millis is d in whole milliseconds, at least 1, as the server's timeout
+// settings take it (0 would turn the timeout off).
+func millis(d time.Duration) string {
+	return strconv.FormatInt(max(1, int64((d+time.Millisecond-1)/time.Millisecond)), 10)
 }
 
 func claim(ctx context.Context, tx *sql.Tx, batch int) ([]outbox.Message, error) {

@@ -2,10 +2,15 @@
 -- again on a database that already has them.
 
 -- The shop's table. The CHECK is the rule the root package's Tx.InsertOrder
--- stands for: a total is a positive number of cents.
+-- stands for: a total is a positive number of cents. idempotency_key is the
+-- caller's name for the request that placed the order (PlaceOrderWithKey), so
+-- that a retry after a commit of unknown outcome finds the first order
+-- instead of placing a second; NULL for orders placed without one (a unique
+-- constraint lets NULLs repeat).
 CREATE TABLE IF NOT EXISTS orders (
-    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    total_cents bigint NOT NULL CHECK (total_cents > 0)
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    total_cents     bigint NOT NULL CHECK (total_cents > 0),
+    idempotency_key text UNIQUE
 );
 
 -- The outbox: one row per event, written in the same transaction as the

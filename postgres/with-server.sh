@@ -3,8 +3,10 @@
 #
 # Starts a throwaway PostgreSQL from the installed server programs: initdb into
 # a fresh temporary folder, the server listening only on a Unix socket in that
-# folder (no TCP port), fsync off (OUTBOX_POSTGRES_FSYNC=on turns it on, to
-# measure what a durable commit costs). Runs COMMAND with OUTBOX_POSTGRES_URL naming
+# folder (no TCP port), fsync and full_page_writes off (OUTBOX_POSTGRES_FSYNC=on
+# turns both on, to measure what a durable commit costs). With fsync off an
+# operating-system crash can corrupt the whole cluster, not only lose recent
+# commits: for a throwaway server only. Runs COMMAND with OUTBOX_POSTGRES_URL naming
 # that server, then stops the server and removes the folder, whether COMMAND
 # passed, failed or was interrupted. Exits with COMMAND's status.
 #
@@ -35,9 +37,13 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 dir=$(mktemp -d "${TMPDIR:-/tmp}/outbox-postgres.XXXXXX") || exit 1
+# server runs one of the server's programs from the server's own folder: the
+# postgres user may not be allowed into the folder make runs in, and the
+# programs complain when they cannot change back to it.
+server() { (cd "$dir" && "${as[@]}" "$@"); }
 cleanup() {
 	if [ -f "$dir/data/postmaster.pid" ]; then
-		"${as[@]}" "$bindir/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null 2>&1
+		server "$bindir/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null 2>&1
 	fi
 	rm -rf "$dir"
 }
@@ -47,11 +53,11 @@ trap 'exit 143' TERM
 chmod 755 "$dir"
 [ ${#as[@]} -gt 0 ] && chown postgres "$dir"
 
-if ! "${as[@]}" "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/initdb.log" 2>&1; then
+if ! server "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/initdb.log" 2>&1; then
 	cat "$dir/initdb.log" >&2
 	exit 1
 fi
-if ! "${as[@]}" "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+if ! server "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
 	-o "-k $dir -c listen_addresses='' -c fsync=${OUTBOX_POSTGRES_FSYNC:-off} -c full_page_writes=${OUTBOX_POSTGRES_FSYNC:-off}" start >/dev/null; then
 	cat "$dir/server.log" >&2
 	exit 1

@@ -1,0 +1,57 @@
+package postgres
+
+import (
+	"context"
+	"fmt"
+
+	"example.com/patterns/enterprise/outbox"
+)
+
+// MessageBroker is the producer side of a message broker, as this package's
+// relay and [DirectOrderService] use it: the root package's
+// [outbox.MessageBroker] with a context, so that a relay can stop a publish
+// that hangs instead of holding its claim, and its transaction, for as long
+// as the broker takes.
+//
+// Publish hands msg to the broker and returns once the broker has accepted
+// it (nil) or refused it, or ctx has ended (an error). An error means the
+// broker may not have accepted the message; it may also have accepted it
+// (an acknowledgement lost on the way back), which is why delivery is at
+// least once. Publish must return soon after ctx ends.
+//
+// Implementations must be safe for concurrent use by multiple goroutines.
+type MessageBroker interface {
+	Publish(ctx context.Context, msg outbox.Message) error
+}
+
+// AdaptBroker returns a [MessageBroker] that publishes through b, a broker
+// whose Publish takes no context, such as [outbox.InMemoryBroker].
+//
+// Such a broker cannot be stopped. If ctx ends before b.Publish returns, the
+// adapter returns ctx's error at once and leaves the call running in a
+// goroutine of its own until b returns; whether b accepted the message is
+// then unknown, so a relay leaves it unsent and it goes again. A broker that
+// hangs for ever therefore keeps one goroutine per relay pass that met it.
+// Give a real broker a Publish that takes the context instead.
+func AdaptBroker(b outbox.MessageBroker) MessageBroker {
+	return adapted{b}
+}
+
+type adapted struct{ b outbox.MessageBroker }
+
+func (a adapted) Publish(ctx context.Context, msg outbox.Message) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if ctx.Done() == nil { // a context that never ends: no need to watch it
+		return a.b.Publish(msg)
+	}
+	done := make(chan error, 1) // buffered: the call may finish after we stopped waiting
+	go func() { done <- a.b.Publish(msg) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("broker did not answer before the context ended, so whether it accepted the message is unknown: %w", ctx.Err())
+	}
+}
