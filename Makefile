@@ -5,10 +5,14 @@
 #   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
 #   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
-#   make bench                               the benchmarks quoted in README.md, and their ratios
+#   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
 #   make lint                                staticcheck (fetched through the Go module proxy), both modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
+#
+# make test without T does the same as with it; a T naming another pattern
+# stops with a message saying which one this module holds. .ci/run runs make
+# test, make postgres and make lint.
 
 PATTERN  := patterns/enterprise/outbox
 T        ?= $(PATTERN)
@@ -44,10 +48,12 @@ example:
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 10s .
 
-# Ten rounds of every benchmark into bench.txt (about 45 s on 2 cores),
-# then each ratio the README quotes. A round runs each pair one right after the
+# Ten rounds of every benchmark into bench.txt (about 45 s on 2 cores), then
+# each pair's ratio; the benchmarks' doc comments in example_test.go state
+# the claims the ratios check. A round runs each pair one right after the
 # other, so that the two sides of a ratio meet the same machine (-count would
-# run all rounds of one side first). The test binary is built once.
+# run all rounds of one side first). The test binary is built once. benchstat
+# is fetched through the module proxy, never a dependency.
 bench:
 	$(GO) test -c -o bench.test .
 	for round in 1 2 3 4 5 6 7 8 9 10; do \

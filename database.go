@@ -42,17 +42,17 @@ type OutboxMessage struct {
 // database/sql query outside a transaction does, and see only committed rows.
 //
 // A Database is safe for concurrent use by multiple goroutines. It runs one
-// transaction at a time, so ids are assigned in commit order. A real database
-// runs transactions side by side and hands out ids when rows are inserted, so
-// there a row with a smaller id can commit after one with a larger id; select
-// unsent rows by their sent flag, as [OutboxRelay] does, never by "ids above
-// the last one sent". A Database must not be copied after first use.
+// transaction at a time, so its ids follow commit order. That is true of this
+// Database, not of PostgreSQL, where a row with a smaller id can commit after
+// one with a larger id: the postgres module's tests show it, and why the
+// relay selects unsent rows by their sent flag, as [OutboxRelay] does, never
+// by "ids above the last one sent". A Database must not be copied after first
+// use.
 //
 // Ids are one more than the table's length, which is safe only because a
 // Database never deletes a row: a job that deleted sent rows would hand their
 // ids out again, and consumers that drop duplicates by [Message.ID] would drop
-// new messages. A real table takes ids from a sequence, which never hands out
-// a value twice.
+// new messages. The postgres module takes ids from a sequence instead.
 type Database struct {
 	mu     sync.Mutex
 	orders map[int64]Order // keyed by order id

@@ -14,6 +14,16 @@
 // be taken down. Delivery is at least once: a relay that dies after publishing
 // a message but before marking it sent publishes it again, with the same
 // [Message.ID], so consumers must drop duplicates.
+//
+// What is Go about it, as the article's «Отличия между языками» says: the
+// transaction takes a function and rolls back when it returns an error (or
+// panics), as wrappers over database/sql do, and returns that error
+// unchanged for [errors.Is]; maps.Clone and slices.Clone take the snapshot.
+// The relay returns the broker's error to its caller, who decides when to try
+// again: there is no Run loop, since the article draws the timer as a box of
+// its own (the application in example_test.go runs the relay on a ticker).
+// [MessageBroker.Publish] takes no context, to match the article's
+// one-method interface in every language; the postgres module's takes one.
 package outbox
 
 import (

@@ -82,12 +82,12 @@ const markSent = `UPDATE outbox SET sent_at = clock_timestamp() WHERE id = ANY($
 // since its transaction has an id; the budget bounds that too.
 //
 // What several relays give up is one global order: each publishes its own
-// batch in id order, but batches of different relays interleave. And no
-// relay can give order by commit: PostgreSQL hands out an id when a row is
-// inserted, so a row with a smaller id can commit, and be published, after
-// one with a larger id (the trap, shown in this module's tests). Delivery is
-// at least once: a relay that dies after publishing and before its commit
-// leaves the rows unsent, and they go again with the same ids.
+// batch in id order, but batches of different relays interleave. Nor is id
+// order commit order on PostgreSQL: the trap test,
+// TestRowCommittedAfterAHigherIDIsSentLateNotLost, shows a row sent late, not
+// lost. Delivery is at least once: a relay that dies after publishing and
+// before its commit leaves the rows unsent, and they go again with the same
+// ids.
 //
 // An OutboxRelay is safe for concurrent use by multiple goroutines, and any
 // number of relays may run over one database: overlapping passes claim
