@@ -2,10 +2,13 @@ package postgres_test
 
 import (
 	"context"
+	"database/sql"
+	"encoding/json"
+	"os"
 	"strconv"
 	"testing"
+	"time"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
@@ -73,4 +76,75 @@ func BenchmarkDeliver(b *testing.B) {
 // benchmark does not grow a list in memory.
 type discard struct{}
 
-func (discard) Publish(context.Context, outbox.Message) error { return nil }
+func (discard) Publish(context.Context, postgres.Message) error { return nil }
+
+// BenchmarkDrain drains 200,000 pending rows with one relay in passes of
+// 100, once (run it with -benchtime 1x), and reports the drain rate of its
+// first and its last tenth, then what an empty pass's claim reads, before and
+// after VACUUM.
+func BenchmarkDrain(b *testing.B) {
+	const rows, tenth = 200_000, 20_000
+	ctx := context.Background()
+	for b.Loop() {
+		db := newDatabase(b)
+		if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
+			SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, rows); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := db.ExecContext(ctx, `VACUUM ANALYZE outbox`); err != nil {
+			b.Fatal(err)
+		}
+		if s := os.Getenv("DRAIN_TABLE_OPTS"); s != "" {
+			if _, err := db.ExecContext(ctx, `ALTER TABLE outbox SET (`+s+`)`); err != nil {
+				b.Fatal(err)
+			}
+		}
+		relay := postgres.NewOutboxRelay(db, discard{})
+		var rates []float64
+		for done := 0; done < rows; {
+			start := time.Now()
+			for sent := 0; sent < tenth; {
+				n, err := relay.PublishPending(ctx)
+				if err != nil || n == 0 {
+					b.Fatalf("pass = %d, %v", n, err)
+				}
+				sent += n
+			}
+			rates = append(rates, tenth/time.Since(start).Seconds())
+			done += tenth
+		}
+		b.Logf("rates %.0f", rates)
+		b.ReportMetric(rates[0], "first-tenth-msg/s")
+		b.ReportMetric(rates[len(rates)-1], "last-tenth-msg/s")
+		b.ReportMetric(claimBuffers(b, db), "empty-claim-buffers")
+		if _, err := db.ExecContext(ctx, `VACUUM outbox`); err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(claimBuffers(b, db), "vacuumed-claim-buffers")
+	}
+}
+
+// claimBuffers is how many shared buffers the relay's claim reads, as
+// EXPLAIN (ANALYZE, BUFFERS) counts them, in a transaction rolled back.
+func claimBuffers(b *testing.B, db *sql.DB) float64 {
+	b.Helper()
+	tx, err := db.Begin()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer tx.Rollback()
+	var plan string
+	if err := tx.QueryRow(`EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ` + postgres.ClaimQuery).Scan(&plan); err != nil {
+		b.Fatal(err)
+	}
+	var parsed []struct {
+		Plan struct {
+			Hit  float64 `json:"Shared Hit Blocks"`
+			Read float64 `json:"Shared Read Blocks"`
+		}
+	}
+	if err := json.Unmarshal([]byte(plan), &parsed); err != nil || len(parsed) != 1 {
+		b.Fatalf("EXPLAIN: %v: %s", err, plan)
+	}
+	return parsed[0].Plan.Hit + parsed[0].Plan.Read
+}

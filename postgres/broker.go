@@ -2,10 +2,34 @@ package postgres
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"example.com/patterns/enterprise/outbox"
 )
+
+// Message is an outbox row as this package's relay publishes it: the root
+// package's [outbox.Message], whose ID is the row's id, and the row's key.
+type Message struct {
+	outbox.Message
+
+	// Key names the message where consumers meet: a UUID the row was given at
+	// insert, unique across producers, and kept by every copy a re-send makes.
+	// ID is unique only within one database's sequence, and not even there
+	// once the sequence is reset, so consumers drop duplicates by Key, and a
+	// broker that deduplicates (JetStream's Nats-Msg-Id) is given Key too. It
+	// is empty for a message published without an outbox, by
+	// DirectOrderService.
+	Key string
+}
+
+// ErrRejected is what a [MessageBroker] wraps to say that it refused a
+// message for ever: a payload over its limit, a destination that does not
+// exist. Publishing it again cannot succeed, so a relay may park it
+// ([OutboxRelay.ParkAfter]). Every other error, such as
+// [outbox.ErrBrokerUnavailable], is taken as one that may pass: a broker that
+// is down, however long, never has a message parked.
+var ErrRejected = errors.New("postgres: message rejected by the broker")
 
 // MessageBroker is the producer side of a message broker, as this package's
 // relay and [DirectOrderService] use it: the root package's
@@ -21,13 +45,14 @@ import (
 //
 // Implementations must be safe for concurrent use by multiple goroutines.
 type MessageBroker interface {
-	Publish(ctx context.Context, msg outbox.Message) error
+	Publish(ctx context.Context, msg Message) error
 }
 
 // AdaptBroker returns a [MessageBroker] that publishes through b, a broker
 // whose Publish takes no context, such as [outbox.InMemoryBroker].
 //
-// Such a broker cannot be stopped. If ctx ends before b.Publish returns, the
+// Such a broker gets msg.Message: the Key is not passed on. And it cannot be
+// stopped. If ctx ends before b.Publish returns, the
 // adapter returns ctx's error at once and leaves the call running in a
 // goroutine of its own until b returns; whether b accepted the message is
 // then unknown, so a relay leaves it unsent and it goes again. A broker that
@@ -39,15 +64,15 @@ func AdaptBroker(b outbox.MessageBroker) MessageBroker {
 
 type adapted struct{ b outbox.MessageBroker }
 
-func (a adapted) Publish(ctx context.Context, msg outbox.Message) error {
+func (a adapted) Publish(ctx context.Context, msg Message) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	if ctx.Done() == nil { // a context that never ends: no need to watch it
-		return a.b.Publish(msg)
+		return a.b.Publish(msg.Message)
 	}
 	done := make(chan error, 1) // buffered: the call may finish after we stopped waiting
-	go func() { done <- a.b.Publish(msg) }()
+	go func() { done <- a.b.Publish(msg.Message) }()
 	select {
 	case err := <-done:
 		return err

@@ -58,7 +58,7 @@ func (s *DirectOrderService) PlaceOrder(ctx context.Context, totalCents int64) (
 	if err != nil {
 		return order.ID, err // an Order is two integers: this cannot happen
 	}
-	if err := s.broker.Publish(ctx, outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)}); err != nil {
+	if err := s.broker.Publish(ctx, Message{Message: outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)}}); err != nil {
 		return order.ID, fmt.Errorf("order %d saved, but %s not published: %w", order.ID, outbox.OrderPlaced, err)
 	}
 	return order.ID, nil

@@ -3,6 +3,9 @@ package postgres
 import (
 	"context"
 	"database/sql"
+	"strconv"
+	"strings"
+	"time"
 )
 
 // This file is compiled only into the package's tests. It lets them reach
@@ -15,3 +18,15 @@ func InsertOrder(ctx context.Context, tx *sql.Tx, totalCents int64) (int64, erro
 	order, _, err := insertOrder(ctx, tx, sql.NullString{}, totalCents)
 	return order.ID, err
 }
+
+// ClaimQuery is the relay's claim with its batch size written in, for
+// EXPLAIN.
+var ClaimQuery = strings.Replace(claimRows, "$1", strconv.Itoa(DefaultBatchSize), 1)
+
+// SetRunWait makes Run wait through f instead of sleeping.
+func SetRunWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool) {
+	r.wait = f
+}
+
+// Backoff is backoff.
+var Backoff = backoff

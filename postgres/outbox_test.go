@@ -321,7 +321,7 @@ func drainWithFourRelays(t *testing.T, name string, rows int) {
 	errs := make(chan error, 2*relays) // a relay reports at most a wait and a pass error
 	for i := range relays {
 		var first sync.Once
-		broker := brokerFunc(func(ctx context.Context, m outbox.Message) error {
+		broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 			first.Do(func() {
 				arrived.Done()
 				select {
@@ -330,7 +330,7 @@ func drainWithFourRelays(t *testing.T, name string, rows int) {
 					errs <- fmt.Errorf("relay %d waited 30 s for the other relays to be inside a pass at the same time", i)
 				}
 			})
-			return shared.Publish(m)
+			return shared.Publish(m.Message)
 		})
 		relay := postgres.NewOutboxRelay(open(t, name, fmt.Sprintf("relay-%d", i)), broker)
 		wg.Go(func() {
@@ -373,18 +373,18 @@ func drainWithFourRelays(t *testing.T, name string, rows int) {
 
 // A relay that dies after the broker accepted its messages and before its
 // pass commits (its connection is killed from inside the last Publish) leaves
-// them unsent. The next relay publishes them again, with the same ids, and
-// the warehouse, which drops duplicates by Message.ID, reserves each order
-// once.
+// them unsent. The next relay publishes them again, with the same ids and
+// keys, and the warehouse, which drops duplicates by Message.Key, reserves
+// each order once.
 func TestRelayThatDiesAfterPublishingSendsAgainAndConsumerAppliesOnce(t *testing.T) {
 	ctx := context.Background()
 	name := newDatabaseName(t)
 	db := open(t, name, "")
 	place(t, db, 100, 200, 300)
 
-	broker := &outbox.InMemoryBroker{}
-	dying := brokerFunc(func(ctx context.Context, m outbox.Message) error {
-		if err := broker.Publish(m); err != nil {
+	broker := &recorder{}
+	dying := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if err := broker.Publish(ctx, m); err != nil {
 			return err
 		}
 		if m.ID == 3 { // accepted; now the relay's process dies
@@ -397,10 +397,15 @@ func TestRelayThatDiesAfterPublishingSendsAgainAndConsumerAppliesOnce(t *testing
 	}
 	wantSent(t, db, false, false, false)
 
-	if n, err := postgres.NewOutboxRelay(db, postgres.AdaptBroker(broker)).PublishPending(ctx); n != 3 || err != nil {
+	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("the next relay's pass = %d, %v; want 3, <nil>", n, err)
 	}
-	wantIDs(t, broker, 1, 2, 3, 1, 2, 3)
+	if got := broker.IDs(); !slices.Equal(got, []int64{1, 2, 3, 1, 2, 3}) {
+		t.Errorf("broker received ids %v, want [1 2 3 1 2 3]", got)
+	}
+	if m := broker.Published(); m[0].Key == "" || m[0].Key != m[3].Key || m[0].Key == m[1].Key {
+		t.Errorf("keys %q, %q, %q: want a key per row, the same on a re-send", m[0].Key, m[1].Key, m[3].Key)
+	}
 
 	warehouse := postgres.NewWarehouse(db)
 	var applied []bool
@@ -431,7 +436,8 @@ func deliverEightTimesAtOnce(t *testing.T, db *sql.DB) {
 	t.Helper()
 	ctx := context.Background()
 	warehouse := postgres.NewWarehouse(db)
-	msg := outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `{"orderId":1,"totalCents":2500}`}
+	msg := postgres.Message{Message: outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `{"orderId":1,"totalCents":2500}`},
+		Key: "5d0f1c1e-9b35-4c2c-8a3c-2f7b1f0e6a01"}
 
 	var applied atomic.Int32
 	var wg sync.WaitGroup
@@ -508,11 +514,11 @@ func TestMessageRefusedForEverBlocksEveryLaterMessage(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 100, 200, 300)
 	broker := &outbox.InMemoryBroker{}
-	refuse2 := brokerFunc(func(ctx context.Context, m outbox.Message) error {
+	refuse2 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.ID == 2 {
 			return errRefused
 		}
-		return broker.Publish(m)
+		return broker.Publish(m.Message)
 	})
 	relay := postgres.NewOutboxRelay(db, refuse2)
 	for pass := 1; pass <= 3; pass++ {
@@ -575,11 +581,14 @@ func TestWarehouseRefusesBadMessagesAndRecordsNothing(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	warehouse := postgres.NewWarehouse(db)
-	if _, err := warehouse.Handle(ctx, outbox.Message{Type: outbox.OrderPlaced, Payload: `{"orderId":1,"totalCents":5}`}); !errors.Is(err, postgres.ErrNoMessageID) {
-		t.Errorf("Handle of a message with no id = %v, want ErrNoMessageID", err)
+	msg := func(key, typ, payload string) postgres.Message {
+		return postgres.Message{Message: outbox.Message{ID: 1, Type: typ, Payload: payload}, Key: key}
 	}
-	if _, err := warehouse.Handle(ctx, outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `[1]`}); err == nil ||
-		!strings.HasPrefix(err.Error(), "message 1: decode OrderPlaced payload: ") {
+	if _, err := warehouse.Handle(ctx, msg("", outbox.OrderPlaced, `{"orderId":1,"totalCents":5}`)); !errors.Is(err, postgres.ErrNoMessageKey) {
+		t.Errorf("Handle of a message with no key = %v, want ErrNoMessageKey", err)
+	}
+	if _, err := warehouse.Handle(ctx, msg("k1", outbox.OrderPlaced, `[1]`)); err == nil ||
+		!strings.HasPrefix(err.Error(), "message k1: decode OrderPlaced payload: ") {
 		t.Errorf("Handle of a payload that is not an order = %v, want a decode error", err)
 	}
 	var processed int
@@ -587,7 +596,7 @@ func TestWarehouseRefusesBadMessagesAndRecordsNothing(t *testing.T) {
 		t.Errorf("processed_messages holds %d rows (%v), want 0", processed, err)
 	}
 	wantReservations(t, db)
-	if ok, err := warehouse.Handle(ctx, outbox.Message{ID: 1, Type: "CustomerRegistered", Payload: `{}`}); !ok || err != nil {
+	if ok, err := warehouse.Handle(ctx, msg("k1", "CustomerRegistered", `{}`)); !ok || err != nil {
 		t.Errorf("Handle of another type = %v, %v; want true (recorded, no effect), <nil>", ok, err)
 	}
 	wantReservations(t, db)
@@ -609,9 +618,37 @@ var errRefused = errors.New("message refused")
 
 // brokerFunc makes a function a postgres.MessageBroker, for the fault brokers
 // of the tests.
-type brokerFunc func(context.Context, outbox.Message) error
+type brokerFunc func(context.Context, postgres.Message) error
 
-func (f brokerFunc) Publish(ctx context.Context, msg outbox.Message) error { return f(ctx, msg) }
+func (f brokerFunc) Publish(ctx context.Context, msg postgres.Message) error { return f(ctx, msg) }
+
+// recorder is a postgres.MessageBroker that keeps every message it is given,
+// keys and all, in order; the zero value is ready.
+type recorder struct {
+	mu   sync.Mutex
+	msgs []postgres.Message
+}
+
+func (r *recorder) Publish(_ context.Context, msg postgres.Message) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.msgs = append(r.msgs, msg)
+	return nil
+}
+
+func (r *recorder) Published() []postgres.Message {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.msgs)
+}
+
+func (r *recorder) IDs() []int64 {
+	var ids []int64
+	for _, m := range r.Published() {
+		ids = append(ids, m.ID)
+	}
+	return ids
+}
 
 // server is the connection OUTBOX_POSTGRES_URL names, or nil.
 var server *pgx.ConnConfig

@@ -5,10 +5,9 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"time"
-
-	"example.com/patterns/enterprise/outbox"
 )
 
 // DefaultBatchSize is how many rows a relay pass claims when
@@ -39,15 +38,16 @@ const setLimits = `SELECT set_config('statement_timeout', $1, true),
 	set_config('lock_timeout', $1, true),
 	set_config('idle_in_transaction_session_timeout', $2, true)`
 
-// claimRows takes up to $1 unsent rows, lowest id first, and locks them for
-// the rest of the transaction. SKIP LOCKED passes over rows that another
-// relay's open transaction holds, so relays running at the same time claim
-// disjoint rows instead of waiting for each other. Rows of transactions that
-// have not committed are not seen at all.
+// claimRows takes up to $1 rows still to publish (not sent, not parked),
+// lowest id first, and locks them for the rest of the transaction. SKIP
+// LOCKED passes over rows that another relay's open transaction holds, so
+// relays running at the same time claim disjoint rows instead of waiting for
+// each other. Rows of transactions that have not committed are not seen at
+// all.
 const claimRows = `
-SELECT id, type, payload
+SELECT id, message_key, type, payload, rejections
 FROM outbox
-WHERE sent_at IS NULL
+WHERE sent_at IS NULL AND parked_at IS NULL
 ORDER BY id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
@@ -56,6 +56,14 @@ FOR UPDATE SKIP LOCKED`
 // clock_timestamp() is the time of the mark, just after the broker accepted
 // the last of them; now() would be the pass's start, before any publish.
 const markSent = `UPDATE outbox SET sent_at = clock_timestamp() WHERE id = ANY($1)`
+
+// recordFailure counts a failed publish of row $1 with its error $3, as a
+// rejection too if $2 is 1, and parks the row if $4.
+const recordFailure = `
+UPDATE outbox
+SET attempts = attempts + 1, rejections = rejections + $2, last_error = $3,
+    parked_at = CASE WHEN $4 THEN clock_timestamp() END
+WHERE id = $1`
 
 // OutboxRelay moves messages from the outbox table to the broker. It knows
 // nothing about orders: it publishes rows.
@@ -107,6 +115,29 @@ type OutboxRelay struct {
 	// began. Set it before the first pass, longer than the broker's slowest
 	// publish of a batch.
 	PassTimeout time.Duration
+
+	// ParkAfter is how many rejections (broker errors wrapping ErrRejected)
+	// set a row aside, parked: it is no longer published and no longer holds
+	// back the rows after it, which go on in the same pass. Zero or less
+	// keeps the article's relay: a message the broker refuses for ever
+	// blocks every message after it, and the order of all of them is kept.
+	// Parking gives up that message's place in the order: if it is put back
+	// (Unpark), it is published after messages that were written after it.
+	// Errors that do not wrap ErrRejected, a broker that is down among them,
+	// never park a row. ReadLag counts the parked rows; ListParked lists them.
+	ParkAfter int
+
+	// PollInterval, MaxBackoff, PollOnly and Logger configure Run: how long
+	// it waits for a notification before it passes anyway, the longest it
+	// waits after failed passes, whether it only polls, and where it logs
+	// failed passes and parked messages (nil: nowhere).
+	PollInterval time.Duration
+	MaxBackoff   time.Duration
+	PollOnly     bool
+	Logger       *slog.Logger
+
+	// wait is how Run waits, a test's seam; nil is sleep.
+	wait func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool
 }
 
 // NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
@@ -125,7 +156,10 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 // still marks and commits the messages before it, and returns the broker's
 // error wrapped with the message id, so that errors.Is(err,
 // [outbox.ErrBrokerUnavailable]) works. That message and all after it stay
-// unsent for the next pass.
+// unsent for the next pass. The pass writes the failure to the row
+// (attempts, rejections, last_error) in its own transaction, which commits
+// even when nothing was sent; a row rejected ParkAfter times is parked
+// instead, and the pass goes on with the rows after it.
 //
 // A pass stops publishing when its budget (PassTimeout) runs out or ctx
 // ends, and then still marks and commits what the broker accepted, under a
@@ -146,12 +180,20 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 // accepted, and those messages go again. An error from the commit may wrap
 // [ErrCommitUnknown]: the marks may or may not have been kept.
 func (r *OutboxRelay) PublishPending(ctx context.Context) (int, error) {
-	published, _, err := r.pass(ctx)
-	return published, err
+	res, err := r.pass(ctx)
+	return res.published, err
 }
 
-// pass is PublishPending, and also reports how many rows it claimed.
-func (r *OutboxRelay) pass(ctx context.Context) (published, claimed int, err error) {
+// passResult is what a pass did, for Run.
+type passResult struct {
+	published int     // accepted by the broker
+	claimed   int     // rows the pass claimed
+	full      bool    // it claimed a whole batch
+	parked    []int64 // ids of the rows it parked
+}
+
+// pass is PublishPending, reporting more.
+func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	batch := r.BatchSize
 	if batch <= 0 {
 		batch = DefaultBatchSize
@@ -172,19 +214,21 @@ func (r *OutboxRelay) pass(ctx context.Context) (published, claimed int, err err
 
 	tx, err := r.db.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
-		return 0, 0, fmt.Errorf("begin relay pass: %w", err)
+		return res, fmt.Errorf("begin relay pass: %w", err)
 	}
 	defer tx.Rollback() // after a commit this does nothing; otherwise it frees the claim
 
 	if _, err := tx.ExecContext(txCtx, setLimits, millis(budget), millis(2*budget)); err != nil {
-		return 0, 0, fmt.Errorf("set relay pass limits: %w", err)
+		return res, fmt.Errorf("set relay pass limits: %w", err)
 	}
 	msgs, err := claim(txCtx, tx, batch)
 	if err != nil {
-		return 0, 0, err
+		return res, err
 	}
+	res.claimed, res.full = len(msgs), len(msgs) == batch
 
 	var sent []int64
+	var failed []failure
 	var stop error // why publishing stopped before the end of the batch, if it matters
 	checked := time.Now()
 	for _, msg := range msgs {
@@ -201,22 +245,60 @@ func (r *OutboxRelay) pass(ctx context.Context) (published, claimed int, err err
 			}
 			checked = time.Now()
 		}
-		if err := r.broker.Publish(pubCtx, msg); err != nil {
-			stop = fmt.Errorf("publish message %d: %w", msg.ID, err)
-			break
+		err := r.broker.Publish(pubCtx, msg.Message)
+		if err == nil {
+			sent = append(sent, msg.ID)
+			continue
 		}
-		sent = append(sent, msg.ID)
+		if pubCtx.Err() == nil { // the broker's own failure, not the end of the pass
+			f := failure{id: msg.ID, err: err, rejected: errors.Is(err, ErrRejected)}
+			f.park = f.rejected && r.ParkAfter > 0 && msg.rejections+1 >= r.ParkAfter
+			failed = append(failed, f)
+			if f.park {
+				res.parked = append(res.parked, msg.ID)
+				continue // set aside: the rows after it go on
+			}
+		}
+		stop = fmt.Errorf("publish message %d: %w", msg.ID, err)
+		break
 	}
+	res.published = len(sent)
 
 	if len(sent) > 0 {
 		if _, err := tx.ExecContext(txCtx, markSent, sent); err != nil {
-			return len(sent), len(msgs), errors.Join(stop, fmt.Errorf("mark %d published messages sent: %w", len(sent), err))
+			return res, errors.Join(stop, fmt.Errorf("mark %d published messages sent: %w", len(sent), err))
+		}
+	}
+	for _, f := range failed {
+		if _, err := tx.ExecContext(txCtx, recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park); err != nil {
+			return res, errors.Join(stop, fmt.Errorf("record the failure of message %d: %w", f.id, err))
 		}
 	}
 	if err := commit(tx); err != nil {
-		return len(sent), len(msgs), errors.Join(stop, fmt.Errorf("relay pass: %w", err))
+		return res, errors.Join(stop, fmt.Errorf("relay pass: %w", err))
 	}
-	return len(sent), len(msgs), stop
+	return res, stop
+}
+
+// claimed is a claimed row: its message, and how often the broker rejected
+// it before.
+type claimed struct {
+	Message
+	rejections int
+}
+
+// failure is a failed publish, to be written to its row.
+type failure struct {
+	id             int64
+	err            error
+	rejected, park bool
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // millis is d in whole milliseconds, at least 1, as the server's timeout
@@ -225,16 +307,16 @@ func millis(d time.Duration) string {
 	return strconv.FormatInt(max(1, int64((d+time.Millisecond-1)/time.Millisecond)), 10)
 }
 
-func claim(ctx context.Context, tx *sql.Tx, batch int) ([]outbox.Message, error) {
+func claim(ctx context.Context, tx *sql.Tx, batch int) ([]claimed, error) {
 	rows, err := tx.QueryContext(ctx, claimRows, batch)
 	if err != nil {
 		return nil, fmt.Errorf("claim outbox rows: %w", err)
 	}
 	defer rows.Close()
-	var msgs []outbox.Message
+	var msgs []claimed
 	for rows.Next() {
-		var m outbox.Message
-		if err := rows.Scan(&m.ID, &m.Type, &m.Payload); err != nil {
+		var m claimed
+		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &m.rejections); err != nil {
 			return nil, fmt.Errorf("claim outbox rows: %w", err)
 		}
 		msgs = append(msgs, m)

@@ -39,12 +39,12 @@ func TestHungBrokerCannotHoldAPassBeyondItsBudget(t *testing.T) {
 	place(t, db, 100, 200, 300)
 
 	broker := &outbox.InMemoryBroker{}
-	hangAt2 := brokerFunc(func(ctx context.Context, m outbox.Message) error {
+	hangAt2 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.ID == 2 {
 			<-ctx.Done() // a broker that never answers, until the relay gives up
 			return fmt.Errorf("no answer: %w", ctx.Err())
 		}
-		return broker.Publish(m)
+		return broker.Publish(m.Message)
 	})
 	relay := postgres.NewOutboxRelay(open(t, name, "hung-relay"), hangAt2)
 	relay.PassTimeout = time.Second
@@ -188,8 +188,8 @@ func TestShutdownMidPassMarksWhatTheBrokerAccepted(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			broker := &outbox.InMemoryBroker{}
-			cancelAt3 := brokerFunc(func(ctx context.Context, m outbox.Message) error {
-				err := broker.Publish(m)
+			cancelAt3 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+				err := broker.Publish(m.Message)
 				if m.ID == 3 {
 					cancel() // the process is told to stop
 					if tc.inFlight {
@@ -237,7 +237,7 @@ func TestVanishedRelayFreesItsRowsAtThePassLimit(t *testing.T) {
 
 	frozen := make(chan struct{})
 	var once sync.Once
-	cutOff := brokerFunc(func(ctx context.Context, m outbox.Message) error {
+	cutOff := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		once.Do(func() { p.freeze(); close(frozen) })
 		return nil // the vanished host's broker: whatever it did is gone with it
 	})
@@ -289,7 +289,7 @@ func TestRelayThatLostItsSessionStopsAtItsNextCheck(t *testing.T) {
 	var killed atomic.Bool
 	broker := &outbox.InMemoryBroker{}
 	slow := slowBroker(broker, perMessage)
-	killing := brokerFunc(func(ctx context.Context, m outbox.Message) error {
+	killing := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if killed.Load() {
 			afterKill.Add(1)
 		}
@@ -329,13 +329,13 @@ func TestRowCommittedDuringAPassStaysUnsent(t *testing.T) {
 	place(t, db, 300) // row 3
 
 	broker := &outbox.InMemoryBroker{}
-	commitA := brokerFunc(func(ctx context.Context, m outbox.Message) error {
+	commitA := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.ID == 1 {
 			if err := a.Commit(); err != nil {
 				return err
 			}
 		}
-		return broker.Publish(m)
+		return broker.Publish(m.Message)
 	})
 	if n, err := postgres.NewOutboxRelay(db, commitA).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("pass = %d, %v; want 2 (rows 1 and 3), <nil>", n, err)
@@ -386,7 +386,7 @@ func TestSentAtIsAfterTheBrokerAccepted(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 100, 200)
 	accepted := map[int64]time.Time{}
-	broker := brokerFunc(func(ctx context.Context, m outbox.Message) error {
+	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		var at time.Time
 		err := db.QueryRowContext(ctx, `SELECT clock_timestamp()`).Scan(&at) // the server's clock, as sent_at
 		accepted[m.ID] = at
@@ -413,7 +413,7 @@ func TestFailedMarkKeepsTheBrokersError(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
 	place(t, db, 100, 200)
-	refuse2AndDie := brokerFunc(func(ctx context.Context, m outbox.Message) error {
+	refuse2AndDie := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.ID == 2 {
 			terminate(t, db, "dying-relay")
 			return errRefused
@@ -505,12 +505,12 @@ func (f outboxBrokerFunc) Publish(msg outbox.Message) error { return f(msg) }
 // slowBroker publishes to broker after taking d, or fails when ctx ends
 // first: a broker across a slow network.
 func slowBroker(broker *outbox.InMemoryBroker, d time.Duration) postgres.MessageBroker {
-	return brokerFunc(func(ctx context.Context, m outbox.Message) error {
+	return brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		t := time.NewTimer(d)
 		defer t.Stop()
 		select {
 		case <-t.C:
-			return broker.Publish(m)
+			return broker.Publish(m.Message)
 		case <-ctx.Done():
 			return ctx.Err()
 		}

@@ -6,26 +6,31 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"time"
 
 	"example.com/patterns/enterprise/outbox"
 )
 
-// ErrNoMessageID is returned by [Warehouse.Handle] for a message whose ID is
-// zero, such as one published by [DirectOrderService]: with no id there is
-// no way to tell a duplicate from a new message.
-var ErrNoMessageID = errors.New("postgres: message has no id, so duplicates cannot be dropped")
+// ErrNoMessageKey is returned by [Warehouse.Handle] for a message whose Key
+// is empty, such as one published by [DirectOrderService]: with no key there
+// is no way to tell a duplicate from a new message.
+var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates cannot be dropped")
 
 // Warehouse is the consumer of OrderPlaced: it reserves stock for each order
 // it hears of. Delivery is at least once, so it is idempotent by
-// [outbox.Message.ID]: in one transaction it records the id in
+// [Message.Key]: in one transaction it records the key in
 // processed_messages and applies the message's effect (a row in
-// reservations). A message whose id is recorded already changes nothing.
+// reservations). A message whose key is recorded already changes nothing.
+// The key, not [outbox.Message.ID], because a warehouse that hears two
+// shops, or one shop whose sequence was reset, sees the same id on different
+// messages.
 //
 // In a real system the warehouse keeps both tables in its own database; here
 // they share the server with the shop so that a test can see both sides.
 //
 // A Warehouse is safe for concurrent use by multiple goroutines: two
-// deliveries of one message at the same time apply it once. Create one with
+// deliveries of one message at the same time apply it once, the second
+// coming back as a duplicate, not as an error. Create one with
 // [NewWarehouse]: the zero value has no database.
 type Warehouse struct {
 	db *sql.DB
@@ -36,20 +41,22 @@ func NewWarehouse(db *sql.DB) *Warehouse {
 	return &Warehouse{db: db}
 }
 
-// Handle applies msg unless a message with its id was applied before, and
+// Handle applies msg unless a message with its key was applied before, and
 // reports whether it did. Messages of types other than OrderPlaced are
-// recorded and have no effect. A message with no id is refused with
-// [ErrNoMessageID]; a payload that is not an order is refused with its
+// recorded and have no effect. A message with no key is refused with
+// [ErrNoMessageKey]; a payload that is not an order is refused with its
 // decoding error. A refused message changes nothing.
-func (w *Warehouse) Handle(ctx context.Context, msg outbox.Message) (applied bool, err error) {
-	if msg.ID == 0 {
-		return false, ErrNoMessageID
+func (w *Warehouse) Handle(ctx context.Context, msg Message) (applied bool, err error) {
+	if msg.Key == "" {
+		return false, ErrNoMessageKey
 	}
 	err = Transaction(ctx, w.db, func(tx *sql.Tx) error {
+		// Under READ COMMITTED a second delivery waits here for the first
+		// one's transaction, then finds the key and inserts nothing.
 		res, err := tx.ExecContext(ctx,
-			`INSERT INTO processed_messages (message_id) VALUES ($1) ON CONFLICT DO NOTHING`, msg.ID)
+			`INSERT INTO processed_messages (message_key) VALUES ($1) ON CONFLICT DO NOTHING`, msg.Key)
 		if err != nil {
-			return fmt.Errorf("record message %d: %w", msg.ID, err)
+			return fmt.Errorf("record message %s: %w", msg.Key, err)
 		}
 		if n, err := res.RowsAffected(); err != nil || n == 0 {
 			return err // n == 0: applied before, a duplicate
@@ -60,12 +67,12 @@ func (w *Warehouse) Handle(ctx context.Context, msg outbox.Message) (applied boo
 		}
 		var order outbox.Order
 		if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
-			return fmt.Errorf("message %d: decode %s payload: %w", msg.ID, msg.Type, err)
+			return fmt.Errorf("message %s: decode %s payload: %w", msg.Key, msg.Type, err)
 		}
 		if _, err := tx.ExecContext(ctx,
 			`INSERT INTO reservations (order_id, total_cents) VALUES ($1, $2)`,
 			order.ID, order.TotalCents); err != nil {
-			return fmt.Errorf("message %d: reserve: %w", msg.ID, err)
+			return fmt.Errorf("message %s: reserve: %w", msg.Key, err)
 		}
 		applied = true
 		return nil
@@ -75,3 +82,29 @@ func (w *Warehouse) Handle(ctx context.Context, msg outbox.Message) (applied boo
 	}
 	return applied, nil
 }
+
+// ForgetProcessed deletes the keys of messages processed longer than
+// retention ago, at most batchSize keys a transaction (zero or less means
+// [DefaultCleanupBatch]), and returns how many it deleted. It is safe to run
+// beside Handle.
+//
+// The rule: forget a key only once no copy of its message can still arrive.
+// A copy comes as late as the longest delay before a relay sends again (a
+// broker down for hours, a parked message put back) plus the broker's own
+// redelivery delay; a retention shorter than that applies a late duplicate
+// as a new message. Keep it generous: a key is a few dozen bytes.
+func (w *Warehouse) ForgetProcessed(ctx context.Context, retention time.Duration, batchSize int) (int64, error) {
+	return deleteInBatches(ctx, w.db, forgetProcessed, retention, batchSize)
+}
+
+// forgetProcessed deletes up to $2 keys older than $1 microseconds.
+const forgetProcessed = `
+WITH gone AS (
+    DELETE FROM processed_messages
+    WHERE message_key IN (
+        SELECT message_key FROM processed_messages
+        WHERE processed_at < clock_timestamp() - $1 * interval '1 microsecond'
+        ORDER BY processed_at
+        LIMIT $2)
+    RETURNING 1)
+SELECT count(*) FROM gone`

@@ -58,7 +58,7 @@ if ! server "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-sy
 	exit 1
 fi
 if ! server "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-	-o "-k $dir -c listen_addresses='' -c fsync=${OUTBOX_POSTGRES_FSYNC:-off} -c full_page_writes=${OUTBOX_POSTGRES_FSYNC:-off}" start >/dev/null; then
+	-o "-k $dir -c listen_addresses='' -c fsync=${OUTBOX_POSTGRES_FSYNC:-off} -c full_page_writes=${OUTBOX_POSTGRES_FSYNC:-off} ${OUTBOX_POSTGRES_OPTS:-}" start >/dev/null; then
 	cat "$dir/server.log" >&2
 	exit 1
 fi

@@ -1,0 +1,189 @@
+package postgres
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// What running an outbox takes besides the relay: a gauge of how far it is
+// behind, a cleanup of the rows it sent, and a way to look at the messages
+// it parked and put them back.
+
+// DefaultCleanupBatch is how many rows [DeleteSent] and
+// [Warehouse.ForgetProcessed] delete in one transaction when their
+// batchSize is zero or less.
+const DefaultCleanupBatch = 1000
+
+// DefaultListLimit is how many parked messages [ListParked] returns when its
+// limit is zero or less.
+const DefaultListLimit = 100
+
+// ErrNotParked is returned by [Unpark] for an id that names no parked row.
+var ErrNotParked = errors.New("postgres: no parked outbox row with that id")
+
+// Lag is how far the relays are behind, as [ReadLag] measures it.
+type Lag struct {
+	// Unsent is how many rows wait to be published (not sent, not parked).
+	Unsent int64
+	// Oldest is how long the oldest of them has waited, from the start of
+	// the transaction that wrote it; zero when none waits.
+	Oldest time.Duration
+	// Parked is how many rows are parked: set aside after too many
+	// rejections, and published only once put back with Unpark.
+	Parked int64
+}
+
+// readLag counts through the two partial indexes, so its cost follows the
+// rows still waiting (and the dead entries vacuum has not yet removed), not
+// the sent rows the table keeps.
+const readLag = `
+SELECT count(*),
+       COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8,
+       (SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL)
+FROM outbox
+WHERE sent_at IS NULL AND parked_at IS NULL`
+
+// ReadLag measures the outbox of db in one query, for a gauge.
+//
+// Alert on Oldest, not on Unsent. A burst of orders makes Unsent large while
+// the relays keep up, and a quiet shop whose broker is down makes it small
+// while nothing is delivered; but when delivery stops, for any reason (the
+// broker down, every relay dead, a message that blocks the rest), Oldest
+// grows without bound, and while it works Oldest stays below a relay's poll
+// interval plus a pass. A threshold of a few poll intervals catches a stop
+// whatever the traffic. Alert on any Parked row too: each is a message no
+// consumer will see until someone looks at it.
+func ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
+	var lag Lag
+	var seconds float64
+	if err := db.QueryRowContext(ctx, readLag).Scan(&lag.Unsent, &seconds, &lag.Parked); err != nil {
+		return Lag{}, fmt.Errorf("read outbox lag: %w", err)
+	}
+	lag.Oldest = time.Duration(seconds * float64(time.Second))
+	return lag, nil
+}
+
+// deleteSent deletes, in id order, up to $3 rows with ids above $1 that were
+// sent more than $2 microseconds ago, and says how many and the highest id.
+// Walking the primary key from the last batch's highest id keeps every batch
+// as cheap as the first, instead of stepping again over the rows the batches
+// before it deleted, which stay in the index until vacuum.
+const deleteSent = `
+WITH gone AS (
+    DELETE FROM outbox
+    WHERE id IN (
+        SELECT id FROM outbox
+        WHERE id > $1 AND sent_at < clock_timestamp() - $2 * interval '1 microsecond'
+        ORDER BY id
+        LIMIT $3)
+    RETURNING id)
+SELECT count(*), COALESCE(max(id), 0) FROM gone`
+
+// DeleteSent deletes the outbox rows of db that were sent longer than
+// retention ago, at most batchSize rows a transaction (zero or less means
+// [DefaultCleanupBatch]), each batch its own short transaction, until none is
+// left, and returns how many it deleted. It never deletes a row that is not
+// sent, and is safe to run beside relays, order placement and another
+// DeleteSent. A negative retention is refused.
+//
+// Deleting a row does not free its id: the identity's sequence hands out
+// larger ones. What consumers remember, though, is [Message.Key], which stays
+// unique whatever happens to ids.
+func DeleteSent(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
+	if retention < 0 {
+		return 0, fmt.Errorf("postgres: DeleteSent: negative retention %v", retention)
+	}
+	if batchSize <= 0 {
+		batchSize = DefaultCleanupBatch
+	}
+	var total, after int64
+	for {
+		var n, last int64
+		if err := db.QueryRowContext(ctx, deleteSent, after, retention.Microseconds(), batchSize).Scan(&n, &last); err != nil {
+			return total, fmt.Errorf("delete sent outbox rows: %w", err)
+		}
+		total += n
+		if n < int64(batchSize) {
+			return total, nil
+		}
+		after = last
+	}
+}
+
+// deleteInBatches runs query, which deletes up to $2 rows older than $1
+// microseconds and returns how many, until it deletes fewer than a batch.
+func deleteInBatches(ctx context.Context, db *sql.DB, query string, retention time.Duration, batchSize int) (int64, error) {
+	if retention < 0 {
+		return 0, fmt.Errorf("postgres: negative retention %v", retention)
+	}
+	if batchSize <= 0 {
+		batchSize = DefaultCleanupBatch
+	}
+	var total int64
+	for {
+		var n int64
+		if err := db.QueryRowContext(ctx, query, retention.Microseconds(), batchSize).Scan(&n); err != nil {
+			return total, fmt.Errorf("delete processed messages: %w", err)
+		}
+		total += n
+		if n < int64(batchSize) {
+			return total, nil
+		}
+	}
+}
+
+// ParkedMessage is a parked outbox row, as [ListParked] returns it.
+type ParkedMessage struct {
+	Message
+	Attempts   int       // failed publishes, for any reason
+	Rejections int       // of which the broker refused for ever
+	LastError  string    // the broker's last error
+	ParkedAt   time.Time // when the relay set it aside
+}
+
+// ListParked returns up to limit parked rows of db, lowest id first (zero or
+// less means [DefaultListLimit]).
+func ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, error) {
+	if limit <= 0 {
+		limit = DefaultListLimit
+	}
+	rows, err := db.QueryContext(ctx, `
+		SELECT id, message_key, type, payload, attempts, rejections, COALESCE(last_error, ''), parked_at
+		FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY id LIMIT $1`, limit)
+	if err != nil {
+		return nil, fmt.Errorf("list parked outbox rows: %w", err)
+	}
+	defer rows.Close()
+	var parked []ParkedMessage
+	for rows.Next() {
+		var p ParkedMessage
+		if err := rows.Scan(&p.ID, &p.Key, &p.Type, &p.Payload, &p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt); err != nil {
+			return nil, fmt.Errorf("list parked outbox rows: %w", err)
+		}
+		parked = append(parked, p)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("list parked outbox rows: %w", err)
+	}
+	return parked, nil
+}
+
+// Unpark puts the parked row id back: its rejections start again from zero,
+// and the next relay pass publishes it, after the rows that went on while it
+// was parked. An id that names no parked row is refused with [ErrNotParked].
+func Unpark(ctx context.Context, db *sql.DB, id int64) error {
+	res, err := db.ExecContext(ctx,
+		`UPDATE outbox SET parked_at = NULL, rejections = 0 WHERE id = $1 AND parked_at IS NOT NULL AND sent_at IS NULL`, id)
+	if err != nil {
+		return fmt.Errorf("unpark outbox row %d: %w", id, err)
+	}
+	if n, err := res.RowsAffected(); err != nil {
+		return fmt.Errorf("unpark outbox row %d: %w", id, err)
+	} else if n == 0 {
+		return fmt.Errorf("unpark outbox row %d: %w", id, ErrNotParked)
+	}
+	return nil
+}

@@ -1,0 +1,215 @@
+package postgres
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// NotifyChannel is the channel that schema.sql's trigger notifies when a
+// transaction that inserted outbox rows commits, and that [OutboxRelay.Run]
+// listens on.
+const NotifyChannel = "outbox"
+
+// DefaultPollInterval is how long [OutboxRelay.Run] waits for a
+// notification before it passes anyway, when PollInterval is zero.
+const DefaultPollInterval = time.Second
+
+// DefaultMaxBackoff is the longest [OutboxRelay.Run] waits after failed
+// passes, when MaxBackoff is zero.
+const DefaultMaxBackoff = 30 * time.Second
+
+// minBackoff is the wait after the first failed pass; it doubles with each
+// failure in a row, up to MaxBackoff.
+const minBackoff = 100 * time.Millisecond
+
+// Run is the background process of the article's «Как это собирается»: it
+// makes relay passes until ctx ends, and then returns ctx's error, after the
+// pass in progress has marked what the broker accepted. It returns no other
+// error: a failed pass is logged to Logger (if set) and tried again.
+//
+// After a pass that claimed a full batch, or that ran out of budget, Run
+// passes again at once: more rows may be waiting. After a short pass it
+// waits for a wake-up: a notification on [NotifyChannel], which PostgreSQL
+// delivers when a transaction that wrote outbox rows commits, never before,
+// so a wake-up never looks for a row that is not yet visible. A short pass
+// does not mean the outbox is empty: SKIP LOCKED passes over the rows other
+// relays hold, and no notification comes when a relay that held them dies
+// and frees them. So Run also passes every PollInterval (DefaultPollInterval
+// when zero) without a notification; that also covers a notification lost
+// while the listening connection was down, which Run opens again, and passes
+// once each time it does.
+//
+// After a failed pass (the broker refused or is down, the database failed)
+// Run waits, not woken by notifications: 100 ms after the first failure,
+// doubling with each failure in a row up to MaxBackoff (DefaultMaxBackoff
+// when zero), each wait a random point in the upper half of that, so that
+// relays that failed together do not retry together. A pass that published
+// anything starts the count again.
+//
+// Run holds one connection of the relay's pool for listening, and needs
+// pgx's stdlib driver for it. With PollOnly set it does not listen and only
+// polls, for a connection pooler that cannot keep a LISTEN, such as
+// PgBouncer in transaction mode. Any number of Runs, in one process or many,
+// may share a database. Do not change the relay's fields while Run runs.
+func (r *OutboxRelay) Run(ctx context.Context) error {
+	poll := r.PollInterval
+	if poll <= 0 {
+		poll = DefaultPollInterval
+	}
+	maxBackoff := r.MaxBackoff
+	if maxBackoff <= 0 {
+		maxBackoff = DefaultMaxBackoff
+	}
+	log := r.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	wait := r.wait
+	if wait == nil {
+		wait = sleep
+	}
+
+	wake := make(chan struct{}, 1) // one pending wake-up stands for any number
+	var listener sync.WaitGroup
+	defer listener.Wait()
+	listenCtx, stopListening := context.WithCancel(ctx)
+	defer stopListening()
+	if !r.PollOnly {
+		listener.Go(func() { r.listen(listenCtx, wake, maxBackoff, log) })
+	}
+
+	failures := 0
+	for {
+		res, err := r.pass(ctx)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		for _, id := range res.parked {
+			log.Warn("outbox: message parked after too many rejections", "id", id)
+		}
+		if res.published > 0 {
+			failures = 0
+		}
+		switch {
+		case err != nil:
+			failures++
+			d := backoff(failures, maxBackoff, rand.Float64)
+			log.Error("outbox: relay pass failed", "err", err, "retry_in", d)
+			if !wait(ctx, d, nil) {
+				return ctx.Err()
+			}
+		case res.full || res.published+len(res.parked) < res.claimed:
+			// more may be waiting: pass again at once
+		default:
+			if !wait(ctx, poll, wake) {
+				return ctx.Err()
+			}
+		}
+	}
+}
+
+// sleep waits for d, or for a wake-up if wake is not nil, and reports false
+// if ctx ended first.
+func sleep(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-wake:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// backoff is how long Run waits after the nth failed pass in a row: a delay
+// that doubles from minBackoff up to max, and of that a random point in the
+// upper half (random returns a number in [0, 1)).
+func backoff(n int, max time.Duration, random func() float64) time.Duration {
+	d := max
+	if n >= 1 && n < 32 && minBackoff<<(n-1) < max {
+		d = minBackoff << (n - 1)
+	}
+	return d/2 + time.Duration(random()*float64(d/2))
+}
+
+// errCannotListen stops the listener for good: the driver is not pgx.
+var errCannotListen = errors.New("postgres: LISTEN needs pgx's stdlib driver; Run only polls")
+
+// listen keeps a connection listening on NotifyChannel and turns each
+// notification into a wake-up, until ctx ends. When the connection fails it
+// opens another, after a backoff like a failed pass's.
+func (r *OutboxRelay) listen(ctx context.Context, wake chan<- struct{}, maxBackoff time.Duration, log *slog.Logger) {
+	failures := 0
+	for {
+		listened, err := r.listenOnce(ctx, wake)
+		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, errCannotListen) {
+			log.Warn("outbox: relay cannot listen", "err", err)
+			return
+		}
+		if listened {
+			failures = 0
+		}
+		failures++
+		d := backoff(failures, maxBackoff, rand.Float64)
+		log.Warn("outbox: listening for notifications failed; polling until it listens again", "err", err, "retry_in", d)
+		if !sleep(ctx, d, nil) {
+			return
+		}
+	}
+}
+
+// listenOnce listens on one connection until it fails, and reports whether
+// LISTEN went through.
+func (r *OutboxRelay) listenOnce(ctx context.Context, wake chan<- struct{}) (listened bool, err error) {
+	conn, err := r.db.Conn(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close()
+	err = conn.Raw(func(driverConn any) error {
+		sc, ok := driverConn.(*stdlib.Conn)
+		if !ok {
+			return fmt.Errorf("%w (the driver's connection is a %T)", errCannotListen, driverConn)
+		}
+		pc := sc.Conn()
+		// Closed here whatever happens, so that the pool never hands out a
+		// connection that is still listening.
+		defer func() {
+			closeCtx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			pc.Close(closeCtx)
+		}()
+		if _, err := pc.Exec(ctx, "LISTEN "+NotifyChannel); err != nil {
+			return fmt.Errorf("LISTEN %s: %w", NotifyChannel, err)
+		}
+		listened = true
+		notify(wake) // a notification may have come while nothing listened
+		for {
+			if _, err := pc.WaitForNotification(ctx); err != nil {
+				return fmt.Errorf("wait for a notification: %w", err)
+			}
+			notify(wake)
+		}
+	})
+	return listened, err
+}
+
+// notify leaves a wake-up unless one is pending already.
+func notify(wake chan<- struct{}) {
+	select {
+	case wake <- struct{}{}:
+	default:
+	}
+}
