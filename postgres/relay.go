@@ -136,8 +136,10 @@ type OutboxRelay struct {
 	PollOnly     bool
 	Logger       *slog.Logger
 
-	// wait is how Run waits, a test's seam; nil is sleep.
+	// wait is how Run waits, and mark the statement that marks: seams for
+	// the tests and benchmarks; nil and "" are sleep and markSent.
 	wait func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool
+	mark string
 }
 
 // NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
@@ -265,7 +267,11 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	res.published = len(sent)
 
 	if len(sent) > 0 {
-		if _, err := tx.ExecContext(txCtx, markSent, sent); err != nil {
+		mark := markSent
+		if r.mark != "" {
+			mark = r.mark
+		}
+		if _, err := tx.ExecContext(txCtx, mark, sent); err != nil {
 			return res, errors.Join(stop, fmt.Errorf("mark %d published messages sent: %w", len(sent), err))
 		}
 	}

@@ -6,7 +6,9 @@
 # folder (no TCP port), fsync and full_page_writes off (OUTBOX_POSTGRES_FSYNC=on
 # turns both on, to measure what a durable commit costs). With fsync off an
 # operating-system crash can corrupt the whole cluster, not only lose recent
-# commits: for a throwaway server only. Runs COMMAND with OUTBOX_POSTGRES_URL naming
+# commits: for a throwaway server only. OUTBOX_POSTGRES_OPTS adds options of
+# the postgres command (make measure-postgres: -c autovacuum_naptime=1s).
+# Runs COMMAND with OUTBOX_POSTGRES_URL naming
 # that server, then stops the server and removes the folder, whether COMMAND
 # passed, failed or was interrupted. Exits with COMMAND's status.
 #
