@@ -88,12 +88,13 @@ postgres:
 bench-postgres:
 	cd postgres && $(GO) test -c -o ../bench-postgres.test .
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6 7 8; do \
-		./bench-postgres.test -test.run "^$$" -test.bench "^Benchmark(PlaceOrder|Deliver)$$" -test.benchmem -test.benchtime 2000x || exit 1; \
+		./bench-postgres.test -test.run "^$$" -test.bench "^Benchmark(PlaceOrder|Deliver|DeliverOrdered)$$" -test.benchmem -test.benchtime 2000x || exit 1; \
 	done' | tee bench-postgres.txt
 	@rm -f bench-postgres.test
 	$(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(direct outbox)' bench-postgres.txt
 	$(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(outbox-without-notify outbox)' bench-postgres.txt
 	$(BENCHSTAT) -filter .name:Deliver -col '/batch@(1 100)' bench-postgres.txt
+	$(BENCHSTAT) -filter .name:DeliverOrdered -col '/order@(table aggregate)' bench-postgres.txt
 
 # The postgres README's figures that are measurements rather than benchmarks:
 # the delay from commit to broker (woken by NOTIFY, and polling every second),

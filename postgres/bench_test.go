@@ -79,6 +79,42 @@ func BenchmarkDeliver(b *testing.B) {
 	}
 }
 
+// BenchmarkDeliverOrdered compares, per message, the whole-table relay
+// with the relay that keeps order per aggregate, in passes of 100, over
+// outbox rows written as a shop writes them: each order's OrderPlaced
+// followed by its OrderCancelled (order/1 seq 1, order/1 seq 2, order/2 seq
+// 1, ...), so that half the rows of a pass wait for the row before them.
+func BenchmarkDeliverOrdered(b *testing.B) {
+	for _, perAggregate := range []bool{false, true} {
+		name := map[bool]string{false: "order=table", true: "order=aggregate"}[perAggregate]
+		b.Run(name, func(b *testing.B) {
+			ctx := context.Background()
+			db := newDatabase(b)
+			relay := postgres.NewOutboxRelay(db, discard{})
+			relay.PerAggregate = perAggregate
+			b.ResetTimer()
+			for done := 0; done < b.N; {
+				chunk := min(1000, b.N-done)
+				b.StopTimer()
+				if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload, aggregate, seq)
+					SELECT 'OrderPlaced', '{}', 'order/' || ($2::int + (g + 1) / 2), 2 - g % 2
+					FROM generate_series(1, $1) g ORDER BY g`, chunk, done); err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+				for sent := 0; sent < chunk; {
+					n, err := relay.PublishPending(ctx)
+					if err != nil || n == 0 {
+						b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
+					}
+					sent += n
+				}
+				done += chunk
+			}
+		})
+	}
+}
+
 // discard is a broker that is always up and keeps nothing, so that a long
 // benchmark does not grow a list in memory.
 type discard struct{}

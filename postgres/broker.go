@@ -21,6 +21,14 @@ type Message struct {
 	// is empty for a message published without an outbox, by
 	// DirectOrderService.
 	Key string
+
+	// Aggregate names what the message is about, such as "order/17", and
+	// Seq is its number among that aggregate's messages, from 1: a consumer
+	// that has applied Seq n of an aggregate applies n+1 next, and can tell
+	// a message that arrives before its predecessor. Empty and zero for a
+	// message that needs no order.
+	Aggregate string
+	Seq       int64
 }
 
 // ErrRejected is what a [MessageBroker] wraps to say that it refused a

@@ -7,6 +7,7 @@ package postgres_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"slices"
@@ -306,16 +307,27 @@ func TestOnlyRejectionsParkAndOnlyWhenAskedTo(t *testing.T) {
 	}
 }
 
-// Two producers (two databases, each with its own sequence) publish orders
-// with the same ids, 1 and 2, to one warehouse: the warehouse keys by
-// Message.Key, so all four are applied. (Caught: a consumer keyed by id
-// alone, which drops the second shop's orders as duplicates.)
+// Two producers (two databases, each with its own sequence) publish
+// messages with the same ids, 1 and 2, to one warehouse: the warehouse keys
+// by Message.Key, so all four are applied. (Caught: a consumer keyed by id
+// alone, which drops the second producer's messages as duplicates.) The
+// messages carry no aggregate: two shops' "order/1" would be one aggregate
+// to the warehouse, so producers that meet must name their aggregates apart
+// too.
 func TestTwoProducersWithTheSameIDsThroughOneWarehouse(t *testing.T) {
 	ctx := context.Background()
 	broker := &recorder{}
-	for range 2 {
+	for shopNo := range 2 {
 		shop := newDatabase(t)
-		place(t, shop, 100, 200)
+		for order := int64(1); order <= 2; order++ {
+			if err := postgres.Transaction(ctx, shop, func(tx *sql.Tx) error {
+				_, err := postgres.InsertOutbox(ctx, tx, outbox.OrderPlaced,
+					outbox.Order{ID: 10*int64(shopNo+1) + order, TotalCents: 100})
+				return err
+			}); err != nil {
+				t.Fatal(err)
+			}
+		}
 		if n, err := postgres.NewOutboxRelay(shop, broker).PublishPending(ctx); n != 2 || err != nil {
 			t.Fatalf("pass = %d, %v", n, err)
 		}

@@ -14,7 +14,15 @@
 // handed out when rows are inserted, not when transactions commit; several
 // relays must claim rows, and a claim held by a connection must be bounded in
 // time; a commit can fail with its outcome unknown; a consumer must drop
-// duplicates.
+// duplicates, by a key unique across producers ([Message.Key]); order holds
+// per aggregate only if producers, relays and consumers each keep it
+// ([OrderService.CancelOrder], [OutboxRelay.PerAggregate], [Warehouse]).
+//
+// What running it takes is here too: [OutboxRelay.Run], a loop woken by
+// NOTIFY at commit; [ReadLag] for a gauge; [DeleteSent] and
+// [Warehouse.ForgetProcessed] for bounded cleanup; parking of the messages a
+// broker rejects for ever ([ErrRejected], [OutboxRelay.ParkAfter],
+// [ListParked], [Unpark]).
 //
 // [CreateTables] creates the tables of schema.sql. The functions take a
 // *sql.DB opened with pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib),
@@ -29,6 +37,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"unicode/utf8"
 
@@ -107,19 +116,53 @@ func sqlState(err error) string {
 // with payload encoded as JSON, inside tx, and returns the new row's id. The
 // row is written, and seen by the relay, only if tx commits.
 func InsertOutbox(ctx context.Context, tx *sql.Tx, eventType string, payload any) (int64, error) {
+	return insertOutbox(ctx, tx, sql.NullString{}, 0, eventType, payload)
+}
+
+// InsertOutboxFor is InsertOutbox for an event that must keep its place
+// among the events of its aggregate, such as "order/17": the row carries the
+// aggregate and seq, the event's number among them (1 for the first).
+//
+// The caller must hold the aggregate's row lock in tx (SELECT ... FOR UPDATE,
+// or an UPDATE of its row) from before this insert until tx ends, as
+// CancelOrder does: then a later event of the aggregate takes its id only
+// after this one committed, so one aggregate's ids follow its commits, and
+// the seq read under the lock is not taken twice.
+func InsertOutboxFor(ctx context.Context, tx *sql.Tx, aggregate string, seq int64, eventType string, payload any) (int64, error) {
+	return insertOutbox(ctx, tx, sql.NullString{String: aggregate, Valid: true}, seq, eventType, payload)
+}
+
+func insertOutbox(ctx context.Context, tx *sql.Tx, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
 	data, err := json.Marshal(payload)
 	if err != nil {
 		return 0, fmt.Errorf("encode %s payload: %w", eventType, err)
 	}
 	var id int64
 	err = tx.QueryRowContext(ctx,
-		`INSERT INTO outbox (type, payload) VALUES ($1, $2) RETURNING id`,
-		eventType, string(data)).Scan(&id)
+		`INSERT INTO outbox (type, payload, aggregate, seq) VALUES ($1, $2, $3, NULLIF($4, 0)) RETURNING id`,
+		eventType, string(data), aggregate, seq).Scan(&id)
 	if err != nil {
 		return 0, fmt.Errorf("insert into outbox: %w", err)
 	}
 	return id, nil
 }
+
+// OrderCancelled is the type of the event that tells the warehouse an order
+// was cancelled, so that it releases the order's stock. Its payload is the
+// [outbox.Order] as JSON, like OrderPlaced's.
+const OrderCancelled = "OrderCancelled"
+
+// ErrOrderNotFound and ErrOrderCancelled are returned, wrapped, by
+// [OrderService.CancelOrder] for an order that does not exist or is
+// cancelled already; nothing is written.
+var (
+	ErrOrderNotFound  = errors.New("postgres: no such order")
+	ErrOrderCancelled = errors.New("postgres: order already cancelled")
+)
+
+// OrderAggregate is the aggregate of an order's events in the outbox:
+// "order/" and its id.
+func OrderAggregate(orderID int64) string { return "order/" + strconv.FormatInt(orderID, 10) }
 
 // OrderService places orders the outbox way: the order and its OrderPlaced
 // message are written in one transaction, and the broker is not involved.
@@ -189,13 +232,51 @@ func (s *OrderService) place(ctx context.Context, key sql.NullString, totalCents
 		if order, placed, err = insertOrder(ctx, tx, key, totalCents); err != nil || !placed {
 			return err // !placed: the key's order exists, and so does its event
 		}
-		_, err = InsertOutbox(ctx, tx, outbox.OrderPlaced, order)
+		// The order's row is new, so no one else sees it, let alone locks
+		// it, before this commits: its first event needs no lock.
+		_, err = InsertOutboxFor(ctx, tx, OrderAggregate(order.ID), 1, outbox.OrderPlaced, order)
 		return err
 	})
 	if err != nil {
 		return 0, err
 	}
 	return order.ID, nil
+}
+
+// CancelOrder cancels the order orderID and writes its OrderCancelled event
+// in the same transaction, as PlaceOrder writes OrderPlaced. The UPDATE of
+// the order's row takes its lock and its next event number, so the two
+// events of an order commit, and take their outbox ids, in their order:
+// OrderPlaced seq 1, OrderCancelled seq 2.
+//
+// An order that does not exist, or is cancelled already, is refused with an
+// error wrapping [ErrOrderNotFound] or [ErrOrderCancelled], and nothing is
+// written. An error wrapping [ErrCommitUnknown] leaves it unknown whether the
+// order was cancelled; a retry then says ErrOrderCancelled if it was.
+func (s *OrderService) CancelOrder(ctx context.Context, orderID int64) error {
+	return Transaction(ctx, s.db, func(tx *sql.Tx) error {
+		order := outbox.Order{ID: orderID}
+		var seq int64
+		err := tx.QueryRowContext(ctx, `UPDATE orders SET cancelled_at = clock_timestamp(), events = events + 1
+			WHERE id = $1 AND cancelled_at IS NULL RETURNING total_cents, events`, orderID).Scan(&order.TotalCents, &seq)
+		if errors.Is(err, sql.ErrNoRows) {
+			var cancelled bool
+			err := tx.QueryRowContext(ctx, `SELECT cancelled_at IS NOT NULL FROM orders WHERE id = $1`, orderID).Scan(&cancelled)
+			switch {
+			case errors.Is(err, sql.ErrNoRows):
+				return fmt.Errorf("cancel order %d: %w", orderID, ErrOrderNotFound)
+			case err != nil:
+				return fmt.Errorf("cancel order %d: %w", orderID, err)
+			default:
+				return fmt.Errorf("cancel order %d: %w", orderID, ErrOrderCancelled)
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("cancel order %d: %w", orderID, err)
+		}
+		_, err = InsertOutboxFor(ctx, tx, OrderAggregate(orderID), seq, OrderCancelled, order)
+		return err
+	})
 }
 
 // checkTotal refuses what the orders table's CHECK would refuse, before any

@@ -51,7 +51,9 @@ const minBackoff = 100 * time.Millisecond
 // doubling with each failure in a row up to MaxBackoff (DefaultMaxBackoff
 // when zero), each wait a random point in the upper half of that, so that
 // relays that failed together do not retry together. A pass that published
-// anything starts the count again.
+// anything starts the count again. With PerAggregate, a pass that published
+// anything passes again at once despite its refusals: they hold back only
+// their aggregates.
 //
 // Run holds one connection of the relay's pool for listening, and needs
 // pgx's stdlib driver for it. With PollOnly set it does not listen and only
@@ -98,15 +100,16 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 			failures = 0
 		}
 		switch {
-		case err != nil:
+		case err != nil && !(r.PerAggregate && res.published > 0):
 			failures++
 			d := backoff(failures, maxBackoff, rand.Float64)
 			log.Error("outbox: relay pass failed", "err", err, "retry_in", d)
 			if !wait(ctx, d, nil) {
 				return ctx.Err()
 			}
-		case res.full || res.published+len(res.parked) < res.claimed:
-			// more may be waiting: pass again at once
+		case err != nil, res.full, res.published+len(res.parked) < res.claimed:
+			// more may be waiting (with PerAggregate, behind the refused
+			// rows of some aggregates): pass again at once
 		default:
 			if !wait(ctx, poll, wake) {
 				return ctx.Err()

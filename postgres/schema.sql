@@ -6,11 +6,15 @@
 -- caller's name for the request that placed the order (PlaceOrderWithKey), so
 -- that a retry after a commit of unknown outcome finds the first order
 -- instead of placing a second; NULL for orders placed without one (a unique
--- constraint lets NULLs repeat).
+-- constraint lets NULLs repeat). events counts the events written for the
+-- order, the last one's seq (see the outbox); cancelled_at is set by
+-- CancelOrder.
 CREATE TABLE IF NOT EXISTS orders (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     total_cents     bigint NOT NULL CHECK (total_cents > 0),
-    idempotency_key text UNIQUE
+    idempotency_key text UNIQUE,
+    events          integer NOT NULL DEFAULT 1,
+    cancelled_at    timestamptz
 );
 
 -- The outbox: one row per event, written in the same transaction as the
@@ -23,6 +27,13 @@ CREATE TABLE IF NOT EXISTS orders (
 -- across producers without any coordination, and not handed out again after
 -- a sequence is reset or the database moves to a logical replica (which does
 -- not copy sequence values), as ids can be. Consumers drop duplicates by it.
+--
+-- aggregate names what the event is about ('order/17') and seq is its number
+-- among that aggregate's events (OrderPlaced 1, OrderCancelled 2): the
+-- producer writes them under the aggregate's row lock, so one aggregate's
+-- events commit in id order; a relay with PerAggregate publishes them in
+-- that order, and a consumer can tell one that arrives before its
+-- predecessor. NULL for an event that needs no order.
 --
 -- attempts, rejections and last_error are written by the relay pass that
 -- failed to publish the row; parked_at by the pass that set it aside after
@@ -38,7 +49,9 @@ CREATE TABLE IF NOT EXISTS outbox (
     attempts    integer     NOT NULL DEFAULT 0,  -- failed publishes, for any reason
     rejections  integer     NOT NULL DEFAULT 0,  -- of which the broker refused for ever (ErrRejected)
     last_error  text,
-    parked_at   timestamptz             -- set aside: no longer published, until Unpark
+    parked_at   timestamptz,            -- set aside: no longer published, until Unpark
+    aggregate   text,
+    seq         bigint
 );
 
 -- The relay's question, "the rows still to publish, in id order", reads this
@@ -49,6 +62,10 @@ CREATE INDEX IF NOT EXISTS outbox_unsent ON outbox (id) WHERE sent_at IS NULL AN
 
 -- Parked rows, for ListParked and ReadLag; normally none.
 CREATE INDEX IF NOT EXISTS outbox_parked ON outbox (id) WHERE parked_at IS NOT NULL AND sent_at IS NULL;
+
+-- A relay with PerAggregate asks, for each row it would claim, whether an
+-- earlier row of its aggregate is still unsent; this answers it.
+CREATE INDEX IF NOT EXISTS outbox_unsent_by_aggregate ON outbox (aggregate, id) WHERE sent_at IS NULL;
 
 -- Autovacuum for a queue. By default a table is vacuumed once a fifth of it
 -- is dead (scale factor 0.2), which for an outbox that keeps a week of sent
@@ -94,4 +111,11 @@ CREATE TABLE IF NOT EXISTS reservations (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     order_id    bigint NOT NULL,
     total_cents bigint NOT NULL
+);
+
+-- The seq of the last event the warehouse applied for each aggregate, so that
+-- it can refuse one that arrives before its predecessor.
+CREATE TABLE IF NOT EXISTS aggregate_positions (
+    aggregate text   PRIMARY KEY,
+    seq       bigint NOT NULL
 );

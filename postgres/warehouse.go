@@ -11,13 +11,26 @@ import (
 	"example.com/patterns/enterprise/outbox"
 )
 
+// ErrOutOfOrder is returned, wrapped, by [Warehouse.Handle] for a message
+// that arrives before its predecessor in its aggregate: it is not applied,
+// and applies once the predecessor has been.
+var ErrOutOfOrder = errors.New("postgres: message arrived before its predecessor")
+
 // ErrNoMessageKey is returned by [Warehouse.Handle] for a message whose Key
 // is empty, such as one published by [DirectOrderService]: with no key there
 // is no way to tell a duplicate from a new message.
 var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates cannot be dropped")
 
-// Warehouse is the consumer of OrderPlaced: it reserves stock for each order
-// it hears of. Delivery is at least once, so it is idempotent by
+// Warehouse is the consumer of OrderPlaced and OrderCancelled: it reserves
+// stock for each order it hears of and releases it when the order is
+// cancelled. If a cancellation were applied before its order, the order's
+// stock would stay reserved for good, so the warehouse applies an
+// aggregate's messages in their Seq order only: it remembers the last Seq
+// it applied for each aggregate and refuses one that skips ahead
+// ([ErrOutOfOrder]), for the broker to deliver again later. A broker that
+// reorders cannot undo the relay's order silently.
+//
+// Delivery is at least once, so it is idempotent by
 // [Message.Key]: in one transaction it records the key in
 // processed_messages and applies the message's effect (a row in
 // reservations). A message whose key is recorded already changes nothing.
@@ -61,7 +74,12 @@ func (w *Warehouse) Handle(ctx context.Context, msg Message) (applied bool, err 
 		if n, err := res.RowsAffected(); err != nil || n == 0 {
 			return err // n == 0: applied before, a duplicate
 		}
-		if msg.Type != outbox.OrderPlaced {
+		if msg.Aggregate != "" {
+			if err := advance(ctx, tx, msg); err != nil {
+				return err
+			}
+		}
+		if msg.Type != outbox.OrderPlaced && msg.Type != OrderCancelled {
 			applied = true
 			return nil
 		}
@@ -69,10 +87,12 @@ func (w *Warehouse) Handle(ctx context.Context, msg Message) (applied bool, err 
 		if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
 			return fmt.Errorf("message %s: decode %s payload: %w", msg.Key, msg.Type, err)
 		}
-		if _, err := tx.ExecContext(ctx,
-			`INSERT INTO reservations (order_id, total_cents) VALUES ($1, $2)`,
-			order.ID, order.TotalCents); err != nil {
-			return fmt.Errorf("message %s: reserve: %w", msg.Key, err)
+		effect := `INSERT INTO reservations (order_id, total_cents) VALUES ($1, $2)`
+		if msg.Type == OrderCancelled {
+			effect = `DELETE FROM reservations WHERE order_id = $1 AND $2::bigint IS NOT NULL`
+		}
+		if _, err := tx.ExecContext(ctx, effect, order.ID, order.TotalCents); err != nil {
+			return fmt.Errorf("message %s: %s: %w", msg.Key, msg.Type, err)
 		}
 		applied = true
 		return nil
@@ -81,6 +101,29 @@ func (w *Warehouse) Handle(ctx context.Context, msg Message) (applied bool, err 
 		return false, err
 	}
 	return applied, nil
+}
+
+// advance moves the aggregate's position from msg.Seq-1 to msg.Seq, under
+// the position's row lock, or refuses msg with ErrOutOfOrder.
+func advance(ctx context.Context, tx *sql.Tx, msg Message) error {
+	if _, err := tx.ExecContext(ctx,
+		`INSERT INTO aggregate_positions (aggregate, seq) VALUES ($1, 0) ON CONFLICT DO NOTHING`, msg.Aggregate); err != nil {
+		return fmt.Errorf("message %s: %w", msg.Key, err)
+	}
+	var last int64
+	if err := tx.QueryRowContext(ctx,
+		`SELECT seq FROM aggregate_positions WHERE aggregate = $1 FOR UPDATE`, msg.Aggregate).Scan(&last); err != nil {
+		return fmt.Errorf("message %s: %w", msg.Key, err)
+	}
+	if msg.Seq != last+1 {
+		return fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",
+			msg.Key, msg.Aggregate, msg.Seq, last, ErrOutOfOrder)
+	}
+	if _, err := tx.ExecContext(ctx,
+		`UPDATE aggregate_positions SET seq = $2 WHERE aggregate = $1`, msg.Aggregate, msg.Seq); err != nil {
+		return fmt.Errorf("message %s: %w", msg.Key, err)
+	}
+	return nil
 }
 
 // ForgetProcessed deletes the keys of messages processed longer than
