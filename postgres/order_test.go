@@ -313,3 +313,53 @@ func TestCancelOrderRefusesWhatItCannotCancel(t *testing.T) {
 	}
 	wantSent(t, db, false, false) // OrderPlaced and one OrderCancelled
 }
+
+// With PerAggregate a parked row still holds back the rest of its aggregate:
+// A1 rejected and parked, A2 waits while B goes; once A1 is put back, A1
+// then A2. (Caught: a claim that skips parked rows when it looks for an
+// aggregate's lowest unsent row, which publishes A2 before A1.)
+func TestParkedRowHoldsBackItsAggregate(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	for _, e := range []struct {
+		aggregate string
+		seq       int64
+	}{{"A", 1}, {"B", 1}, {"A", 2}} { // ids 1 to 3
+		if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+			_, err := postgres.InsertOutboxFor(ctx, tx, e.aggregate, e.seq, "Changed", map[string]int64{"seq": e.seq})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	accepted := &recorder{}
+	rejecting := true // read and written by this goroutine only: the passes run here
+	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.ID == 1 && rejecting {
+			return fmt.Errorf("too large: %w", postgres.ErrRejected)
+		}
+		return accepted.Publish(ctx, m)
+	})
+	relay := postgres.NewOutboxRelay(db, broker)
+	relay.PerAggregate, relay.ParkAfter = true, 1
+	for range 3 {
+		if _, err := relay.PublishPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := accepted.IDs(); !slices.Equal(got, []int64{2}) {
+		t.Fatalf("with A1 parked the broker accepted %v, want [2] (B1 alone)", got)
+	}
+	rejecting = false
+	if err := postgres.Unpark(ctx, db, 1); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if _, err := relay.PublishPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := accepted.IDs(); !slices.Equal(got, []int64{2, 1, 3}) {
+		t.Errorf("after Unpark the broker accepted %v, want [2 1 3]", got)
+	}
+}

@@ -157,15 +157,18 @@ type OutboxRelay struct {
 	// never overtaken by a later one of its aggregate, however many relays
 	// run. A message the broker refuses holds back its aggregate alone: the
 	// pass goes on with the other aggregates' rows (it stops only when the
-	// broker is unavailable), and reports the refusals in its error.
+	// broker is unavailable), and reports the refusals in its error. A
+	// parked row, too, holds back the rest of its aggregate until Unpark.
 	//
 	// Without it the relay keeps the article's order: the whole table in id
 	// order for one relay, stopping at the first refusal. That is right for
 	// one relay, and for events whose order between aggregates matters too.
 	// With several relays, whose batches interleave, or when one stuck
 	// message must not stop every other, PerAggregate is the one that keeps
-	// an order a consumer can rely on. It costs drain rate: an aggregate's
-	// second event waits for a pass after its first was marked.
+	// an order a consumer can rely on. Its price: an aggregate's next event
+	// waits for a pass after the one before it was marked, and each claimed
+	// row costs one index lookup more (BenchmarkDeliverOrdered found no
+	// difference in drain rate on a shop's rows).
 	PerAggregate bool
 
 	// PollInterval, MaxBackoff, PollOnly and Logger configure Run: how long

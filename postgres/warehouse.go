@@ -55,10 +55,13 @@ func NewWarehouse(db *sql.DB) *Warehouse {
 }
 
 // Handle applies msg unless a message with its key was applied before, and
-// reports whether it did. Messages of types other than OrderPlaced are
-// recorded and have no effect. A message with no key is refused with
-// [ErrNoMessageKey]; a payload that is not an order is refused with its
-// decoding error. A refused message changes nothing.
+// reports whether it did. OrderPlaced reserves the order's stock,
+// OrderCancelled releases it; messages of other types are recorded and have
+// no effect. A message of an aggregate must carry the Seq after the last one
+// applied for that aggregate: one that skips ahead is refused with
+// [ErrOutOfOrder], to be delivered again later. A message with no key is
+// refused with [ErrNoMessageKey]; a payload that is not an order is refused
+// with its decoding error. A refused message changes nothing.
 func (w *Warehouse) Handle(ctx context.Context, msg Message) (applied bool, err error) {
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
