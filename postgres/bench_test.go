@@ -57,24 +57,11 @@ func BenchmarkDeliver(b *testing.B) {
 			db := newDatabase(b)
 			relay := postgres.NewOutboxRelay(db, discard{})
 			relay.BatchSize = batch
-			b.ResetTimer()
-			for done := 0; done < b.N; {
-				chunk := min(1000, b.N-done)
-				b.StopTimer()
-				if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
-					SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, chunk); err != nil {
-					b.Fatal(err)
-				}
-				b.StartTimer()
-				for sent := 0; sent < chunk; {
-					n, err := relay.PublishPending(ctx)
-					if err != nil || n == 0 {
-						b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
-					}
-					sent += n
-				}
-				done += chunk
-			}
+			drainInChunks(b, relay, func(chunk, done int) error {
+				_, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
+					SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, chunk)
+				return err
+			})
 		})
 	}
 }
@@ -92,26 +79,37 @@ func BenchmarkDeliverOrdered(b *testing.B) {
 			db := newDatabase(b)
 			relay := postgres.NewOutboxRelay(db, discard{})
 			relay.PerAggregate = perAggregate
-			b.ResetTimer()
-			for done := 0; done < b.N; {
-				chunk := min(1000, b.N-done)
-				b.StopTimer()
-				if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload, aggregate, seq)
+			drainInChunks(b, relay, func(chunk, done int) error {
+				_, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload, aggregate, seq)
 					SELECT 'OrderPlaced', '{}', 'order/' || ($2::int + (g + 1) / 2), 2 - g % 2
-					FROM generate_series(1, $1) g ORDER BY g`, chunk, done); err != nil {
-					b.Fatal(err)
-				}
-				b.StartTimer()
-				for sent := 0; sent < chunk; {
-					n, err := relay.PublishPending(ctx)
-					if err != nil || n == 0 {
-						b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
-					}
-					sent += n
-				}
-				done += chunk
-			}
+					FROM generate_series(1, $1) g ORDER BY g`, chunk, done)
+				return err
+			})
 		})
+	}
+}
+
+// drainInChunks makes b.N messages in chunks of at most 1,000 with write
+// (given the chunk's size and how many were made before it), with the timer
+// stopped, and times the relay's passes that drain each chunk.
+func drainInChunks(b *testing.B, relay *postgres.OutboxRelay, write func(chunk, done int) error) {
+	b.Helper()
+	b.ResetTimer()
+	for done := 0; done < b.N; {
+		chunk := min(1000, b.N-done)
+		b.StopTimer()
+		if err := write(chunk, done); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		for sent := 0; sent < chunk; {
+			n, err := relay.PublishPending(context.Background())
+			if err != nil || n == 0 {
+				b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
+			}
+			sent += n
+		}
+		done += chunk
 	}
 }
 

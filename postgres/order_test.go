@@ -123,17 +123,7 @@ func TestCancellationNeverOvertakesItsOrder(t *testing.T) {
 func TestRefusedMessageHoldsBackOnlyItsAggregate(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	for _, e := range []struct {
-		aggregate string
-		seq       int64
-	}{{"A", 1}, {"B", 1}, {"A", 2}, {"B", 2}} { // ids 1 to 4
-		if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
-			_, err := postgres.InsertOutboxFor(ctx, tx, e.aggregate, e.seq, "Changed", map[string]int64{"seq": e.seq})
-			return err
-		}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	insertEvents(t, db, "A", "B", "A", "B") // ids 1 to 4: A1, B1, A2, B2
 	accepted := &recorder{}
 	refusedA1 := 0
 	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
@@ -321,17 +311,7 @@ func TestCancelOrderRefusesWhatItCannotCancel(t *testing.T) {
 func TestParkedRowHoldsBackItsAggregate(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	for _, e := range []struct {
-		aggregate string
-		seq       int64
-	}{{"A", 1}, {"B", 1}, {"A", 2}} { // ids 1 to 3
-		if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
-			_, err := postgres.InsertOutboxFor(ctx, tx, e.aggregate, e.seq, "Changed", map[string]int64{"seq": e.seq})
-			return err
-		}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	insertEvents(t, db, "A", "B", "A") // ids 1 to 3: A1, B1, A2
 	accepted := &recorder{}
 	rejecting := true // read and written by this goroutine only: the passes run here
 	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
@@ -361,5 +341,23 @@ func TestParkedRowHoldsBackItsAggregate(t *testing.T) {
 	}
 	if got := accepted.IDs(); !slices.Equal(got, []int64{2, 1, 3}) {
 		t.Errorf("after Unpark the broker accepted %v, want [2 1 3]", got)
+	}
+}
+
+// insertEvents writes one "Changed" event for each aggregate named, each in a
+// transaction of its own, numbering each aggregate's events from 1.
+func insertEvents(t *testing.T, db *sql.DB, aggregates ...string) {
+	t.Helper()
+	ctx := context.Background()
+	seqs := map[string]int64{}
+	for _, aggregate := range aggregates {
+		seqs[aggregate]++
+		seq := seqs[aggregate]
+		if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+			_, err := postgres.InsertOutboxFor(ctx, tx, aggregate, seq, "Changed", map[string]int64{"seq": seq})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
