@@ -260,7 +260,12 @@ func TestVanishedRelayFreesItsRowsAtThePassLimit(t *testing.T) {
 	}
 	t.Logf("the vanished relay's rows were claimed again %v after its connection froze (pass budget %v)",
 		time.Since(frozenAt).Round(100*time.Millisecond), relay.PassTimeout)
-	wantIDs(t, broker, 1, 2, 3)
+	// Each once, in whatever order: a claim that runs while the dead
+	// session's locks are being released can skip row 1 and take 2 and 3,
+	// and row 1 goes on the next pass.
+	if got := ids(broker); len(got) != 3 || !slices.Equal(slices.Sorted(slices.Values(got)), []int64{1, 2, 3}) {
+		t.Errorf("the rescuing relay published %v, want 1, 2 and 3 once each", got)
+	}
 	wantSent(t, db, true, true, true)
 
 	select {
