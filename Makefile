@@ -9,7 +9,7 @@
 #   make lint                                staticcheck (fetched through the Go module proxy), both modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
-#   make measure-postgres                    the postgres README's latency, drain and cleanup figures (about 90 s)
+#   make measure-postgres                    the postgres README's latency, drain and cleanup figures (about 70 s)
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make

@@ -17,7 +17,8 @@ type Message struct {
 	// insert, unique across producers, and kept by every copy a re-send makes.
 	// ID is unique only within one database's sequence, and not even there
 	// once the sequence is reset, so consumers drop duplicates by Key, and a
-	// broker that deduplicates (JetStream's Nats-Msg-Id) is given Key too. It
+	// broker that deduplicates (JetStream's Nats-Msg-Id) should be given Key
+	// too. It
 	// is empty for a message published without an outbox, by
 	// DirectOrderService.
 	Key string

@@ -96,9 +96,7 @@ func DeleteSent(ctx context.Context, db *sql.DB, retention time.Duration, batchS
 	if retention < 0 {
 		return 0, fmt.Errorf("postgres: DeleteSent: negative retention %v", retention)
 	}
-	if batchSize <= 0 {
-		batchSize = DefaultCleanupBatch
-	}
+	batchSize = orDefault(batchSize, DefaultCleanupBatch)
 	var total, after int64
 	for {
 		var n, last int64
@@ -119,9 +117,7 @@ func deleteInBatches(ctx context.Context, db *sql.DB, query string, retention ti
 	if retention < 0 {
 		return 0, fmt.Errorf("postgres: negative retention %v", retention)
 	}
-	if batchSize <= 0 {
-		batchSize = DefaultCleanupBatch
-	}
+	batchSize = orDefault(batchSize, DefaultCleanupBatch)
 	var total int64
 	for {
 		var n int64
@@ -147,9 +143,7 @@ type ParkedMessage struct {
 // ListParked returns up to limit parked rows of db, lowest id first (zero or
 // less means [DefaultListLimit]).
 func ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, error) {
-	if limit <= 0 {
-		limit = DefaultListLimit
-	}
+	limit = orDefault(limit, DefaultListLimit)
 	rows, err := db.QueryContext(ctx, `
 		SELECT id, message_key, type, payload, attempts, rejections, COALESCE(last_error, ''), parked_at
 		FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY id LIMIT $1`, limit)

@@ -240,14 +240,8 @@ type passResult struct {
 
 // pass is PublishPending, reporting more.
 func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
-	batch := r.BatchSize
-	if batch <= 0 {
-		batch = DefaultBatchSize
-	}
-	budget := r.PassTimeout
-	if budget <= 0 {
-		budget = DefaultPassTimeout
-	}
+	batch := orDefault(r.BatchSize, DefaultBatchSize)
+	budget := orDefault(r.PassTimeout, DefaultPassTimeout)
 
 	// Publishing stops at the budget or when the caller's ctx ends. The
 	// transaction lives under a context that the caller cannot cancel, so
@@ -363,6 +357,15 @@ func b2i(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// orDefault is v, or def where v is zero or less: how every field and
+// argument of this package that says "zero or less means the default" reads.
+func orDefault[T int | time.Duration](v, def T) T {
+	if v <= 0 {
+		return def
+	}
+	return v
 }
 
 // millis is d in whole milliseconds, at least 1, as the server's timeout

@@ -61,14 +61,8 @@ const minBackoff = 100 * time.Millisecond
 // PgBouncer in transaction mode. Any number of Runs, in one process or many,
 // may share a database. Do not change the relay's fields while Run runs.
 func (r *OutboxRelay) Run(ctx context.Context) error {
-	poll := r.PollInterval
-	if poll <= 0 {
-		poll = DefaultPollInterval
-	}
-	maxBackoff := r.MaxBackoff
-	if maxBackoff <= 0 {
-		maxBackoff = DefaultMaxBackoff
-	}
+	poll := orDefault(r.PollInterval, DefaultPollInterval)
+	maxBackoff := orDefault(r.MaxBackoff, DefaultMaxBackoff)
 	log := r.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
