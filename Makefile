@@ -6,7 +6,7 @@
 #   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
-#   make lint                                staticcheck (fetched through the Go module proxy), both modules
+#   make lint                                staticcheck (fetched through the Go module proxy), all three modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    the postgres README's latency, drain and cleanup figures (about 70 s)
@@ -30,7 +30,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres
+.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres natsbroker shop
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -69,6 +69,7 @@ bench:
 lint:
 	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd postgres && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd natsbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 # The postgres/ module, on a PostgreSQL that postgres/with-server.sh starts in
 # a fresh temporary folder and removes afterwards, whatever happens. The awk
@@ -109,3 +110,22 @@ measure-postgres:
 		| grep -E '^(Benchmark|    bench_test)' | tee measure-postgres.txt
 	@rm -f measure-postgres.test
 	@! grep -E '^(--- )?FAIL' measure-postgres.txt
+
+# The natsbroker/ module: the outbox end to end through NATS JetStream, which
+# its tests embed (each with its store in a temporary folder), on a throwaway
+# PostgreSQL as make postgres has. Fails if any test skipped.
+natsbroker:
+	cd natsbroker && gofmt_out=$$(gofmt -l .) && [ -z "$$gofmt_out" ] || { echo "gofmt would change: $$gofmt_out" >&2; exit 1; }
+	cd natsbroker && $(GO) vet ./...
+	@echo "postgres/with-server.sh: go test $(RACE) -count=1 -v ./... in natsbroker/, on a throwaway server"
+	@postgres/with-server.sh bash -c 'cd natsbroker && $(GO) test $(RACE) -count=1 -v ./...' | awk '\
+		/^=== / { next } { print } \
+		/^ *--- PASS/ { p++ } /^ *--- FAIL/ { f++ } /^ *--- SKIP/ { s++ } \
+		END { printf "natsbroker: %d passed, %d failed, %d skipped\n", p, f, s; exit s > 0 }'
+
+# The shop of natsbroker/cmd/shop, to run by hand and curl, on a throwaway
+# PostgreSQL with an embedded JetStream. SHOP_ADDR is where it listens.
+# Ctrl-C stops it, removes the broker's store, then the server's folder.
+SHOP_ADDR ?= 127.0.0.1:8080
+shop:
+	@postgres/with-server.sh bash -c 'cd natsbroker && exec $(GO) run ./cmd/shop -addr $(SHOP_ADDR)'

@@ -57,6 +57,24 @@ type MessageBroker interface {
 	Publish(ctx context.Context, msg Message) error
 }
 
+// BatchPublisher is a [MessageBroker] that can also publish several messages
+// at once, without waiting for each acknowledgement before it sends the next
+// message, as JetStream's asynchronous publish and Kafka's producer do. A
+// relay pass publishes its batch through PublishBatch when its broker has
+// one.
+//
+// PublishBatch publishes msgs, in their order, and returns how many of them,
+// counted from the first, the broker accepted, and, if that is fewer than
+// len(msgs), the error of the first message it did not accept (nil only when
+// it accepted all of them). A message after that one may have been accepted
+// too: the relay does not mark it, and publishes it again in a later pass, so
+// the broker or the consumers must drop such copies. PublishBatch must
+// return soon after ctx ends, with what was accepted by then.
+type BatchPublisher interface {
+	MessageBroker
+	PublishBatch(ctx context.Context, msgs []Message) (accepted int, err error)
+}
+
 // AdaptBroker returns a [MessageBroker] that publishes through b, a broker
 // whose Publish takes no context, such as [outbox.InMemoryBroker].
 //

@@ -19,9 +19,13 @@ func InsertOrder(ctx context.Context, tx *sql.Tx, totalCents int64) (int64, erro
 	return order.ID, err
 }
 
-// ClaimQuery is the relay's claim with its batch size written in, for
-// EXPLAIN.
-var ClaimQuery = strings.Replace(claimRows, "$1", strconv.Itoa(DefaultBatchSize), 1)
+// ClaimQuery is the relay's claim with its batch size and the default
+// budget's limits written in, for EXPLAIN.
+var ClaimQuery = strings.NewReplacer(
+	"$1", strconv.Itoa(DefaultBatchSize),
+	"$2", "'"+millis(DefaultPassTimeout)+"'",
+	"$3", "'"+millis(2*DefaultPassTimeout)+"'",
+).Replace(claimRows)
 
 // SetRunWait makes Run wait through f instead of sleeping.
 func SetRunWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool) {

@@ -14,6 +14,7 @@ package postgres_test
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -587,9 +588,10 @@ func TestWarehouseRefusesBadMessagesAndRecordsNothing(t *testing.T) {
 	if _, err := warehouse.Handle(ctx, msg("", outbox.OrderPlaced, `{"orderId":1,"totalCents":5}`)); !errors.Is(err, postgres.ErrNoMessageKey) {
 		t.Errorf("Handle of a message with no key = %v, want ErrNoMessageKey", err)
 	}
-	if _, err := warehouse.Handle(ctx, msg("k1", outbox.OrderPlaced, `[1]`)); err == nil ||
-		!strings.HasPrefix(err.Error(), "message k1: decode OrderPlaced payload: ") {
-		t.Errorf("Handle of a payload that is not an order = %v, want a decode error", err)
+	var decodeErr *json.UnmarshalTypeError
+	if _, err := warehouse.Handle(ctx, msg("k1", outbox.OrderPlaced, `[1]`)); !errors.Is(err, postgres.ErrMalformedMessage) ||
+		!errors.As(err, &decodeErr) || !strings.HasPrefix(err.Error(), "message k1: decode OrderPlaced payload: ") {
+		t.Errorf("Handle of a payload that is not an order = %v, want ErrMalformedMessage and the decode error", err)
 	}
 	var processed int
 	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM processed_messages`).Scan(&processed); err != nil || processed != 0 {

@@ -16,6 +16,12 @@ import (
 // and applies once the predecessor has been.
 var ErrOutOfOrder = errors.New("postgres: message arrived before its predecessor")
 
+// ErrMalformedMessage is returned, wrapped, by [Warehouse.Handle] for a
+// message whose payload it cannot read as its type's: delivered again, it
+// fails again, so a consumer should drop it (and keep it for a person to
+// look at) instead of asking for it again.
+var ErrMalformedMessage = errors.New("postgres: message payload cannot be read")
+
 // ErrNoMessageKey is returned by [Warehouse.Handle] for a message whose Key
 // is empty, such as one published by [DirectOrderService]: with no key there
 // is no way to tell a duplicate from a new message.
@@ -61,7 +67,8 @@ func NewWarehouse(db *sql.DB) *Warehouse {
 // applied for that aggregate: one that skips ahead is refused with
 // [ErrOutOfOrder], to be delivered again later. A message with no key is
 // refused with [ErrNoMessageKey]; a payload that is not an order is refused
-// with its decoding error. A refused message changes nothing.
+// with an error wrapping [ErrMalformedMessage] and the decoding error. A
+// refused message changes nothing.
 func (w *Warehouse) Handle(ctx context.Context, msg Message) (applied bool, err error) {
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
@@ -88,7 +95,7 @@ func (w *Warehouse) Handle(ctx context.Context, msg Message) (applied bool, err 
 		}
 		var order outbox.Order
 		if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
-			return fmt.Errorf("message %s: decode %s payload: %w", msg.Key, msg.Type, err)
+			return fmt.Errorf("message %s: decode %s payload: %w: %w", msg.Key, msg.Type, ErrMalformedMessage, err)
 		}
 		effect := `INSERT INTO reservations (order_id, total_cents) VALUES ($1, $2)`
 		if msg.Type == OrderCancelled {

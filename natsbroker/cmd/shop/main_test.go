@@ -1,0 +1,164 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// TestShopOverHTTP drives the shop's wiring, serve, over loopback HTTP
+// through the article's scenario: an order placed and reserved; bad input
+// refused; the broker taken down, an order placed all the same, which waits
+// in the outbox; the broker back, the order reserved. Then Ctrl-C (the
+// context's end) stops everything.
+func TestShopOverHTTP(t *testing.T) {
+	db := newDatabase(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var out syncBuffer
+	served := make(chan error, 1)
+	go func() { served <- serve(ctx, ln, db, t.TempDir(), &out) }()
+	base := "http://" + ln.Addr().String()
+	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
+
+	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
+	waitFor(t, "order 1 reserved", func() bool {
+		return get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
+	})
+	call(t, "POST", base+"/orders", `{"totalCents":0}`, 422, `{"error":"outbox: order total must be a positive number of cents, got 0"}`)
+	call(t, "POST", base+"/orders", `{"total":5}`, 400, `{"error":"body must be one JSON object {\"totalCents\": a whole number of cents}"}`)
+	call(t, "POST", base+"/orders", `{"totalCents":1}{}`, 400, `{"error":"body must be one JSON object {\"totalCents\": a whole number of cents}"}`)
+	call(t, "GET", base+"/orders/9", "", 404, `{"error":"no order 9"}`)
+
+	call(t, "POST", base+"/broker/down", "", 200, `{"broker":"down"}`)
+	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":2}`)
+	waitFor(t, "a relay pass that failed on the stopped broker", func() bool {
+		var attempts int
+		db.QueryRow(`SELECT attempts FROM outbox WHERE id = 2`).Scan(&attempts)
+		return attempts > 0
+	})
+	if got := get(t, base+"/orders/2"); got != `{"orderId":2,"totalCents":4000,"sent":false,"reserved":false}` {
+		t.Errorf("order 2 while the broker is down = %s, want it unsent and not reserved", got)
+	}
+	if got := get(t, base+"/outbox"); !strings.HasPrefix(got, `{"oldestWaitSeconds":`) || !strings.HasSuffix(got, `,"parked":0,"unsent":1}`) {
+		t.Errorf("GET /outbox while the broker is down = %s, want 1 unsent, 0 parked", got)
+	}
+	call(t, "POST", base+"/broker/up", "", 200, `{"broker":"up"}`)
+	waitFor(t, "order 2 reserved", func() bool {
+		return get(t, base+"/orders/2") == `{"orderId":2,"totalCents":4000,"sent":true,"reserved":true}`
+	})
+
+	cancel()
+	if err := <-served; err != nil {
+		t.Errorf("serve = %v, want nil after the context ended", err)
+	}
+	if !strings.HasSuffix(out.String(), "shop: stopped\n") {
+		t.Errorf("shop's output does not end with its stop:\n%s", out.String())
+	}
+	if _, err := http.Get(base + "/outbox"); err == nil {
+		t.Error("the shop still answers after it stopped")
+	}
+}
+
+// call makes a request and checks its status and body.
+func call(t *testing.T, method, url, body string, status int, want string) {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	got, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != status || strings.TrimSpace(string(got)) != want {
+		t.Errorf("%s %s %s = %d %s, want %d %s", method, url, body, resp.StatusCode, got, status, want)
+	}
+}
+
+func get(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return strings.TrimSpace(string(b))
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("still waiting after 60 s for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// syncBuffer is a bytes.Buffer that serve's goroutines may write while the
+// test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// newDatabase creates a database of its own for t on the server that
+// OUTBOX_POSTGRES_URL names (make natsbroker sets it), dropped when t ends.
+func newDatabase(t *testing.T) *sql.DB {
+	t.Helper()
+	url := os.Getenv("OUTBOX_POSTGRES_URL")
+	if url == "" {
+		t.Skip("no PostgreSQL: run make natsbroker")
+	}
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	admin := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { admin.Close() })
+	name := fmt.Sprintf("shop_test_%d", os.Getpid())
+	if _, err := admin.Exec("CREATE DATABASE " + name); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec("DROP DATABASE " + name + " WITH (FORCE)"); err != nil {
+			t.Error(err)
+		}
+	})
+	cfg.Database = name
+	db := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { db.Close() })
+	return db
+}

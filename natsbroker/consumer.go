@@ -1,0 +1,155 @@
+package natsbroker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// Handler applies a message and reports whether it did (false: a duplicate
+// it had applied before). [postgres.Warehouse] is one.
+type Handler interface {
+	Handle(ctx context.Context, msg postgres.Message) (applied bool, err error)
+}
+
+// DefaultRetryDelay is how long a [Consumer] asks JetStream to wait before
+// it delivers again a message whose handling failed, when
+// [Consumer.RetryDelay] is zero.
+const DefaultRetryDelay = time.Second
+
+// Consumer feeds the messages of a JetStream pull consumer to a Handler, one
+// at a time, and tells JetStream what became of each:
+//   - handled (applied, or a duplicate): Ack, only after the handler has
+//     returned, so after the warehouse's transaction committed. A consumer
+//     that dies before its ack leaves the message to be delivered again
+//     after the consumer's AckWait, and the handler drops that copy by its
+//     key: the broker's duplicate window is not what keeps it from being
+//     applied twice;
+//   - failed for a reason that may pass (a database that is down, a message
+//     that arrived before its predecessor): NakWithDelay(RetryDelay), to
+//     be delivered again;
+//   - never to be applied (a payload the handler cannot read, wrapping
+//     [postgres.ErrMalformedMessage], or no key, or headers that are not
+//     an outbox message's): Term, with the reason, and a log line; it is not
+//     delivered again.
+//
+// A Consumer is not safe for concurrent use: run one Run at a time. Several
+// Consumers, in one process or many, may share one JetStream consumer, which
+// spreads the messages among them. Create one with [NewConsumer].
+type Consumer struct {
+	consumer jetstream.Consumer
+	handler  Handler
+
+	// RetryDelay is how long a failed message waits before it is delivered
+	// again; zero or less means DefaultRetryDelay.
+	RetryDelay time.Duration
+
+	// Logger, if not nil, is told of terminated messages and of failed
+	// acks.
+	Logger *slog.Logger
+}
+
+// NewConsumer returns a Consumer that feeds the messages of c, a consumer
+// created with ConsumerConfig, to h.
+func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
+	return &Consumer{consumer: c, handler: h}
+}
+
+// Run handles messages until ctx ends, and then returns ctx's error; or
+// until it cannot tell JetStream what became of a message (its connection
+// is closed), and then returns that error. A message whose handling ctx cut
+// short is neither acked nor asked for again: it is delivered again after
+// the consumer's AckWait.
+func (c *Consumer) Run(ctx context.Context) error {
+	it, err := c.consumer.Messages()
+	if err != nil {
+		return fmt.Errorf("consume: %w", err)
+	}
+	stop := context.AfterFunc(ctx, it.Stop)
+	defer stop()
+	defer it.Stop()
+	for {
+		msg, err := it.Next()
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if err != nil {
+			return fmt.Errorf("consume: %w", err)
+		}
+		if err := c.handle(ctx, msg); err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return err
+		}
+	}
+}
+
+// handle handles msg, and returns an error only when it could not tell
+// JetStream what became of it.
+func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg) error {
+	m, err := decode(msg)
+	if err == nil {
+		_, err = c.handler.Handle(ctx, m)
+	}
+	switch {
+	case ctx.Err() != nil:
+		return ctx.Err()
+	case err == nil:
+		return ack(msg.Ack(), "ack", msg)
+	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, errNotOutbox):
+		if c.Logger != nil {
+			c.Logger.Error("message terminated: it can never be applied", "subject", msg.Subject(), "key", m.Key, "error", err)
+		}
+		return ack(msg.TermWithReason(err.Error()), "terminate", msg)
+	default:
+		return ack(msg.NakWithDelay(orDefault(c.RetryDelay, DefaultRetryDelay)), "ask again for", msg)
+	}
+}
+
+func ack(err error, what string, msg jetstream.Msg) error {
+	if err != nil {
+		return fmt.Errorf("%s message %s: %w", what, msg.Headers().Get(jetstream.MsgIDHeader), err)
+	}
+	return nil
+}
+
+// errNotOutbox is what decode wraps: the message was not published by a
+// Publisher.
+var errNotOutbox = errors.New("not an outbox message")
+
+// decode is msg as the relay published it.
+func decode(msg jetstream.Msg) (postgres.Message, error) {
+	h := msg.Headers()
+	m := postgres.Message{
+		Message:   outbox.Message{Type: strings.TrimPrefix(msg.Subject(), SubjectPrefix), Payload: string(msg.Data())},
+		Key:       h.Get(jetstream.MsgIDHeader),
+		Aggregate: h.Get(HeaderAggregate),
+	}
+	var err error
+	if m.ID, err = strconv.ParseInt(h.Get(HeaderID), 10, 64); err != nil {
+		return m, fmt.Errorf("%w: header %s: %w", errNotOutbox, HeaderID, err)
+	}
+	if m.Aggregate != "" {
+		if m.Seq, err = strconv.ParseInt(h.Get(HeaderSeq), 10, 64); err != nil {
+			return m, fmt.Errorf("%w: header %s: %w", errNotOutbox, HeaderSeq, err)
+		}
+	}
+	return m, nil
+}
+
+func orDefault[T int | time.Duration](v, def T) T {
+	if v <= 0 {
+		return def
+	}
+	return v
+}

@@ -1,0 +1,266 @@
+package natsbroker_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"example.com/patterns/enterprise/outbox/natsbroker"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// The tests need a PostgreSQL server, named by OUTBOX_POSTGRES_URL as
+// postgres/with-server.sh sets it (make natsbroker does), and start their
+// own JetStream servers in process, each with its store in a temporary
+// folder of the test's.
+var (
+	pgServer  *pgx.ConnConfig
+	databases atomic.Int64
+)
+
+func TestMain(m *testing.M) {
+	if url := os.Getenv("OUTBOX_POSTGRES_URL"); url != "" {
+		cfg, err := pgx.ParseConfig(url)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "OUTBOX_POSTGRES_URL:", err)
+			os.Exit(2)
+		}
+		pgServer = cfg
+	}
+	os.Exit(m.Run())
+}
+
+// newDatabase creates a database with the outbox's tables for t alone,
+// dropped when t ends, and opens it.
+func newDatabase(t *testing.T) *sql.DB {
+	t.Helper()
+	if pgServer == nil {
+		t.Skip("no PostgreSQL: run make natsbroker")
+	}
+	ctx := context.Background()
+	admin := openDB(t, pgServer.Database)
+	name := fmt.Sprintf("natsbroker_test_%d_%d", os.Getpid(), databases.Add(1))
+	if _, err := admin.ExecContext(ctx, "CREATE DATABASE "+name); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.ExecContext(ctx, "DROP DATABASE "+name+" WITH (FORCE)"); err != nil {
+			t.Error(err)
+		}
+	})
+	db := openDB(t, name)
+	if err := postgres.CreateTables(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	return db
+}
+
+func openDB(t *testing.T, name string) *sql.DB {
+	cfg := pgServer.Copy()
+	cfg.Database = name
+	db := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// broker is an embedded JetStream server that a test can stop and start
+// again on the same store and port, as a server restarts.
+type broker struct {
+	t    *testing.T
+	opts server.Options
+	srv  *server.Server
+}
+
+// startBroker starts a JetStream server on a free loopback port with its
+// store in a temporary folder, and stops it when t ends. edit, if not nil,
+// changes its options first.
+func startBroker(t *testing.T, edit func(*server.Options)) *broker {
+	t.Helper()
+	b := &broker{t: t, opts: server.Options{
+		Host:      "127.0.0.1",
+		Port:      freePort(t),
+		JetStream: true,
+		StoreDir:  t.TempDir(),
+		NoSigs:    true,
+		NoLog:     true,
+	}}
+	if edit != nil {
+		edit(&b.opts)
+	}
+	b.start()
+	t.Cleanup(b.stop)
+	return b
+}
+
+func (b *broker) start() {
+	b.t.Helper()
+	srv, err := server.NewServer(b.opts.Clone())
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	srv.Start()
+	if !srv.ReadyForConnections(30 * time.Second) {
+		b.t.Fatal("JetStream server not ready within 30 s")
+	}
+	b.srv = srv
+}
+
+func (b *broker) stop() {
+	if b.srv != nil {
+		b.srv.Shutdown()
+		b.srv.WaitForShutdown()
+		b.srv = nil
+	}
+}
+
+func (b *broker) url() string {
+	return "nats://" + net.JoinHostPort(b.opts.Host, strconv.Itoa(b.opts.Port))
+}
+
+// freePort is a loopback port that was free a moment ago: a server that is
+// stopped and started again needs the same one.
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// connect opens a client connection to url that reconnects for ever, a
+// tenth of a second apart, and closes it when t ends.
+func connect(t *testing.T, url string) *nats.Conn {
+	t.Helper()
+	nc, err := nats.Connect(url, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
+// setUp creates the outbox's stream, with the duplicate window given, and
+// the warehouse's durable consumer on it, whose AckWait is ackWait.
+func setUp(t *testing.T, nc *nats.Conn, window, ackWait time.Duration) (jetstream.JetStream, jetstream.Stream) {
+	t.Helper()
+	ctx := context.Background()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream, err := js.CreateOrUpdateStream(ctx, natsbroker.StreamConfig(window))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", ackWait)); err != nil {
+		t.Fatal(err)
+	}
+	return js, stream
+}
+
+// newPublisher is a Publisher over nc.
+func newPublisher(t *testing.T, nc *nats.Conn) *natsbroker.Publisher {
+	t.Helper()
+	p, err := natsbroker.NewPublisher(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// runConsumer runs a Consumer of the warehouse's durable consumer over nc,
+// feeding h, until the returned stop is called or t ends; stop returns
+// Run's error.
+func runConsumer(t *testing.T, nc *nats.Conn, h natsbroker.Handler) (stop func() error) {
+	stop, _ = runConsumerDone(t, nc, h)
+	return stop
+}
+
+// runConsumerDone is runConsumer, and a channel closed when Run returns.
+func runConsumerDone(t *testing.T, nc *nats.Conn, h natsbroker.Handler) (stop func() error, done <-chan struct{}) {
+	t.Helper()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cons, err := js.Consumer(context.Background(), natsbroker.Stream, "warehouse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := natsbroker.NewConsumer(cons, h)
+	c.RetryDelay = 100 * time.Millisecond
+	exited := make(chan struct{})
+	stop = goRun(t, func(ctx context.Context) error {
+		defer close(exited)
+		return c.Run(ctx)
+	})
+	return stop, exited
+}
+
+// goRun runs f in a goroutine until the returned stop is called or t ends;
+// stop cancels f's context, waits for f and returns its error.
+func goRun(t *testing.T, f func(context.Context) error) (stop func() error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f(ctx) }()
+	var err error
+	var stopped bool
+	stop = func() error {
+		if !stopped {
+			stopped = true
+			cancel()
+			err = <-done
+		}
+		return err
+	}
+	t.Cleanup(func() { stop() })
+	return stop
+}
+
+// waitFor polls cond every 20 ms until it holds, and fails t if it does not
+// within 60 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("still waiting after 60 s for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// count is the single number query returns, or -1 on error.
+func count(t *testing.T, db *sql.DB, query string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRowContext(context.Background(), query, args...).Scan(&n); err != nil {
+		t.Error(err)
+		return -1
+	}
+	return n
+}
+
+// streamMessages is how many messages the outbox's stream holds.
+func streamMessages(t *testing.T, stream jetstream.Stream) uint64 {
+	t.Helper()
+	info, err := stream.Info(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return info.State.Msgs
+}

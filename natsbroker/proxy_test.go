@@ -1,0 +1,99 @@
+package natsbroker_test
+
+import (
+	"bufio"
+	"bytes"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+// ackDropper is a TCP proxy between NATS clients and a server that can lose
+// the server's replies: armed, it drops the next message the server sends
+// to a client's inbox (a publish's ack goes there), and forwards everything
+// else as it came. The server has stored the message by then; only the ack
+// is lost, as when a connection breaks right after the server answered.
+type ackDropper struct {
+	ln      net.Listener
+	armed   atomic.Bool
+	dropped atomic.Int64
+	wg      sync.WaitGroup
+}
+
+// newAckDropper listens on a loopback port and forwards to target, until t
+// ends.
+func newAckDropper(t *testing.T, target string) *ackDropper {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &ackDropper{ln: ln}
+	var conns sync.Map
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			srv, err := net.Dial("tcp", target)
+			if err != nil {
+				client.Close()
+				continue
+			}
+			conns.Store(client, srv)
+			p.wg.Add(2)
+			go func() { defer p.wg.Done(); io.Copy(srv, client); srv.Close() }()
+			go func() { defer p.wg.Done(); p.serverToClient(client, srv); client.Close() }()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		conns.Range(func(c, s any) bool { c.(net.Conn).Close(); s.(net.Conn).Close(); return true })
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *ackDropper) url() string { return "nats://" + p.ln.Addr().String() }
+
+// dropNextAck arms the proxy.
+func (p *ackDropper) dropNextAck() { p.armed.Store(true) }
+
+// serverToClient copies the server's protocol to the client a line at a
+// time, reading each MSG or HMSG with its payload, and leaves out the
+// first one to an inbox after the proxy was armed.
+func (p *ackDropper) serverToClient(client io.Writer, srv io.Reader) {
+	r := bufio.NewReader(srv)
+	for {
+		line, err := r.ReadBytes('\n')
+		if err != nil {
+			return
+		}
+		var body []byte
+		fields := bytes.Fields(line)
+		if len(fields) >= 4 && (string(fields[0]) == "MSG" || string(fields[0]) == "HMSG") {
+			// MSG subject sid [reply] size; HMSG subject sid [reply] hdrsize size
+			size, err := strconv.Atoi(string(fields[len(fields)-1]))
+			if err != nil {
+				return
+			}
+			body = make([]byte, size+2) // and its \r\n
+			if _, err := io.ReadFull(r, body); err != nil {
+				return
+			}
+			if bytes.HasPrefix(fields[1], []byte("_INBOX.")) && p.armed.CompareAndSwap(true, false) {
+				p.dropped.Add(1)
+				continue
+			}
+		}
+		if _, err := client.Write(append(line, body...)); err != nil {
+			return
+		}
+	}
+}

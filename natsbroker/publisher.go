@@ -1,0 +1,168 @@
+package natsbroker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// Publisher publishes outbox messages to JetStream: it is a
+// [postgres.MessageBroker] and a [postgres.BatchPublisher] for
+// [postgres.OutboxRelay].
+//
+// Each message goes to SubjectPrefix + its type, with its key as
+// Nats-Msg-Id, so that the stream stores a message once however often the
+// relay publishes it within the duplicate window, and with its id,
+// aggregate and seq in headers (HeaderID, HeaderAggregate, HeaderSeq).
+// Publish and PublishBatch return only once the stream has acknowledged the
+// message, that is, stored it.
+//
+// What the server says comes back as the relay needs it:
+//   - an acknowledgement, including one that says the stream had the
+//     message already (a duplicate, counted by Duplicates), is a success;
+//   - a payload over the server's or the stream's limit, and a subject that
+//     no stream takes, can never succeed: errors wrapping
+//     [postgres.ErrRejected], which a relay may park;
+//   - everything else, a server that does not answer, a connection that is
+//     closed or reconnecting, a stream with no leader, no ack before the
+//     context ended, may pass: errors wrapping [outbox.ErrBrokerUnavailable].
+//     After such an error the stream may hold the message all the same (the
+//     ack lost on its way back); the relay publishes it again, and the
+//     duplicate window drops the copy.
+//
+// A Publisher is safe for concurrent use by multiple goroutines. Create one
+// with [NewPublisher].
+type Publisher struct {
+	js         jetstream.JetStream
+	duplicates atomic.Int64
+}
+
+// publishAckTimeout is how long JetStream's client keeps waiting for an
+// asynchronous publish's ack before it gives up on it. The batch stops
+// waiting when its context ends; this only frees the client's slot for an
+// ack that was lost.
+const publishAckTimeout = time.Minute
+
+// NewPublisher returns a Publisher over the connection nc. It does not
+// create the stream: create it with StreamConfig first (a subject without a
+// stream is a rejection).
+func NewPublisher(nc *nats.Conn) (*Publisher, error) {
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(publishAckTimeout))
+	if err != nil {
+		return nil, err
+	}
+	return &Publisher{js: js}, nil
+}
+
+// Duplicates is how many messages the stream acknowledged as duplicates: it
+// had stored them before, within its window, and dropped the new copy.
+func (p *Publisher) Duplicates() int64 { return p.duplicates.Load() }
+
+// Publish publishes msg and waits for the stream's ack, or for ctx to end.
+func (p *Publisher) Publish(ctx context.Context, msg postgres.Message) error {
+	if err := p.connected(msg); err != nil {
+		return err
+	}
+	ack, err := p.js.PublishMsg(ctx, natsMsg(msg))
+	if err != nil {
+		return p.failed(ctx, msg, err)
+	}
+	p.acked(ack)
+	return nil
+}
+
+// PublishBatch publishes every message of msgs without waiting for the acks
+// in between (JetStream's asynchronous publish), then waits for the acks in
+// order, and returns how many, from the first, were acknowledged before the
+// first that was not, with that one's error. The messages after it were sent
+// too and may be stored: a relay publishes them again in a later pass, and
+// the duplicate window drops those copies.
+func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (int, error) {
+	if err := p.connected(msgs[0]); err != nil {
+		return 0, err
+	}
+	futures := make([]jetstream.PubAckFuture, 0, len(msgs))
+	var sendErr error
+	for _, msg := range msgs {
+		f, err := p.js.PublishMsgAsync(natsMsg(msg))
+		if err != nil {
+			sendErr = err
+			break
+		}
+		futures = append(futures, f)
+	}
+	for i, f := range futures {
+		select {
+		case ack := <-f.Ok():
+			p.acked(ack)
+		case err := <-f.Err():
+			return i, p.failed(ctx, msgs[i], err)
+		case <-ctx.Done():
+			return i, p.failed(ctx, msgs[i], ctx.Err())
+		}
+	}
+	if sendErr != nil {
+		return len(futures), p.failed(ctx, msgs[len(futures)], sendErr)
+	}
+	return len(msgs), nil
+}
+
+// connected fails at once while the connection to the server is down. The
+// client would otherwise keep the message in a buffer, to send it once it
+// reconnects, and the relay's pass would wait for an ack until its budget ran
+// out, holding its rows all that time.
+func (p *Publisher) connected(msg postgres.Message) error {
+	if nc := p.js.Conn(); !nc.IsConnected() {
+		return fmt.Errorf("message %s: connection to the server is %v: %w", msg.Key, nc.Status(), outbox.ErrBrokerUnavailable)
+	}
+	return nil
+}
+
+func (p *Publisher) acked(ack *jetstream.PubAck) {
+	if ack.Duplicate {
+		p.duplicates.Add(1)
+	}
+}
+
+// failed says what err, from publishing msg, means for the relay.
+func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error) error {
+	subject := SubjectPrefix + msg.Type
+	switch {
+	case ctx.Err() != nil:
+		return fmt.Errorf("message %s to %s: no ack before the context ended, so whether the stream stored it is unknown: %w: %w",
+			msg.Key, subject, outbox.ErrBrokerUnavailable, err)
+	case errors.Is(err, nats.ErrMaxPayload), errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum):
+		return fmt.Errorf("message %s to %s: %d bytes: %w: %w", msg.Key, subject, len(msg.Payload), postgres.ErrRejected, err)
+	case errors.Is(err, jetstream.ErrNoStreamResponse), errors.Is(err, nats.ErrNoResponders):
+		// Nobody answered: either no stream takes the subject, which stays
+		// so until someone creates one, or JetStream is not up yet.
+		if _, lookup := p.js.StreamNameBySubject(ctx, subject); errors.Is(lookup, jetstream.ErrStreamNotFound) {
+			return fmt.Errorf("message %s: no stream takes subject %s: %w", msg.Key, subject, postgres.ErrRejected)
+		}
+	}
+	return fmt.Errorf("message %s to %s: %w: %w", msg.Key, subject, outbox.ErrBrokerUnavailable, err)
+}
+
+// natsMsg is msg as JetStream carries it.
+func natsMsg(msg postgres.Message) *nats.Msg {
+	m := nats.NewMsg(SubjectPrefix + msg.Type)
+	m.Data = []byte(msg.Payload)
+	if msg.Key != "" { // none for DirectOrderService's messages: nothing to deduplicate by
+		m.Header.Set(jetstream.MsgIDHeader, msg.Key)
+	}
+	m.Header.Set(HeaderID, strconv.FormatInt(msg.ID, 10))
+	if msg.Aggregate != "" {
+		m.Header.Set(HeaderAggregate, msg.Aggregate)
+		m.Header.Set(HeaderSeq, strconv.FormatInt(msg.Seq, 10))
+	}
+	return m
+}

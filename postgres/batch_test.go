@@ -1,0 +1,116 @@
+package postgres_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"testing"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// batchBroker is a BatchPublisher whose every PublishBatch call answers
+// with the next of its replies: how many it accepts, and the error for the
+// next message. It records the ids of every call's batch.
+type batchBroker struct {
+	replies []batchReply
+	calls   [][]int64
+}
+
+type batchReply struct {
+	accept int
+	err    error
+}
+
+func (b *batchBroker) Publish(context.Context, postgres.Message) error {
+	return errors.New("Publish called: the relay should use PublishBatch")
+}
+
+func (b *batchBroker) PublishBatch(_ context.Context, msgs []postgres.Message) (int, error) {
+	var ids []int64
+	for _, m := range msgs {
+		ids = append(ids, m.ID)
+	}
+	b.calls = append(b.calls, ids)
+	if len(b.replies) == 0 {
+		return len(msgs), nil
+	}
+	r := b.replies[0]
+	b.replies = b.replies[1:]
+	return r.accept, r.err
+}
+
+// A relay whose broker is a BatchPublisher hands it the whole claim at once
+// and marks exactly the prefix the broker accepted: the first message it did
+// not accept and everything after it stay unsent, even if the broker
+// stored them, and go again next pass.
+func TestBatchPublisherMarksExactlyTheAcceptedPrefix(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100, 200, 300, 400, 500)
+	broker := &batchBroker{replies: []batchReply{{2, fmt.Errorf("ack of 3 lost: %w", outbox.ErrBrokerUnavailable)}}}
+	relay := postgres.NewOutboxRelay(db, broker)
+	n, err := relay.PublishPending(ctx)
+	if n != 2 || !errors.Is(err, outbox.ErrBrokerUnavailable) {
+		t.Fatalf("pass = %d, %v; want 2 and the broker's error", n, err)
+	}
+	wantSent(t, db, true, true, false, false, false)
+	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
+		t.Fatalf("next pass = %d, %v; want 3, <nil>", n, err)
+	}
+	wantSent(t, db, true, true, true, true, true)
+	if want := [][]int64{{1, 2, 3, 4, 5}, {3, 4, 5}}; !slices.EqualFunc(broker.calls, want, slices.Equal) {
+		t.Errorf("batches = %v, want %v", broker.calls, want)
+	}
+}
+
+// A rejection in the middle of a batch parks that row (with ParkAfter) and
+// the rest of the batch goes in a call of its own, in the same pass.
+func TestBatchPublisherRejectionParksAndTheRestGoesOn(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100, 200, 300, 400, 500)
+	broker := &batchBroker{replies: []batchReply{{2, fmt.Errorf("too large: %w", postgres.ErrRejected)}}}
+	relay := postgres.NewOutboxRelay(db, broker)
+	relay.ParkAfter = 1
+	if n, err := relay.PublishPending(ctx); n != 4 || err != nil {
+		t.Fatalf("pass = %d, %v; want 4, <nil>", n, err)
+	}
+	wantSent(t, db, true, true, false, true, true)
+	if want := [][]int64{{1, 2, 3, 4, 5}, {4, 5}}; !slices.EqualFunc(broker.calls, want, slices.Equal) {
+		t.Errorf("batches = %v, want %v", broker.calls, want)
+	}
+	parked, err := postgres.ListParked(ctx, db, 0)
+	if err != nil || len(parked) != 1 || parked[0].ID != 3 {
+		t.Errorf("parked = %+v, %v; want row 3", parked, err)
+	}
+}
+
+// A broker that answers what cannot be (more than it was given, or fewer
+// than all with no error) gets nothing marked beyond what it can have
+// accepted, and the pass says what the broker answered.
+func TestBatchPublisherThatMisreportsMarksNothingItCannotHaveAccepted(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		reply batchReply
+		n     int
+		sent  []bool
+	}{
+		{batchReply{4, nil}, 0, []bool{false, false, false}},
+		{batchReply{-1, nil}, 0, []bool{false, false, false}},
+		{batchReply{1, nil}, 1, []bool{true, false, false}},
+	} {
+		t.Run(fmt.Sprint(tc.reply.accept), func(t *testing.T) {
+			db := newDatabase(t)
+			place(t, db, 100, 200, 300)
+			relay := postgres.NewOutboxRelay(db, &batchBroker{replies: []batchReply{tc.reply}})
+			n, err := relay.PublishPending(ctx)
+			if n != tc.n || err == nil {
+				t.Fatalf("pass = %d, %v; want %d and an error", n, err, tc.n)
+			}
+			wantSent(t, db, tc.sent...)
+		})
+	}
+}
