@@ -10,10 +10,13 @@
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    the postgres README's latency, drain and cleanup figures (about 70 s)
+#   make natsbroker                          the natsbroker/ module's tests: JetStream embedded, a throwaway PostgreSQL (-race)
+#   make shop                                the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
+#   make measure-natsbroker                  the natsbroker README's drain and latency figures
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
-# test, make postgres and make lint.
+# test, make postgres, make natsbroker and make lint.
 
 PATTERN  := patterns/enterprise/outbox
 T        ?= $(PATTERN)
@@ -30,7 +33,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres natsbroker shop
+.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres natsbroker shop measure-natsbroker
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -129,3 +132,17 @@ natsbroker:
 SHOP_ADDR ?= 127.0.0.1:8080
 shop:
 	@postgres/with-server.sh bash -c 'cd natsbroker && exec $(GO) run ./cmd/shop -addr $(SHOP_ADDR)'
+
+# The natsbroker README's figures, into measure-natsbroker.txt: the relay's
+# drain rate to JetStream waiting for each ack against the asynchronous
+# batch (six interleaved rounds, then their ratio), and the delay from an
+# order's commit to its reservation, end to end (once: 300 orders).
+measure-natsbroker:
+	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \
+		./measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 5000x || exit 1; done; \
+		./measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkLatency$$" -test.benchtime 1x -test.v' \
+		| grep -E '^(Benchmark|    bench_test|--- FAIL|FAIL)' | tee measure-natsbroker.txt
+	@rm -f measure-natsbroker.test
+	@! grep -E '^(--- )?FAIL' measure-natsbroker.txt
+	$(BENCHSTAT) -filter .name:Drain -col '/ack@(each batch)' measure-natsbroker.txt

@@ -113,11 +113,13 @@ func TestEveryOrderReservedOnceEndToEnd(t *testing.T) {
 	}
 }
 
-// 2. The lost acknowledgement, for real: the server stores the message, and
-// a proxy drops the ack on its way to the relay. The pass runs out of its
-// budget and marks nothing; the next pass publishes the message again,
-// JetStream answers that it is a duplicate, the row is marked, and the
-// stream holds one copy.
+// 2. The lost acknowledgement, for real: the server stores a batch of three
+// messages, and a proxy drops the first one's ack on its way to the relay.
+// The pass waits for that ack until its budget runs out and marks nothing,
+// not even the two after it whose acks came: the relay marks only what was
+// acknowledged before the first failure. The next pass publishes all three
+// again, JetStream answers that each is a duplicate, the rows are marked,
+// and the stream holds one copy of each.
 func TestLostAckIsSentAgainAndStoredOnce(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -127,8 +129,10 @@ func TestLostAckIsSentAgainAndStoredOnce(t *testing.T) {
 	pub := newPublisher(t, connect(t, proxy.url()))
 	relay := postgres.NewOutboxRelay(db, pub)
 	relay.PassTimeout = time.Second
-	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
-		t.Fatal(err)
+	for _, total := range []int64{2500, 4000, 700} {
+		if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, total); err != nil {
+			t.Fatal(err)
+		}
 	}
 
 	proxy.dropNextAck()
@@ -138,21 +142,21 @@ func TestLostAckIsSentAgainAndStoredOnce(t *testing.T) {
 	if d := proxy.dropped.Load(); d != 1 {
 		t.Fatalf("proxy dropped %d acks, want 1", d)
 	}
-	if n := streamMessages(t, stream); n != 1 {
-		t.Fatalf("stream holds %d messages after the lost ack, want 1 (stored, only the ack was lost)", n)
+	if n := streamMessages(t, stream); n != 3 {
+		t.Fatalf("stream holds %d messages after the lost ack, want 3 (stored, only an ack was lost)", n)
 	}
-	if n := count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 1 {
-		t.Fatalf("%d rows unsent after the lost ack, want 1", n)
+	if n := count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 3 {
+		t.Fatalf("%d rows unsent after the lost ack, want 3", n)
 	}
 
-	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
-		t.Fatalf("pass after the lost ack = %d, %v; want 1, <nil>", n, err)
+	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
+		t.Fatalf("pass after the lost ack = %d, %v; want 3, <nil>", n, err)
 	}
-	if d := pub.Duplicates(); d != 1 {
-		t.Errorf("publisher counted %d duplicate acks, want 1", d)
+	if d := pub.Duplicates(); d != 3 {
+		t.Errorf("publisher counted %d duplicate acks, want 3", d)
 	}
-	if n := streamMessages(t, stream); n != 1 {
-		t.Errorf("stream holds %d messages after the re-send, want 1", n)
+	if n := streamMessages(t, stream); n != 3 {
+		t.Errorf("stream holds %d messages after the re-send, want 3", n)
 	}
 	if n := count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 0 {
 		t.Errorf("%d rows unsent after the re-send, want 0", n)

@@ -65,8 +65,10 @@ func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
 }
 
 // Run handles messages until ctx ends, and then returns ctx's error; or
-// until it cannot tell JetStream what became of a message (its connection
-// is closed), and then returns that error. A message whose handling ctx cut
+// until it cannot tell JetStream what became of a message, or can receive
+// no more (its connection is closed, its consumer deleted), and then
+// returns that error. A server that goes down and comes back is not such an
+// error: the client reconnects and Run goes on. A message whose handling ctx cut
 // short is neither acked nor asked for again: it is delivered again after
 // the consumer's AckWait.
 func (c *Consumer) Run(ctx context.Context) error {
@@ -81,6 +83,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 		msg, err := it.Next()
 		if ctx.Err() != nil {
 			return ctx.Err()
+		}
+		if errors.Is(err, jetstream.ErrNoHeartbeat) {
+			continue // the server was silent a while; the iterator pulls again
 		}
 		if err != nil {
 			return fmt.Errorf("consume: %w", err)

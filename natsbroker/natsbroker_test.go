@@ -44,7 +44,7 @@ func TestMain(m *testing.M) {
 
 // newDatabase creates a database with the outbox's tables for t alone,
 // dropped when t ends, and opens it.
-func newDatabase(t *testing.T) *sql.DB {
+func newDatabase(t testing.TB) *sql.DB {
 	t.Helper()
 	if pgServer == nil {
 		t.Skip("no PostgreSQL: run make natsbroker")
@@ -67,7 +67,7 @@ func newDatabase(t *testing.T) *sql.DB {
 	return db
 }
 
-func openDB(t *testing.T, name string) *sql.DB {
+func openDB(t testing.TB, name string) *sql.DB {
 	cfg := pgServer.Copy()
 	cfg.Database = name
 	db := stdlib.OpenDB(*cfg)
@@ -78,7 +78,7 @@ func openDB(t *testing.T, name string) *sql.DB {
 // broker is an embedded JetStream server that a test can stop and start
 // again on the same store and port, as a server restarts.
 type broker struct {
-	t    *testing.T
+	t    testing.TB
 	opts server.Options
 	srv  *server.Server
 }
@@ -86,7 +86,7 @@ type broker struct {
 // startBroker starts a JetStream server on a free loopback port with its
 // store in a temporary folder, and stops it when t ends. edit, if not nil,
 // changes its options first.
-func startBroker(t *testing.T, edit func(*server.Options)) *broker {
+func startBroker(t testing.TB, edit func(*server.Options)) *broker {
 	t.Helper()
 	b := &broker{t: t, opts: server.Options{
 		Host:      "127.0.0.1",
@@ -131,7 +131,7 @@ func (b *broker) url() string {
 
 // freePort is a loopback port that was free a moment ago: a server that is
 // stopped and started again needs the same one.
-func freePort(t *testing.T) int {
+func freePort(t testing.TB) int {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -143,7 +143,7 @@ func freePort(t *testing.T) int {
 
 // connect opens a client connection to url that reconnects for ever, a
 // tenth of a second apart, and closes it when t ends.
-func connect(t *testing.T, url string) *nats.Conn {
+func connect(t testing.TB, url string) *nats.Conn {
 	t.Helper()
 	nc, err := nats.Connect(url, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
@@ -155,7 +155,7 @@ func connect(t *testing.T, url string) *nats.Conn {
 
 // setUp creates the outbox's stream, with the duplicate window given, and
 // the warehouse's durable consumer on it, whose AckWait is ackWait.
-func setUp(t *testing.T, nc *nats.Conn, window, ackWait time.Duration) (jetstream.JetStream, jetstream.Stream) {
+func setUp(t testing.TB, nc *nats.Conn, window, ackWait time.Duration) (jetstream.JetStream, jetstream.Stream) {
 	t.Helper()
 	ctx := context.Background()
 	js, err := jetstream.New(nc)
@@ -173,7 +173,7 @@ func setUp(t *testing.T, nc *nats.Conn, window, ackWait time.Duration) (jetstrea
 }
 
 // newPublisher is a Publisher over nc.
-func newPublisher(t *testing.T, nc *nats.Conn) *natsbroker.Publisher {
+func newPublisher(t testing.TB, nc *nats.Conn) *natsbroker.Publisher {
 	t.Helper()
 	p, err := natsbroker.NewPublisher(nc)
 	if err != nil {
@@ -185,13 +185,13 @@ func newPublisher(t *testing.T, nc *nats.Conn) *natsbroker.Publisher {
 // runConsumer runs a Consumer of the warehouse's durable consumer over nc,
 // feeding h, until the returned stop is called or t ends; stop returns
 // Run's error.
-func runConsumer(t *testing.T, nc *nats.Conn, h natsbroker.Handler) (stop func() error) {
+func runConsumer(t testing.TB, nc *nats.Conn, h natsbroker.Handler) (stop func() error) {
 	stop, _ = runConsumerDone(t, nc, h)
 	return stop
 }
 
 // runConsumerDone is runConsumer, and a channel closed when Run returns.
-func runConsumerDone(t *testing.T, nc *nats.Conn, h natsbroker.Handler) (stop func() error, done <-chan struct{}) {
+func runConsumerDone(t testing.TB, nc *nats.Conn, h natsbroker.Handler) (stop func() error, done <-chan struct{}) {
 	t.Helper()
 	js, err := jetstream.New(nc)
 	if err != nil {
@@ -213,7 +213,7 @@ func runConsumerDone(t *testing.T, nc *nats.Conn, h natsbroker.Handler) (stop fu
 
 // goRun runs f in a goroutine until the returned stop is called or t ends;
 // stop cancels f's context, waits for f and returns its error.
-func goRun(t *testing.T, f func(context.Context) error) (stop func() error) {
+func goRun(t testing.TB, f func(context.Context) error) (stop func() error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- f(ctx) }()
@@ -233,7 +233,7 @@ func goRun(t *testing.T, f func(context.Context) error) (stop func() error) {
 
 // waitFor polls cond every 20 ms until it holds, and fails t if it does not
 // within 60 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
+func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(60 * time.Second)
 	for !cond() {
@@ -245,7 +245,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 // count is the single number query returns, or -1 on error.
-func count(t *testing.T, db *sql.DB, query string, args ...any) int {
+func count(t testing.TB, db *sql.DB, query string, args ...any) int {
 	t.Helper()
 	var n int
 	if err := db.QueryRowContext(context.Background(), query, args...).Scan(&n); err != nil {
@@ -256,7 +256,7 @@ func count(t *testing.T, db *sql.DB, query string, args ...any) int {
 }
 
 // streamMessages is how many messages the outbox's stream holds.
-func streamMessages(t *testing.T, stream jetstream.Stream) uint64 {
+func streamMessages(t testing.TB, stream jetstream.Stream) uint64 {
 	t.Helper()
 	info, err := stream.Info(context.Background())
 	if err != nil {

@@ -60,12 +60,13 @@ func newHandler(db *sql.DB, orders *postgres.OrderService, broker *embeddedBroke
 		var order struct {
 			ID         int64 `json:"orderId"`
 			TotalCents int64 `json:"totalCents"`
-			Sent       bool  `json:"sent"`     // its OrderPlaced is marked sent: the broker stored it
+			Sent       bool  `json:"sent"`     // its OrderPlaced is no longer waiting: the broker stored it
 			Reserved   bool  `json:"reserved"` // the warehouse applied it
 		}
 		err = db.QueryRowContext(r.Context(), `
 			SELECT o.id, o.total_cents,
-			       EXISTS (SELECT 1 FROM outbox WHERE type = 'OrderPlaced' AND aggregate = 'order/' || o.id AND sent_at IS NOT NULL),
+			       NOT EXISTS (SELECT 1 FROM outbox -- through outbox_unsent_by_aggregate; a sent row may be cleaned up
+			                   WHERE aggregate = 'order/' || o.id AND sent_at IS NULL AND type = 'OrderPlaced'),
 			       EXISTS (SELECT 1 FROM reservations WHERE order_id = o.id)
 			FROM orders o WHERE o.id = $1`, id).Scan(&order.ID, &order.TotalCents, &order.Sent, &order.Reserved)
 		switch {

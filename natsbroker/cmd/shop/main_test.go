@@ -62,6 +62,10 @@ func TestShopOverHTTP(t *testing.T) {
 	waitFor(t, "order 2 reserved", func() bool {
 		return get(t, base+"/orders/2") == `{"orderId":2,"totalCents":4000,"sent":true,"reserved":true}`
 	})
+	for range 2 { // a retry with the same key gets the first order
+		postWithKey(t, base+"/orders", "order-3", `{"totalCents":700}`, 201, `{"orderId":3}`)
+	}
+	postWithKey(t, base+"/orders", "order-3", `{"totalCents":800}`, 422, `{"error":"postgres: idempotency key already used for another order: key \"order-3\" placed order 3 of 700 cents, not 800"}`)
 
 	cancel()
 	if err := <-served; err != nil {
@@ -78,10 +82,28 @@ func TestShopOverHTTP(t *testing.T) {
 // call makes a request and checks its status and body.
 func call(t *testing.T, method, url, body string, status int, want string) {
 	t.Helper()
+	check(t, newRequest(t, method, url, body), status, want)
+}
+
+// postWithKey is call of POST with an Idempotency-Key header.
+func postWithKey(t *testing.T, url, key, body string, status int, want string) {
+	t.Helper()
+	req := newRequest(t, "POST", url, body)
+	req.Header.Set("Idempotency-Key", key)
+	check(t, req, status, want)
+}
+
+func newRequest(t *testing.T, method, url, body string) *http.Request {
+	t.Helper()
 	req, err := http.NewRequest(method, url, strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
+	return req
+}
+
+func check(t *testing.T, req *http.Request, status int, want string) {
+	t.Helper()
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -89,7 +111,7 @@ func call(t *testing.T, method, url, body string, status int, want string) {
 	defer resp.Body.Close()
 	got, _ := io.ReadAll(resp.Body)
 	if resp.StatusCode != status || strings.TrimSpace(string(got)) != want {
-		t.Errorf("%s %s %s = %d %s, want %d %s", method, url, body, resp.StatusCode, got, status, want)
+		t.Errorf("%s %s = %d %s, want %d %s", req.Method, req.URL, resp.StatusCode, got, status, want)
 	}
 }
 

@@ -1,0 +1,126 @@
+package natsbroker_test
+
+import (
+	"context"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+
+	"example.com/patterns/enterprise/outbox/natsbroker"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// The benchmarks behind the figures in README.md; make measure-natsbroker
+// runs them on a throwaway PostgreSQL with an embedded JetStream whose
+// store is on disk.
+
+// BenchmarkDrain is the relay's drain rate to JetStream, per message, in
+// passes of 100 rows: with ack=each the relay waits for each message's ack
+// before it publishes the next (the Publisher without its PublishBatch);
+// with ack=batch it publishes the pass's batch asynchronously and then
+// waits for the acks. Rows are written in chunks of 1,000 with the timer
+// stopped.
+func BenchmarkDrain(b *testing.B) {
+	for _, mode := range []string{"each", "batch"} {
+		b.Run("ack="+mode, func(b *testing.B) {
+			ctx := context.Background()
+			db := newDatabase(b)
+			br := startBroker(b, nil)
+			setUp(b, connect(b, br.url()), 0, 0)
+			pub := newPublisher(b, connect(b, br.url()))
+			var broker postgres.MessageBroker = pub
+			if mode == "each" {
+				broker = oneAtATime{pub}
+			}
+			relay := postgres.NewOutboxRelay(db, broker)
+			b.ResetTimer()
+			for done := 0; done < b.N; {
+				chunk := min(1000, b.N-done)
+				b.StopTimer()
+				if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
+					SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, chunk); err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+				for sent := 0; sent < chunk; {
+					n, err := relay.PublishPending(ctx)
+					if err != nil || n == 0 {
+						b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
+					}
+					sent += n
+				}
+				done += chunk
+			}
+			b.StopTimer()
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
+		})
+	}
+}
+
+// oneAtATime hides a Publisher's PublishBatch, so that the relay publishes
+// one message at a time and waits for each ack.
+type oneAtATime struct{ p *natsbroker.Publisher }
+
+func (o oneAtATime) Publish(ctx context.Context, msg postgres.Message) error {
+	return o.p.Publish(ctx, msg)
+}
+
+// BenchmarkLatency is the time from an order's commit (PlaceOrder's
+// return) to its reservation (the warehouse's commit, as the consumer's
+// handler returns), end to end: Run woken by NOTIFY, publishing to
+// JetStream, and a consumer feeding the warehouse. 300 orders, one at a
+// time, each after a random pause of up to 20 ms (seeded, logged) so that
+// orders do not line up with anything. It reports the median and the 99th
+// percentile; it runs once whatever b.N.
+func BenchmarkLatency(b *testing.B) {
+	const orders = 300
+	db := newDatabase(b)
+	br := startBroker(b, nil)
+	setUp(b, connect(b, br.url()), 0, 0)
+	relay := postgres.NewOutboxRelay(db, newPublisher(b, connect(b, br.url())))
+	goRun(b, relay.Run)
+	applied := make(chan time.Time, orders)
+	runConsumer(b, connect(b, br.url()), timed{postgres.NewWarehouse(db), applied})
+	shop := postgres.NewOrderService(db)
+	seed := time.Now().UnixNano()
+	b.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+
+	b.ResetTimer()
+	var delays []time.Duration
+	for range orders {
+		time.Sleep(time.Duration(rng.Int64N(int64(20 * time.Millisecond))))
+		if _, err := shop.PlaceOrder(context.Background(), 2500); err != nil {
+			b.Fatal(err)
+		}
+		committed := time.Now()
+		select {
+		case at := <-applied:
+			delays = append(delays, at.Sub(committed))
+		case <-time.After(30 * time.Second):
+			b.Fatal("order not reserved within 30 s")
+		}
+	}
+	b.StopTimer()
+	slices.Sort(delays)
+	p50, p99 := delays[len(delays)/2], delays[len(delays)*99/100]
+	b.ReportMetric(float64(p50.Microseconds())/1000, "p50-ms")
+	b.ReportMetric(float64(p99.Microseconds())/1000, "p99-ms")
+	b.Logf("commit to reservation, %d orders: median %v, 99th percentile %v, max %v", orders, p50, p99, delays[len(delays)-1])
+}
+
+// timed hands messages to a warehouse and sends the time of each
+// application on applied.
+type timed struct {
+	w       *postgres.Warehouse
+	applied chan<- time.Time
+}
+
+func (t timed) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	ok, err := t.w.Handle(ctx, msg)
+	if ok {
+		t.applied <- time.Now()
+	}
+	return ok, err
+}
