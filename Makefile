@@ -74,18 +74,24 @@ lint:
 	cd postgres && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
-# The postgres/ module, on a PostgreSQL that postgres/with-server.sh starts in
-# a fresh temporary folder and removes afterwards, whatever happens. The awk
+# module-tests checks the module in the folder $(1) with gofmt and go vet,
+# then runs its tests on a PostgreSQL that postgres/with-server.sh starts in a
+# fresh temporary folder and removes afterwards, whatever happens. The awk
 # drops go test's "=== RUN" lines, keeps the rest (the trap test logs both
 # relays' outcomes), and fails the target if any test skipped.
-postgres:
-	cd postgres && gofmt_out=$$(gofmt -l .) && [ -z "$$gofmt_out" ] || { echo "gofmt would change: $$gofmt_out" >&2; exit 1; }
-	cd postgres && $(GO) vet ./...
-	@echo "postgres/with-server.sh: go test $(RACE) -count=1 -v ./... in postgres/, on a throwaway server"
-	@postgres/with-server.sh bash -c 'cd postgres && $(GO) test $(RACE) -count=1 -v ./...' | awk '\
+define module-tests
+	cd $(1) && gofmt_out=$$(gofmt -l .) && [ -z "$$gofmt_out" ] || { echo "gofmt would change: $$gofmt_out" >&2; exit 1; }
+	cd $(1) && $(GO) vet ./...
+	@echo "postgres/with-server.sh: go test $(RACE) -count=1 -v ./... in $(1)/, on a throwaway server"
+	@postgres/with-server.sh bash -c 'cd $(1) && $(GO) test $(RACE) -count=1 -v ./...' | awk '\
 		/^=== / { next } { print } \
 		/^ *--- PASS/ { p++ } /^ *--- FAIL/ { f++ } /^ *--- SKIP/ { s++ } \
-		END { printf "postgres: %d passed, %d failed, %d skipped\n", p, f, s; exit s > 0 }'
+		END { printf "$(1): %d passed, %d failed, %d skipped\n", p, f, s; exit s > 0 }'
+endef
+
+# The postgres/ module.
+postgres:
+	$(call module-tests,postgres)
 
 # Eight interleaved rounds of the postgres/ module's benchmarks on a throwaway
 # server, into bench-postgres.txt, then the ratios the postgres README quotes.
@@ -115,16 +121,9 @@ measure-postgres:
 	@! grep -E '^(--- )?FAIL' measure-postgres.txt
 
 # The natsbroker/ module: the outbox end to end through NATS JetStream, which
-# its tests embed (each with its store in a temporary folder), on a throwaway
-# PostgreSQL as make postgres has. Fails if any test skipped.
+# its tests embed (each with its store in a temporary folder).
 natsbroker:
-	cd natsbroker && gofmt_out=$$(gofmt -l .) && [ -z "$$gofmt_out" ] || { echo "gofmt would change: $$gofmt_out" >&2; exit 1; }
-	cd natsbroker && $(GO) vet ./...
-	@echo "postgres/with-server.sh: go test $(RACE) -count=1 -v ./... in natsbroker/, on a throwaway server"
-	@postgres/with-server.sh bash -c 'cd natsbroker && $(GO) test $(RACE) -count=1 -v ./...' | awk '\
-		/^=== / { next } { print } \
-		/^ *--- PASS/ { p++ } /^ *--- FAIL/ { f++ } /^ *--- SKIP/ { s++ } \
-		END { printf "natsbroker: %d passed, %d failed, %d skipped\n", p, f, s; exit s > 0 }'
+	$(call module-tests,natsbroker)
 
 # The shop of natsbroker/cmd/shop, to run by hand and curl, on a throwaway
 # PostgreSQL with an embedded JetStream. SHOP_ADDR is where it listens.

@@ -87,6 +87,9 @@ func (p *Publisher) Publish(ctx context.Context, msg postgres.Message) error {
 // too and may be stored: a relay publishes them again in a later pass, and
 // the duplicate window drops those copies.
 func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (int, error) {
+	if len(msgs) == 0 {
+		return 0, nil
+	}
 	if err := p.connected(msgs[0]); err != nil {
 		return 0, err
 	}

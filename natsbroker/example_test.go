@@ -1,0 +1,86 @@
+package natsbroker_test
+
+// These examples show how the pieces are wired in a service. They are
+// compiled, not run (they have no output to check): the tests run the same
+// calls on a real server, and cmd/shop wires them all.
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"log"
+	"os"
+	"os/signal"
+
+	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver for database/sql
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"example.com/patterns/enterprise/outbox/natsbroker"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// The relay of a service, publishing the outbox to JetStream until the
+// process is told to stop. The stream is created (or brought up to date)
+// first: without it, every message would be a rejection.
+func ExamplePublisher() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	nc, err := nats.Connect(os.Getenv("NATS_URL"), nats.MaxReconnects(-1))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if _, err := js.CreateOrUpdateStream(ctx, natsbroker.StreamConfig(natsbroker.DefaultDuplicateWindow)); err != nil {
+		log.Fatal(err)
+	}
+
+	publisher, err := natsbroker.NewPublisher(nc)
+	if err != nil {
+		log.Fatal(err)
+	}
+	relay := postgres.NewOutboxRelay(db, publisher) // it publishes each pass's batch through PublishBatch
+	relay.ParkAfter = 5
+	if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {
+		log.Fatal(err)
+	}
+}
+
+// The warehouse of a service, consuming the stream through a durable
+// consumer until the process is told to stop.
+func ExampleConsumer() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	db, err := sql.Open("pgx", os.Getenv("WAREHOUSE_DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	nc, err := nats.Connect(os.Getenv("NATS_URL"), nats.MaxReconnects(-1))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		log.Fatal(err)
+	}
+	cons, err := js.CreateOrUpdateConsumer(ctx, natsbroker.Stream, natsbroker.ConsumerConfig("warehouse", 0))
+	if err != nil {
+		log.Fatal(err)
+	}
+
+	warehouse := natsbroker.NewConsumer(cons, postgres.NewWarehouse(db))
+	if err := warehouse.Run(ctx); !errors.Is(err, context.Canceled) {
+		log.Fatal(err)
+	}
+}
