@@ -364,7 +364,7 @@ func TestConsumerThatDiesBeforeItsAckGetsTheMessageAgainAndAppliesItOnce(t *test
 // 6. A message that can never be stored: a payload over the server's
 // limit is a rejection, and with ParkAfter the relay parks it and the rows
 // after it flow. A subject that no stream takes is a rejection too; a
-// stopped server is not.
+// closed connection and a stopped server are not.
 func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -405,10 +405,84 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	if err := pub.Publish(ctx, msg); !errors.Is(err, postgres.ErrRejected) {
 		t.Errorf("Publish with no stream for the subject = %v, want ErrRejected", err)
 	}
+	closed := connect(t, b.url())
+	closedPub := newPublisher(t, closed)
+	closed.Close()
+	if _, err := closedPub.PublishBatch(ctx, []postgres.Message{msg}); !errors.Is(err, outbox.ErrBrokerUnavailable) {
+		t.Errorf("PublishBatch on a closed connection = %v, want ErrBrokerUnavailable", err)
+	}
 	b.stop()
 	short, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel()
 	if err := pub.Publish(short, msg); !errors.Is(err, outbox.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
 		t.Errorf("Publish to a stopped server = %v, want ErrBrokerUnavailable and not ErrRejected", err)
+	}
+}
+
+// flaky is a Handler whose first delivery of each message fails for a
+// reason that may pass (a database that is briefly down), and hands the
+// later ones to the warehouse.
+type flaky struct {
+	warehouse *postgres.Warehouse
+	mu        sync.Mutex
+	calls     map[string]int // deliveries by key
+	applied   atomic.Int64
+}
+
+func (f *flaky) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	f.mu.Lock()
+	f.calls[msg.Key]++
+	first := f.calls[msg.Key] == 1
+	f.mu.Unlock()
+	if first && msg.Payload != `[1]` {
+		return false, errors.New("warehouse database briefly unreachable")
+	}
+	applied, err := f.warehouse.Handle(ctx, msg)
+	if applied {
+		f.applied.Add(1)
+	}
+	return applied, err
+}
+
+// The consumer asks again, after its RetryDelay, for a message whose
+// handling failed for a reason that may pass, and terminates one that can
+// never be applied: JetStream reports the termination and delivers it no
+// more, and the messages after it are applied.
+func TestConsumerRetriesWhatMayPassAndTerminatesWhatCannot(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	nc := connect(t, b.url())
+	setUp(t, nc, 0, 0)
+	terminated := make(chan *nats.Msg, 1)
+	sub, err := nc.ChanSubscribe("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED."+natsbroker.Stream+".warehouse", terminated)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	pub := newPublisher(t, connect(t, b.url()))
+	bad := postgres.Message{Message: outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `[1]`}, Key: "bad"}
+	good := postgres.Message{Message: outbox.Message{ID: 2, Type: outbox.OrderPlaced, Payload: `{"orderId":7,"totalCents":2500}`}, Key: "good"}
+	for _, m := range []postgres.Message{bad, good} {
+		if err := pub.Publish(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h := &flaky{warehouse: postgres.NewWarehouse(db), calls: map[string]int{}}
+	runConsumer(t, connect(t, b.url()), h)
+
+	select {
+	case <-terminated:
+	case <-time.After(60 * time.Second):
+		t.Fatal("no termination advisory within 60 s for the message that can never be applied")
+	}
+	waitFor(t, "the good message applied after its retry", func() bool { return h.applied.Load() == 1 })
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.calls["bad"] != 1 || h.calls["good"] != 2 {
+		t.Errorf("deliveries = %v, want bad once (terminated) and good twice (failed, then applied)", h.calls)
+	}
+	if n := count(t, db, `SELECT count(*) FROM reservations WHERE order_id = 7`); n != 1 {
+		t.Errorf("%d reservations of order 7, want 1", n)
 	}
 }
