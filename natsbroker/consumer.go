@@ -53,8 +53,7 @@ type Consumer struct {
 	// again; zero or less means DefaultRetryDelay.
 	RetryDelay time.Duration
 
-	// Logger, if not nil, is told of terminated messages and of failed
-	// acks.
+	// Logger, if not nil, is told of each message terminated.
 	Logger *slog.Logger
 }
 
@@ -67,10 +66,10 @@ func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
 // Run handles messages until ctx ends, and then returns ctx's error; or
 // until it cannot tell JetStream what became of a message, or can receive
 // no more (its connection is closed, its consumer deleted), and then
-// returns that error. A server that goes down and comes back is not such an
-// error: the client reconnects and Run goes on. A message whose handling ctx cut
-// short is neither acked nor asked for again: it is delivered again after
-// the consumer's AckWait.
+// returns that error. A server that goes down and comes back is not such
+// an error: the client reconnects and Run goes on. A message whose
+// handling ctx cut short is neither acked nor asked for again: it is
+// delivered again after the consumer's AckWait.
 func (c *Consumer) Run(ctx context.Context) error {
 	it, err := c.consumer.Messages()
 	if err != nil {

@@ -63,7 +63,7 @@ func StreamConfig(window time.Duration) jetstream.StreamConfig {
 	}
 }
 
-// ConsumerConfig is a durable pull consumer of the whole stream named name,
+// ConsumerConfig is a durable pull consumer, named name, of the whole stream,
 // with explicit acks: a message is delivered again when its consumer does
 // not ack it within ackWait (zero or less means 30 s), or asks for it again.
 // MaxDeliver is left unlimited: a message that can never be applied is
