@@ -129,8 +129,10 @@ WHERE id = $1`
 // and lock waits of at most the budget, and at most twice the budget idle
 // between statements, after which the server ends the session. A vanished
 // relay's rows are free again at most three times the budget after its last
-// statement began. A long pass also holds back vacuum on the whole server,
-// since its transaction has an id; the budget bounds that too.
+// statement after the claim began (the claim itself, which sets the limits,
+// waits for no row, only for a schema change's lock on the table). A long
+// pass also holds back vacuum on the whole server, since its transaction has
+// an id; the budget bounds that too.
 //
 // What several relays give up is one global order: each publishes its own
 // batch in id order, but batches of different relays interleave
