@@ -61,7 +61,7 @@ func newDatabase(t testing.TB) *sql.DB {
 		}
 	})
 	db := openDB(t, name)
-	if err := postgres.CreateTables(ctx, db); err != nil {
+	if err := postgres.Migrate(ctx, db); err != nil {
 		t.Fatal(err)
 	}
 	return db

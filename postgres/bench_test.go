@@ -18,7 +18,7 @@ import (
 // rounds and compares the two sides of each pair with benchstat.
 
 // BenchmarkPlaceOrder compares placing an order with the outbox (two inserts,
-// one commit, the NOTIFY of schema.sql's trigger) and the direct way (one
+// one commit, the NOTIFY of the outbox's trigger) and the direct way (one
 // insert, one commit, then a publish to discard), on the real server; and
 // the outbox without its NOTIFY, on a database whose trigger is disabled.
 func BenchmarkPlaceOrder(b *testing.B) {
@@ -188,7 +188,7 @@ func BenchmarkLatency(b *testing.B) {
 // 100, and reports the drain rate of its first and its last tenth, then the
 // time of an empty pass and what its claim reads, before and after VACUUM:
 // with the module's mark (an UPDATE of sent_at), with and without
-// schema.sql's autovacuum settings for the outbox, and with the other common
+// the migrations' autovacuum settings for the outbox, and with the other common
 // design, deleting each row once the broker accepted it. How soon autovacuum
 // looks is the server's autovacuum_naptime, which make measure-postgres sets
 // to 1 s.
@@ -203,7 +203,7 @@ func BenchmarkDrain(b *testing.B) {
 		b.Run("mark="+mark+"/autovacuum="+tc.vacuum, func(b *testing.B) {
 			for b.Loop() {
 				db := newDatabase(b)
-				if tc.vacuum == "default" { // without schema.sql's settings for the outbox
+				if tc.vacuum == "default" { // without the migrations' settings for the outbox
 					if _, err := db.ExecContext(ctx, `ALTER TABLE outbox RESET (autovacuum_vacuum_scale_factor,
 						autovacuum_vacuum_threshold, autovacuum_vacuum_cost_delay)`); err != nil {
 						b.Fatal(err)

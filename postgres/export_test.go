@@ -38,3 +38,9 @@ var Backoff = backoff
 // SetMark makes the relay's passes mark with query, given the accepted ids
 // as $1, for a benchmark of another design.
 func SetMark(r *OutboxRelay, query string) { r.mark = query }
+
+// SetListenWait makes Run's listener wait through f, before it listens
+// again after its connection failed, instead of sleeping.
+func SetListenWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool) {
+	r.listenWait = f
+}

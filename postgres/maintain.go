@@ -122,7 +122,7 @@ func deleteInBatches(ctx context.Context, db *sql.DB, query string, retention ti
 	for {
 		var n int64
 		if err := db.QueryRowContext(ctx, query, retention.Microseconds(), batchSize).Scan(&n); err != nil {
-			return total, fmt.Errorf("delete processed messages: %w", err)
+			return total, fmt.Errorf("delete consumer records: %w", err)
 		}
 		total += n
 		if n < int64(batchSize) {
@@ -131,7 +131,10 @@ func deleteInBatches(ctx context.Context, db *sql.DB, query string, retention ti
 	}
 }
 
-// ParkedMessage is a parked outbox row, as [ListParked] returns it.
+// ParkedMessage is a parked outbox row, as [ListParked] returns it. Its
+// Message carries the row's Aggregate and Seq: with
+// [OutboxRelay.PerAggregate] a parked row holds back every later event of
+// its aggregate until it is put back.
 type ParkedMessage struct {
 	Message
 	Attempts   int       // failed publishes, for any reason
@@ -145,7 +148,8 @@ type ParkedMessage struct {
 func ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, error) {
 	limit = orDefault(limit, DefaultListLimit)
 	rows, err := db.QueryContext(ctx, `
-		SELECT id, message_key, type, payload, attempts, rejections, COALESCE(last_error, ''), parked_at
+		SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
+		       attempts, rejections, COALESCE(last_error, ''), parked_at
 		FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY id LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("list parked outbox rows: %w", err)
@@ -154,7 +158,7 @@ func ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, er
 	var parked []ParkedMessage
 	for rows.Next() {
 		var p ParkedMessage
-		if err := rows.Scan(&p.ID, &p.Key, &p.Type, &p.Payload, &p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt); err != nil {
+		if err := rows.Scan(&p.ID, &p.Key, &p.Type, &p.Payload, &p.Aggregate, &p.Seq, &p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt); err != nil {
 			return nil, fmt.Errorf("list parked outbox rows: %w", err)
 		}
 		parked = append(parked, p)

@@ -209,6 +209,65 @@ func TestForgetProcessedForgetsOnlyOldKeys(t *testing.T) {
 	}
 }
 
+// ForgetProcessed forgets the position of an aggregate that was closed (its
+// order cancelled) longer than the retention ago, and keeps an open one's
+// however old, whose next event must still find its predecessor. (Caught:
+// positions never cleaned, and positions forgotten by age alone, which
+// refuses the old order's cancellation as out of order for ever.)
+func TestForgetProcessedForgetsOnlyClosedPositions(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100, 200)
+	if err := postgres.NewOrderService(db).CancelOrder(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	recorded := &recorder{}
+	relay := postgres.NewOutboxRelay(db, recorded)
+	relay.PerAggregate = true
+	for range 2 { // order/1's cancellation goes once its placement was marked
+		if _, err := relay.PublishPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	warehouse := postgres.NewWarehouse(db)
+	for _, m := range recorded.Published() {
+		if ok, err := warehouse.Handle(ctx, m); !ok || err != nil {
+			t.Fatalf("Handle(%d) = %v, %v", m.ID, ok, err)
+		}
+	}
+	if _, err := db.ExecContext(ctx, `UPDATE aggregate_positions SET applied_at = now() - interval '2 hours';
+		UPDATE processed_messages SET processed_at = now() - interval '2 hours'`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := warehouse.ForgetProcessed(ctx, time.Hour, 0); n != 4 || err != nil {
+		t.Fatalf("ForgetProcessed = %d, %v; want 4 (3 keys, order/1's position), <nil>", n, err)
+	}
+	var positions []string
+	rows, err := db.QueryContext(ctx, `SELECT aggregate || ' ' || seq FROM aggregate_positions ORDER BY aggregate`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var p string
+		rows.Scan(&p)
+		positions = append(positions, p)
+	}
+	if !slices.Equal(positions, []string{"order/2 1"}) {
+		t.Errorf("positions left: %v, want [order/2 1]: the open order's position kept", positions)
+	}
+	if err := postgres.NewOrderService(db).CancelOrder(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := relay.PublishPending(ctx); err != nil {
+		t.Fatal(err)
+	}
+	last := recorded.Published()[len(recorded.Published())-1]
+	if ok, err := warehouse.Handle(ctx, last); !ok || err != nil {
+		t.Errorf("the old order's cancellation, after cleanup = %v, %v; want applied", ok, err)
+	}
+}
+
 // A message the broker rejects for ever is parked after ParkAfter
 // rejections, and the rows after it flow; each failed pass wrote its
 // attempt, with the error, even though it sent nothing. ListParked shows it,
@@ -244,8 +303,9 @@ func TestRejectedMessageIsParkedAndTheRestFlow(t *testing.T) {
 	if err != nil || len(parked) != 1 {
 		t.Fatalf("ListParked = %v, %v; want row 2", parked, err)
 	}
-	if p := parked[0]; p.ID != 2 || p.Attempts != 3 || p.Rejections != 3 || p.LastError != "payload over the limit: postgres: message rejected by the broker" || p.Key == "" {
-		t.Errorf("parked row = %+v; want row 2 after 3 attempts, 3 rejections, and the broker's error", p)
+	if p := parked[0]; p.ID != 2 || p.Attempts != 3 || p.Rejections != 3 || p.LastError != "payload over the limit: postgres: message rejected by the broker" || p.Key == "" ||
+		p.Aggregate != "order/2" || p.Seq != 1 {
+		t.Errorf("parked row = %+v; want row 2 of order/2, seq 1, after 3 attempts, 3 rejections, and the broker's error", p)
 	}
 	if lag, err := postgres.ReadLag(ctx, db); err != nil || lag.Unsent != 0 || lag.Parked != 1 {
 		t.Errorf("ReadLag = %+v, %v; want 0 unsent, 1 parked", lag, err)

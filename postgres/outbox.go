@@ -24,7 +24,10 @@
 // broker rejects for ever ([ErrRejected], [OutboxRelay.ParkAfter],
 // [ListParked], [Unpark]).
 //
-// [CreateTables] creates the tables of schema.sql. The functions take a
+// [Migrate] creates and changes the tables, by the numbered files of
+// migrations/, as a step of its own before the services start, and
+// [CheckSchema] is what a service calls at start-up instead. The functions
+// take a
 // *sql.DB opened with pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib),
 // as the tests do: the relay passes the ids it marks as a []int64, which pgx
 // sends as a PostgreSQL array.
@@ -33,7 +36,6 @@ package postgres
 import (
 	"context"
 	"database/sql"
-	_ "embed"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -43,20 +45,6 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 )
-
-//go:embed schema.sql
-var schema string
-
-// CreateTables creates the tables orders and outbox, the index the relay
-// reads, and the consumer's tables processed_messages and reservations, as
-// schema.sql says. Tables that exist already are left as they are, so it is
-// safe to call more than once.
-func CreateTables(ctx context.Context, db *sql.DB) error {
-	if _, err := db.ExecContext(ctx, schema); err != nil {
-		return fmt.Errorf("create tables: %w", err)
-	}
-	return nil
-}
 
 // ErrCommitUnknown is wrapped by the error of a commit whose outcome is
 // unknown: the request reached the server, or may have, and no answer came

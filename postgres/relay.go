@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"time"
 
 	"example.com/patterns/enterprise/outbox"
@@ -59,6 +60,35 @@ const passLimits = `(SELECT set_config('statement_timeout', $2, true)
        || set_config('idle_in_transaction_session_timeout', $3, true)
        || set_config('enable_seqscan', 'off', true)) IS NOT NULL`
 
+// walPositions are the claim's last two columns, read for each row just
+// before the row is locked: whether the server has flushed its write-ahead
+// log as far as it has written it, and how far it has written it. A commit
+// is written to the log before other sessions can see it, so the position
+// read for the first row, after the claim's snapshot was taken and before
+// the claim's own locks wrote to the log, is past the commit of every row
+// the claim returns; once the log is flushed that far, those commits
+// survive a crash of the server. Producers that commit with
+// synchronous_commit = off make their rows visible before that: see
+// [OutboxRelay] on what the relay does about it.
+const walPositions = `pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn(), pg_current_wal_insert_lsn()::text`
+
+// walFlushed says whether the server has flushed its log up to $1.
+const walFlushed = `SELECT pg_current_wal_flush_lsn() >= $1::pg_lsn`
+
+// flushWAL makes the server flush its log as far as it has written it. A
+// synchronous commit flushes the log up to its commit record, which lies
+// after every record written before it (and, with synchronous standbys,
+// waits for them to confirm as much); but only a transaction that wrote to
+// the log commits that way, and taking a transaction id writes nothing. So
+// it writes the smallest record there is, a logical decoding message, with
+// the prefix outbox.flush (a reader of the log, with wal_level = logical,
+// sees it and may skip it). Any role may call pg_logical_emit_message. One
+// round trip, with no arguments, so the driver sends it as one simple query.
+const flushWAL = `BEGIN;
+SET LOCAL synchronous_commit = on;
+SELECT pg_logical_emit_message(true, 'outbox.flush', '');
+COMMIT`
+
 // claimRows takes up to $1 rows still to publish (not sent, not parked),
 // lowest id first, and locks them for the rest of the transaction. SKIP
 // LOCKED passes over rows that another relay's open transaction holds, so
@@ -66,7 +96,8 @@ const passLimits = `(SELECT set_config('statement_timeout', $2, true)
 // each other. Rows of transactions that have not committed are not seen at
 // all.
 const claimRows = `
-SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections
+SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
+       ` + walPositions + `
 FROM outbox
 WHERE sent_at IS NULL AND parked_at IS NULL
   AND ` + passLimits + `
@@ -85,7 +116,8 @@ FOR UPDATE SKIP LOCKED`
 // planner scan that whole index for each candidate (18 ms against 1.2 ms a
 // claim, measured on 1,000 rows without statistics).
 const claimFirstOfEachAggregate = `
-SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections
+SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
+       ` + walPositions + `
 FROM outbox o
 WHERE sent_at IS NULL AND parked_at IS NULL
   AND (aggregate IS NULL
@@ -133,6 +165,25 @@ WHERE id = $1`
 // waits for no row, only for a schema change's lock on the table). A long
 // pass also holds back vacuum on the whole server, since its transaction has
 // an id; the budget bounds that too.
+//
+// A pass publishes only what a crash of the server cannot take back. A
+// producer that commits with synchronous_commit = off (or local, or
+// remote_write, with a standby) makes its rows visible before its commit is
+// flushed to the write-ahead log, and a crash in that moment erases the
+// order and its row; a relay that had published the row's event would have
+// told the warehouse of an order that never was. So after its claim a pass
+// makes sure, within its budget, that the server has flushed its log past
+// every commit the claim could see (pg_current_wal_flush_lsn against the
+// pg_current_wal_insert_lsn the claim read). Where everything is flushed
+// already, as it is when producers commit synchronously and no other
+// transaction is writing, it costs nothing but two function calls in the
+// claim; otherwise it makes the server flush, with a synchronous commit of
+// a one-record transaction on a second connection of its pool, before it
+// publishes: a pass may need two connections at once. With synchronous standbys that commit also waits for them.
+// What it cannot see is an asynchronous standby: after a failover to an
+// asynchronous standby the new primary may lack orders whose events were
+// published, with this relay and with the dual write alike (see the
+// README).
 //
 // What several relays give up is one global order: each publishes its own
 // batch in id order, but batches of different relays interleave
@@ -190,8 +241,8 @@ type OutboxRelay struct {
 	// message must not stop every other, PerAggregate is the one that keeps
 	// an order a consumer can rely on. Its price: an aggregate's next event
 	// waits for a pass after the one before it was marked, and each claimed
-	// row costs one index lookup more (BenchmarkDeliverOrdered found no
-	// difference in drain rate on a shop's rows).
+	// row costs one index lookup more (BenchmarkDeliverOrdered measures the
+	// drain rate with and without it; the README quotes it).
 	PerAggregate bool
 
 	// PollInterval, MaxBackoff, PollOnly and Logger configure Run: how long
@@ -203,10 +254,11 @@ type OutboxRelay struct {
 	PollOnly     bool
 	Logger       *slog.Logger
 
-	// wait is how Run waits, and mark the statement that marks: seams for
-	// the tests and benchmarks; nil and "" are sleep and markSent.
-	wait func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool
-	mark string
+	// wait is how Run waits, listenWait how its listener waits before it
+	// listens again, and mark the statement that marks: seams for the tests
+	// and benchmarks; nil and "" are sleep and markSent.
+	wait, listenWait func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool
+	mark             string
 }
 
 // NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
@@ -217,9 +269,13 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 }
 
 // PublishPending makes one pass: it claims up to BatchSize unsent rows,
-// publishes them in id order, marks the ones the broker accepted sent in one
-// statement, commits, and returns how many the broker accepted. Nothing the
-// broker did not accept is marked.
+// waits until the server has made their commits durable, publishes them in
+// id order, marks the ones the broker accepted sent in one statement,
+// commits, and returns how many messages it marked sent. That count is the
+// pass's progress and nothing else: a message the broker accepted but the
+// pass could not mark (the mark or the commit failed) is not counted, since
+// it is still unsent and goes again. Nothing the broker did not accept is
+// marked.
 //
 // At the first message the broker refuses, PublishPending stops publishing,
 // still marks and commits the messages before it, and returns the broker's
@@ -240,7 +296,9 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 // middle of a pass therefore sends again, later, at most the one message
 // whose publish was in flight. When the budget runs out between publishes,
 // the rest wait for the next pass and the error is nil; when ctx ends, the
-// error wraps ctx's.
+// error wraps ctx's. When the server's log cannot be flushed past the claimed
+// rows' commits within the budget, nothing is published and the error says
+// so.
 //
 // A row marked sent is not published again by a relay that holds its claim.
 // A relay whose session was lost can still publish what it claimed until it
@@ -248,27 +306,33 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 // an error wrapping [ErrClaimLost]. That bounds the duplicates a lost claim
 // makes; it cannot remove them, and consumers must drop them.
 //
-// If the mark or the commit fails, the error says so and keeps the cause of
-// the stop too (errors.Is finds each); the count is still what the broker
-// accepted, and those messages go again. An error from the commit may wrap
-// [ErrCommitUnknown]: the marks may or may not have been kept.
+// If the mark or the commit fails, the error says so, says how many
+// messages the broker accepted that go again, and keeps the cause of the
+// stop and the refusals too (errors.Is finds each); the count is 0. An
+// error from the commit may wrap [ErrCommitUnknown]: the marks may or may
+// not have been kept, and the count is 0 either way.
 func (r *OutboxRelay) PublishPending(ctx context.Context) (int, error) {
 	res, err := r.pass(ctx)
-	return res.published, err
+	return res.marked, err
 }
 
 // passResult is what a pass did, for Run.
 type passResult struct {
 	published int     // accepted by the broker
+	marked    int     // marked sent, and committed: the pass's progress
 	claimed   int     // rows the pass claimed
 	full      bool    // it claimed a whole batch
-	parked    []int64 // ids of the rows it parked
+	parked    []int64 // ids of the rows it parked, if it committed
+	// fatal is set when a statement failed in a way no retry mends: a
+	// table or column that does not exist, a permission the relay lacks.
+	fatal bool
 }
 
 // pass is PublishPending, reporting more.
 func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	batch := orDefault(r.BatchSize, DefaultBatchSize)
 	budget := orDefault(r.PassTimeout, DefaultPassTimeout)
+	defer func() { res.fatal = err != nil && cannotPass(err) }()
 
 	// Publishing stops at the budget or when the caller's ctx ends. The
 	// transaction lives under a context that the caller cannot cancel, so
@@ -289,11 +353,19 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	if r.PerAggregate {
 		query = claimFirstOfEachAggregate
 	}
-	msgs, err := claim(txCtx, tx, query, batch, millis(budget), millis(2*budget))
+	msgs, wal, err := claim(txCtx, tx, query, batch, millis(budget), millis(2*budget))
 	if err != nil {
 		return res, err
 	}
 	res.claimed, res.full = len(msgs), len(msgs) == batch
+	if len(msgs) > 0 && !wal.flushed {
+		if err := r.flush(pubCtx, tx, wal.inserted); err != nil {
+			if ctx.Err() != nil {
+				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
+			}
+			return res, fmt.Errorf("relay pass: flush the server's log to %s, past the claimed rows' commits: %w", wal.inserted, err)
+		}
+	}
 
 	var sent []int64
 	var failed []failure
@@ -343,28 +415,61 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		break
 	}
 	res.published = len(sent)
+	stop = errors.Join(stop, errors.Join(refused...))
 
+	// Whatever fails from here on leaves every accepted message unsent, to
+	// go again, and no row parked.
+	unmarked := func(what string, err error) (passResult, error) {
+		res.parked = nil
+		return res, errors.Join(stop, fmt.Errorf("%s, so the %d messages the broker accepted stay unsent and go again: %w", what, len(sent), err))
+	}
 	if len(sent) > 0 {
 		mark := markSent
 		if r.mark != "" {
 			mark = r.mark
 		}
 		if _, err := tx.ExecContext(txCtx, mark, sent); err != nil {
-			return res, errors.Join(stop, fmt.Errorf("mark %d published messages sent: %w", len(sent), err))
+			return unmarked("mark the published messages sent", err)
 		}
 	}
 	for _, f := range failed {
 		if _, err := tx.ExecContext(txCtx, recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park); err != nil {
-			return res, errors.Join(stop, fmt.Errorf("record the failure of message %d: %w", f.id, err))
+			return unmarked(fmt.Sprintf("record the failure of message %d", f.id), err)
 		}
 	}
 	if err := commit(tx); err != nil {
-		return res, errors.Join(stop, errors.Join(refused...), fmt.Errorf("relay pass: %w", err))
+		return unmarked("relay pass", err)
 	}
-	if len(refused) > 0 {
-		return res, errors.Join(stop, errors.Join(refused...))
-	}
+	res.marked = len(sent)
 	return res, stop
+}
+
+// flush makes sure the server has flushed its log up to lsn before the pass
+// publishes: it commits flushWAL on a second connection of the relay's pool
+// (the pass's is inside its transaction), then checks on the pass's. The flush is needed
+// only when some producer commits asynchronously, or when a transaction
+// that is still open has written to the log since the last flush.
+func (r *OutboxRelay) flush(ctx context.Context, tx *sql.Tx, lsn string) error {
+	if _, err := r.db.ExecContext(ctx, flushWAL); err != nil {
+		return err
+	}
+	var flushed bool
+	if err := tx.QueryRowContext(ctx, walFlushed, lsn).Scan(&flushed); err != nil {
+		return err
+	}
+	if !flushed {
+		return errors.New("the server's log is still not flushed after a synchronous commit")
+	}
+	return nil
+}
+
+// cannotPass reports whether err holds a server error that the same
+// statement would meet again however often it is retried: SQLSTATE class 42
+// (a table, column or function that does not exist, a permission denied)
+// or 3D000 (a database that does not exist).
+func cannotPass(err error) bool {
+	code := sqlState(err)
+	return strings.HasPrefix(code, "42") || code == "3D000"
 }
 
 // publish publishes msgs from the first, all of them through a
@@ -431,22 +536,34 @@ func millis(d time.Duration) string {
 	return strconv.FormatInt(max(1, int64((d+time.Millisecond-1)/time.Millisecond)), 10)
 }
 
-func claim(ctx context.Context, tx *sql.Tx, query string, batch int, limit, idle string) ([]claimed, error) {
+// walPosition is what a claim read of the server's write-ahead log.
+type walPosition struct {
+	flushed  bool   // flushed as far as written, when the claim read its first row
+	inserted string // how far written then, a pg_lsn such as 0/1A2B3C4
+}
+
+func claim(ctx context.Context, tx *sql.Tx, query string, batch int, limit, idle string) ([]claimed, walPosition, error) {
+	var wal walPosition
 	rows, err := tx.QueryContext(ctx, query, batch, limit, idle)
 	if err != nil {
-		return nil, fmt.Errorf("claim outbox rows: %w", err)
+		return nil, wal, fmt.Errorf("claim outbox rows: %w", err)
 	}
 	defer rows.Close()
 	var msgs []claimed
 	for rows.Next() {
 		var m claimed
-		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq, &m.rejections); err != nil {
-			return nil, fmt.Errorf("claim outbox rows: %w", err)
+		var w walPosition
+		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq, &m.rejections,
+			&w.flushed, &w.inserted); err != nil {
+			return nil, wal, fmt.Errorf("claim outbox rows: %w", err)
+		}
+		if len(msgs) == 0 { // read before the claim's own locks wrote to the log
+			wal = w
 		}
 		msgs = append(msgs, m)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("claim outbox rows: %w", err)
+		return nil, wal, fmt.Errorf("claim outbox rows: %w", err)
 	}
-	return msgs, nil
+	return msgs, wal, nil
 }

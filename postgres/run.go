@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
-// NotifyChannel is the channel that schema.sql's trigger notifies when a
+// NotifyChannel is the channel that migrations/0001_schema.sql's trigger notifies when a
 // transaction that inserted outbox rows commits, and that [OutboxRelay.Run]
 // listens on.
 const NotifyChannel = "outbox"
@@ -31,29 +31,39 @@ const minBackoff = 100 * time.Millisecond
 
 // Run is the background process of the article's «Как это собирается»: it
 // makes relay passes until ctx ends, and then returns ctx's error, after the
-// pass in progress has marked what the broker accepted. It returns no other
-// error: a failed pass is logged to Logger (if set) and tried again.
+// pass in progress has marked what the broker accepted. A failed pass is
+// logged to Logger (if set) and tried again, with one exception: a pass
+// that fails in a way no retry mends (a table or column that does not
+// exist, a permission the relay lacks: SQLSTATE class 42, or a database
+// that does not exist) stops Run, which logs it and returns that error.
 //
-// After a pass that claimed a full batch, or that ran out of budget, Run
-// passes again at once: more rows may be waiting. After a short pass it
-// waits for a wake-up: a notification on [NotifyChannel], which PostgreSQL
-// delivers when a transaction that wrote outbox rows commits, never before,
-// so a wake-up never looks for a row that is not yet visible. A short pass
-// does not mean the outbox is empty: SKIP LOCKED passes over the rows other
-// relays hold, and no notification comes when a relay that held them dies
-// and frees them. So Run also passes every PollInterval (DefaultPollInterval
-// when zero) without a notification; that also covers a notification lost
-// while the listening connection was down, which Run opens again, and passes
-// once each time it does.
+// After a pass that claimed a full batch, or that left rows it claimed
+// unpublished because its budget ran out, Run passes again at once: more
+// rows may be waiting. After a short pass it waits for a wake-up: a
+// notification on [NotifyChannel], which PostgreSQL delivers when a
+// transaction that wrote outbox rows commits, never before, so a wake-up
+// never looks for a row that is not yet visible. A short pass does not mean
+// the outbox is empty: SKIP LOCKED passes over the rows other relays hold,
+// and no notification comes when a relay that held them dies and frees
+// them. So Run also passes every PollInterval (DefaultPollInterval when
+// zero) without a notification; that also covers a notification lost while
+// the listening connection was down, which Run opens again, and passes once
+// each time it does.
 //
-// After a failed pass (the broker refused or is down, the database failed)
-// Run waits, not woken by notifications: 100 ms after the first failure,
+// Progress is what a pass marked sent and committed, not what the broker
+// accepted. After a failed pass (the broker refused or is down, the mark or
+// the commit failed, the database failed) Run logs the error at level Error,
+// with how many messages the broker accepted and how many were marked, and
+// waits, not woken by notifications: 100 ms after the first failure,
 // doubling with each failure in a row up to MaxBackoff (DefaultMaxBackoff
 // when zero), each wait a random point in the upper half of that, so that
-// relays that failed together do not retry together. A pass that published
-// anything starts the count again. With PerAggregate, a pass that published
-// anything passes again at once despite its refusals: they hold back only
-// their aggregates.
+// relays that failed together do not retry together. Only a pass that
+// marked something starts the count again. So a mark that fails pass after
+// pass (a lock held on the table, a trigger that fails) republishes the
+// claimed messages once a backoff, not in a loop; consumers drop the
+// copies. With PerAggregate, a pass that marked anything passes again at
+// once despite its refusals, which hold back only their aggregates, and
+// logs each refusal at level Error.
 //
 // Run holds one connection of the relay's pool for listening, and needs
 // pgx's stdlib driver for it. With PollOnly set it does not listen and only
@@ -71,6 +81,10 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 	if wait == nil {
 		wait = sleep
 	}
+	listenWait := r.listenWait
+	if listenWait == nil {
+		listenWait = sleep
+	}
 
 	wake := make(chan struct{}, 1) // one pending wake-up stands for any number
 	var listener sync.WaitGroup
@@ -78,7 +92,7 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 	listenCtx, stopListening := context.WithCancel(ctx)
 	defer stopListening()
 	if !r.PollOnly {
-		listener.Go(func() { r.listen(listenCtx, wake, maxBackoff, log) })
+		listener.Go(func() { r.listen(listenCtx, wake, maxBackoff, listenWait, log) })
 	}
 
 	failures := 0
@@ -87,23 +101,32 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
+		if res.fatal {
+			log.Error("outbox: relay stopped: its pass can never succeed as the database stands", "err", err)
+			return fmt.Errorf("outbox relay stopped: %w", err)
+		}
 		for _, id := range res.parked {
 			log.Warn("outbox: message parked after too many rejections", "id", id)
 		}
-		if res.published > 0 {
+		if res.marked > 0 {
 			failures = 0
 		}
 		switch {
-		case err != nil && !(r.PerAggregate && res.published > 0):
+		case err != nil && !(r.PerAggregate && res.marked > 0):
 			failures++
 			d := backoff(failures, maxBackoff, rand.Float64)
-			log.Error("outbox: relay pass failed", "err", err, "retry_in", d)
+			log.Error("outbox: relay pass failed", "err", err,
+				"published", res.published, "marked", res.marked, "retry_in", d)
 			if !wait(ctx, d, nil) {
 				return ctx.Err()
 			}
-		case err != nil, res.full, res.published+len(res.parked) < res.claimed:
-			// more may be waiting (with PerAggregate, behind the refused
-			// rows of some aggregates): pass again at once
+		case err != nil:
+			// With PerAggregate, the broker refused messages that hold back
+			// their aggregates alone: the others go on at once.
+			log.Error("outbox: broker refused messages; each holds back its aggregate", "err", err,
+				"published", res.published, "marked", res.marked)
+		case res.full, res.marked+len(res.parked) < res.claimed:
+			// more may be waiting: pass again at once
 		default:
 			if !wait(ctx, poll, wake) {
 				return ctx.Err()
@@ -144,7 +167,8 @@ var errCannotListen = errors.New("postgres: LISTEN needs pgx's stdlib driver; Ru
 // listen keeps a connection listening on NotifyChannel and turns each
 // notification into a wake-up, until ctx ends. When the connection fails it
 // opens another, after a backoff like a failed pass's.
-func (r *OutboxRelay) listen(ctx context.Context, wake chan<- struct{}, maxBackoff time.Duration, log *slog.Logger) {
+func (r *OutboxRelay) listen(ctx context.Context, wake chan<- struct{}, maxBackoff time.Duration,
+	wait func(context.Context, time.Duration, <-chan struct{}) bool, log *slog.Logger) {
 	failures := 0
 	for {
 		listened, err := r.listenOnce(ctx, wake)
@@ -161,7 +185,7 @@ func (r *OutboxRelay) listen(ctx context.Context, wake chan<- struct{}, maxBacko
 		failures++
 		d := backoff(failures, maxBackoff, rand.Float64)
 		log.Warn("outbox: listening for notifications failed; polling until it listens again", "err", err, "retry_in", d)
-		if !sleep(ctx, d, nil) {
+		if !wait(ctx, d, nil) {
 			return
 		}
 	}

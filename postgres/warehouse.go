@@ -129,17 +129,24 @@ func advance(ctx context.Context, tx *sql.Tx, msg Message) error {
 		return fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",
 			msg.Key, msg.Aggregate, msg.Seq, last, ErrOutOfOrder)
 	}
+	// OrderCancelled is an order's last event: CancelOrder refuses an order
+	// that is cancelled already. Its position may then be forgotten.
 	if _, err := tx.ExecContext(ctx,
-		`UPDATE aggregate_positions SET seq = $2 WHERE aggregate = $1`, msg.Aggregate, msg.Seq); err != nil {
+		`UPDATE aggregate_positions SET seq = $2, applied_at = clock_timestamp(), closed = $3 WHERE aggregate = $1`,
+		msg.Aggregate, msg.Seq, msg.Type == OrderCancelled); err != nil {
 		return fmt.Errorf("message %s: %w", msg.Key, err)
 	}
 	return nil
 }
 
 // ForgetProcessed deletes the keys of messages processed longer than
-// retention ago, at most batchSize keys a transaction (zero or less means
-// [DefaultCleanupBatch]), and returns how many it deleted. It is safe to run
-// beside Handle.
+// retention ago, and the positions of the aggregates that were closed (an
+// order's OrderCancelled applied) longer than retention ago, at most
+// batchSize rows a transaction (zero or less means [DefaultCleanupBatch]),
+// and returns how many keys and positions it deleted. It is safe to run
+// beside Handle. The position of an aggregate that is still open is kept,
+// however old: forgotten, the aggregate's next event would find no
+// predecessor and be refused as out of order for ever.
 //
 // The rule: forget a key only once no copy of its message can still arrive.
 // A copy comes as late as the longest delay before a relay sends again (a
@@ -147,7 +154,12 @@ func advance(ctx context.Context, tx *sql.Tx, msg Message) error {
 // redelivery delay; a retention shorter than that applies a late duplicate
 // as a new message. Keep it generous: a key is a few dozen bytes.
 func (w *Warehouse) ForgetProcessed(ctx context.Context, retention time.Duration, batchSize int) (int64, error) {
-	return deleteInBatches(ctx, w.db, forgetProcessed, retention, batchSize)
+	keys, err := deleteInBatches(ctx, w.db, forgetProcessed, retention, batchSize)
+	if err != nil {
+		return keys, err
+	}
+	positions, err := deleteInBatches(ctx, w.db, forgetClosedPositions, retention, batchSize)
+	return keys + positions, err
 }
 
 // forgetProcessed deletes up to $2 keys older than $1 microseconds.
@@ -158,6 +170,19 @@ WITH gone AS (
         SELECT message_key FROM processed_messages
         WHERE processed_at < clock_timestamp() - $1 * interval '1 microsecond'
         ORDER BY processed_at
+        LIMIT $2)
+    RETURNING 1)
+SELECT count(*) FROM gone`
+
+// forgetClosedPositions deletes up to $2 positions of closed aggregates
+// last moved more than $1 microseconds ago.
+const forgetClosedPositions = `
+WITH gone AS (
+    DELETE FROM aggregate_positions
+    WHERE aggregate IN (
+        SELECT aggregate FROM aggregate_positions
+        WHERE closed AND applied_at < clock_timestamp() - $1 * interval '1 microsecond'
+        ORDER BY applied_at
         LIMIT $2)
     RETURNING 1)
 SELECT count(*) FROM gone`

@@ -75,7 +75,7 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out i
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	logger := slog.New(slog.NewTextHandler(out, nil))
-	if err := postgres.CreateTables(ctx, db); err != nil {
+	if err := postgres.Migrate(ctx, db); err != nil {
 		return err
 	}
 

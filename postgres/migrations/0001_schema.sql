@@ -1,5 +1,7 @@
--- The tables of the outbox example on PostgreSQL. Every statement can run
--- again on a database that already has them.
+-- Migration 1: the tables of the outbox example on PostgreSQL, as they
+-- stood before migrations were numbered. Every statement can run again on a
+-- database that already has them, so a database made by the CreateTables of
+-- those versions takes it as it is.
 
 -- The shop's table. The CHECK is the rule the root package's Tx.InsertOrder
 -- stands for: a total is a positive number of cents. idempotency_key is the

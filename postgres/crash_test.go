@@ -1,0 +1,160 @@
+package postgres_test
+
+// A crash of the server itself: producers that commit asynchronously, a WAL
+// writer that waits 10 s between flushes, an immediate stop, recovery. The
+// test starts a server of its own for it, so that stopping it touches no
+// other test's.
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// Orders placed with synchronous_commit = off are visible, and their rows
+// claimable, before their commits are flushed. The relay makes the server
+// flush them before it publishes, so after an immediate stop (the server's
+// processes killed, its unflushed log lost) every event the broker holds is
+// of an order the recovered database has. The WAL writer is slowed to 10 s
+// and the background writer and autovacuum are off, so that nothing else
+// flushes the log in the test's second. (Caught: the relay without its
+// flush, whose events named 20 orders the crash erased.)
+func TestAsyncCommitProducersGetNoEventForAnOrderACrashErased(t *testing.T) {
+	ctx := context.Background()
+	srv := startOwnServer(t, "-c", "synchronous_commit=off", "-c", "wal_writer_delay=10000",
+		"-c", "bgwriter_lru_maxpages=0", "-c", "autovacuum=off")
+	db := srv.open(t)
+	if err := postgres.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CHECKPOINT`); err != nil { // the schema, at least, is durable
+		t.Fatal(err)
+	}
+	shop := postgres.NewOrderService(db)
+	for range 20 {
+		if _, err := shop.PlaceOrder(ctx, 2500); err != nil {
+			t.Fatal(err)
+		}
+	}
+	broker := &recorder{}
+	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 20 || err != nil {
+		t.Fatalf("pass = %d, %v; want 20", n, err)
+	}
+	db.Close()
+
+	srv.ctl(t, "-m", "immediate", "stop")
+	srv.ctl(t, "start")
+	db = srv.open(t)
+	var orders int
+	if err := db.QueryRow(`SELECT count(*) FROM orders`).Scan(&orders); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after the crash: %d of 20 orders, %d events in the broker", orders, len(broker.Published()))
+	for _, m := range broker.Published() {
+		var order outbox.Order
+		if err := json.Unmarshal([]byte(m.Payload), &order); err != nil {
+			t.Fatal(err)
+		}
+		var exists bool
+		if err := db.QueryRow(`SELECT EXISTS (SELECT 1 FROM orders WHERE id = $1)`, order.ID).Scan(&exists); err != nil {
+			t.Fatal(err)
+		}
+		if !exists {
+			t.Errorf("the broker holds %s of order %d, which the crash erased", m.Type, order.ID)
+		}
+	}
+}
+
+// ownServer is a PostgreSQL server of one test's own, in a temporary
+// folder, listening only on a Unix socket there; removed when the test ends.
+type ownServer struct {
+	dir, bindir string
+	as          []string // how to run its programs: as the postgres user when we are root
+	opts        []string
+}
+
+// startOwnServer starts a server with postgres options opts, as
+// with-server.sh starts the one the other tests share.
+func startOwnServer(t *testing.T, opts ...string) *ownServer {
+	t.Helper()
+	if server == nil {
+		t.Skip("no server: run make postgres")
+	}
+	out, err := exec.Command("pg_config", "--bindir").Output()
+	if err != nil {
+		t.Fatalf("pg_config --bindir: %v", err)
+	}
+	dir, err := os.MkdirTemp("", "outbox-crash.")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &ownServer{dir: dir, bindir: strings.TrimSpace(string(out)), opts: opts}
+	if os.Geteuid() == 0 {
+		pg, err := user.Lookup("postgres")
+		if err != nil {
+			t.Fatal(err)
+		}
+		uid, _ := strconv.Atoi(pg.Uid)
+		if err := os.Chown(dir, uid, -1); err != nil {
+			t.Fatal(err)
+		}
+		srv.as = []string{"runuser", "-u", "postgres", "--"}
+	}
+	t.Cleanup(func() {
+		if _, err := os.Stat(filepath.Join(dir, "data", "postmaster.pid")); err == nil {
+			srv.run(t, "pg_ctl", "-D", filepath.Join(dir, "data"), "-m", "immediate", "-w", "stop")
+		}
+		os.RemoveAll(dir)
+	})
+	srv.run(t, "initdb", "-D", filepath.Join(dir, "data"), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync")
+	srv.ctl(t, "start")
+	return srv
+}
+
+// ctl runs pg_ctl with args and then -w (wait); start also gets the
+// server's options.
+func (s *ownServer) ctl(t *testing.T, args ...string) {
+	t.Helper()
+	full := []string{"-D", filepath.Join(s.dir, "data"), "-w", "-t", "60"}
+	if args[len(args)-1] == "start" {
+		o := "-k " + s.dir + " -c listen_addresses='' -c fsync=off " + strings.Join(s.opts, " ")
+		full = append(full, "-l", filepath.Join(s.dir, "server.log"), "-o", o)
+	}
+	s.run(t, "pg_ctl", append(full, args...)...)
+}
+
+func (s *ownServer) run(t *testing.T, prog string, args ...string) {
+	t.Helper()
+	argv := append(append(append([]string{}, s.as...), filepath.Join(s.bindir, prog)), args...)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Dir = s.dir // the postgres user may not enter the test's folder
+	if out, err := cmd.CombinedOutput(); err != nil {
+		log, _ := os.ReadFile(filepath.Join(s.dir, "server.log"))
+		t.Fatalf("%s %v: %v\n%s\n%s", prog, args, err, out, log)
+	}
+}
+
+// open opens the server's postgres database, closed when t ends.
+func (s *ownServer) open(t *testing.T) *sql.DB {
+	t.Helper()
+	cfg, err := pgx.ParseConfig("host=" + s.dir + " user=postgres dbname=postgres sslmode=disable")
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { db.Close() })
+	return db
+}

@@ -1,0 +1,398 @@
+package postgres_test
+
+// The relay loop where a pass half-succeeds: the broker accepted and the
+// mark failed, a refusal beside a failed mark, a budget cut, a pass that can
+// never succeed; and the listener that Run keeps beside it.
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// A session holds SHARE on the outbox, as a plain CREATE INDEX does: the
+// claim goes through, the broker accepts, and the mark waits out the pass's
+// limits (statement_timeout and lock_timeout, both the budget). Run counts
+// no progress for such a pass: it backs off, doubling, and logs each failure
+// at level Error with what the broker accepted and what was marked. After
+// four failed passes the lock goes, and the fifth pass marks: each message
+// was published five times, once a backoff, and no more. With PerAggregate
+// the same. (Caught: progress counted before the mark, which republished
+// the claim in a loop with no wait and, with PerAggregate, no log line.)
+func TestStuckMarkRepublishesOnceABackoffAndSaysWhy(t *testing.T) {
+	for _, perAggregate := range []bool{false, true} {
+		t.Run(fmt.Sprintf("PerAggregate=%v", perAggregate), func(t *testing.T) {
+			db := newDatabase(t)
+			place(t, db, 100, 200, 300)
+			lock := begin(t, db)
+			if _, err := lock.Exec(`LOCK TABLE outbox IN SHARE MODE`); err != nil {
+				t.Fatal(err)
+			}
+
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			inner := &recorder{}
+			var publishes atomic.Int32
+			broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+				if publishes.Add(1) > 100 { // a loop, not a backoff: stop it here
+					cancel()
+				}
+				return inner.Publish(ctx, m)
+			})
+			relay := postgres.NewOutboxRelay(db, broker)
+			relay.PerAggregate = perAggregate
+			relay.PassTimeout = 200 * time.Millisecond // how long the mark waits
+			relay.PollInterval, relay.PollOnly = time.Hour, true
+			var logs logBuffer
+			relay.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+
+			const stuck = 4
+			var backoffs []time.Duration
+			postgres.SetRunWait(relay, func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
+				if wake != nil { // the idle poll: everything went
+					cancel()
+					return false
+				}
+				if backoffs = append(backoffs, d); len(backoffs) == stuck {
+					lock.Rollback()
+				}
+				return true
+			})
+			if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {
+				t.Fatalf("Run = %v, want context.Canceled", err)
+			}
+
+			if n := publishes.Load(); n != 3*(stuck+1) {
+				t.Errorf("the broker took %d publishes of 3 messages, want %d: each once a pass, %d failed passes and the one that marked",
+					n, 3*(stuck+1), stuck)
+			}
+			wantSent(t, db, true, true, true)
+			if len(backoffs) != stuck {
+				t.Fatalf("Run backed off %d times (%v), want %d", len(backoffs), backoffs, stuck)
+			}
+			for i, d := range backoffs {
+				hi := 100 * time.Millisecond << i
+				if d < hi/2 || d >= hi {
+					t.Errorf("backoff %d = %v, want [%v, %v): the count must grow while nothing is marked", i+1, d, hi/2, hi)
+				}
+			}
+			failed := logs.lines(`level=ERROR msg="outbox: relay pass failed"`)
+			if len(failed) != stuck {
+				t.Fatalf("%d log lines of a failed pass, want %d:\n%s", len(failed), stuck, logs.String())
+			}
+			for _, line := range failed {
+				if !strings.Contains(line, "mark the published messages sent") || !strings.Contains(line, "timeout") ||
+					!strings.Contains(line, "published=3 marked=0") {
+					t.Errorf("log line %q does not say that the mark timed out with 3 published and 0 marked", line)
+				}
+			}
+			t.Logf("the log said: %s", failed[0])
+		})
+	}
+}
+
+// With PerAggregate, a refusal that comes with a failed mark stays in the
+// error beside the mark's failure, and the pass counts nothing marked.
+// (Caught: the refusals dropped from the error when the mark fails.)
+func TestRefusalsStayInTheErrorWhenTheMarkFails(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100, 200)
+	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.ID == 1 {
+			return fmt.Errorf("too large: %w: %w", postgres.ErrRejected, errRefused)
+		}
+		return nil
+	})
+	relay := postgres.NewOutboxRelay(db, broker)
+	relay.PerAggregate = true
+	postgres.SetMark(relay, `SELECT 1/0 WHERE $1::bigint[] IS NOT NULL`) // a mark that fails: division by zero
+	n, err := relay.PublishPending(ctx)
+	var pgErr *pgconn.PgError
+	if n != 0 || !errors.Is(err, errRefused) || !errors.As(err, &pgErr) || pgErr.Code != "22012" {
+		t.Fatalf("pass = %d, %v; want 0 marked, and an error with the refusal of message 1 and the failed mark", n, err)
+	}
+	if !strings.Contains(err.Error(), "the 1 messages the broker accepted stay unsent") {
+		t.Errorf("the pass's error %q does not say how many accepted messages go again", err)
+	}
+	wantSent(t, db, false, false)
+}
+
+// A pass that fails in a way no retry mends stops Run with the server's
+// error, and says so in the log: the outbox table dropped (42P01), and a
+// role that may read the outbox but not update it (42501). (Caught: Run
+// logging the same error at every pass for ever.)
+func TestRunStopsOnAFailureNoRetryMends(t *testing.T) {
+	for _, tc := range []struct {
+		name, code string
+		setup      func(t *testing.T, name string, db *sql.DB) *sql.DB
+	}{
+		{"missing table", "42P01", func(t *testing.T, _ string, db *sql.DB) *sql.DB {
+			if _, err := db.Exec(`DROP TABLE outbox`); err != nil {
+				t.Fatal(err)
+			}
+			return db
+		}},
+		{"permission denied", "42501", func(t *testing.T, name string, db *sql.DB) *sql.DB {
+			return openAsReader(t, name, db)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			name := newDatabaseName(t)
+			db := open(t, name, "")
+			insertPending(t, db, 1)
+			relayDB := tc.setup(t, name, db)
+			relay := postgres.NewOutboxRelay(relayDB, &recorder{})
+			relay.PollOnly = true
+			var logs logBuffer
+			relay.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+			ctx, cancel := context.WithTimeout(context.Background(), generous)
+			defer cancel()
+			err := relay.Run(ctx)
+			var pgErr *pgconn.PgError
+			if !errors.As(err, &pgErr) || pgErr.Code != tc.code {
+				t.Fatalf("Run = %v, want it to stop with SQLSTATE %s", err, tc.code)
+			}
+			if lines := logs.lines(`level=ERROR msg="outbox: relay stopped`); len(lines) != 1 {
+				t.Errorf("log lines of the stop: %d, want 1:\n%s", len(lines), logs.String())
+			}
+		})
+	}
+}
+
+// openAsReader opens database name as a new role that may read the outbox
+// and nothing more, dropped when t ends.
+func openAsReader(t *testing.T, name string, db *sql.DB) *sql.DB {
+	t.Helper()
+	role := name + "_reader"
+	for _, stmt := range []string{
+		`CREATE ROLE ` + role + ` LOGIN`,
+		`GRANT SELECT ON outbox TO ` + role,
+	} {
+		if _, err := db.Exec(stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := server.Copy()
+	cfg.Database, cfg.User = name, role
+	reader := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() {
+		reader.Close()
+		db.Exec(`DROP OWNED BY ` + role)
+		if _, err := db.Exec(`DROP ROLE ` + role); err != nil {
+			t.Error(err)
+		}
+	})
+	return reader
+}
+
+// A pass whose budget ran out before it published all it claimed is
+// followed at once by another: with an hour between polls and no
+// notification, six rows at 40 ms a publish through passes of 100 ms all go.
+// (Caught: a loop that waits a whole poll after such a pass.)
+func TestRunPassesAgainAtOnceAfterItsBudgetRanOut(t *testing.T) {
+	db := newDatabase(t)
+	insertPending(t, db, 6)
+	broker := &recorder{}
+	slow := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		select {
+		case <-time.After(40 * time.Millisecond):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return broker.Publish(ctx, m)
+	})
+	relay := postgres.NewOutboxRelay(db, slow)
+	relay.PassTimeout = 100 * time.Millisecond
+	relay.PollInterval, relay.PollOnly = time.Hour, true
+	runRelay(t, relay)
+	waitUntil(t, "six rows marked sent", func() bool {
+		var n int
+		db.QueryRow(`SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL`).Scan(&n)
+		return n == 6
+	})
+}
+
+// A broker that returns half a budget after its context ended (it should
+// return soon after) still gets the message it accepted before marked: the
+// server lets the pass's session idle twice the budget, not once. (Caught:
+// an idle limit of one budget, which ends the session before the mark.)
+func TestBrokerThatReturnsLateStillGetsItsAcceptedMessagesMarked(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	insertPending(t, db, 2)
+	const budget = 2 * time.Second
+	late := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.ID == 2 {
+			<-ctx.Done()
+			time.Sleep(budget / 2) // the fault: a broker slow to give up
+			return outbox.ErrBrokerUnavailable
+		}
+		return nil
+	})
+	relay := postgres.NewOutboxRelay(db, late)
+	relay.PassTimeout = budget
+	if n, err := relay.PublishPending(ctx); n != 1 || !errors.Is(err, outbox.ErrBrokerUnavailable) {
+		t.Fatalf("pass = %d, %v; want 1 marked and the broker's error", n, err)
+	}
+	wantSent(t, db, true, false)
+}
+
+// When its connection dies, Run's listener listens again, and Run passes
+// once then: a row committed while nothing listened, whose notification no
+// one heard, goes without waiting for the hour's poll. (Caught: no pass
+// after LISTEN.)
+func TestRunPassesOnceItListensAgain(t *testing.T) {
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	broker := &recorder{}
+	relay := postgres.NewOutboxRelay(open(t, name, "listening-relay"), broker)
+	relay.PollInterval = time.Hour
+	var idle atomic.Bool // Run waits for a wake-up
+	postgres.SetRunWait(relay, func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
+		idle.Store(wake != nil)
+		defer idle.Store(false)
+		t := time.NewTimer(d)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-wake:
+		case <-ctx.Done():
+			return false
+		}
+		return true
+	})
+	down, resume := make(chan struct{}), make(chan struct{})
+	postgres.SetListenWait(relay, func(ctx context.Context, _ time.Duration, _ <-chan struct{}) bool {
+		close(down)
+		select {
+		case <-resume:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	})
+	runRelay(t, relay)
+	waitUntil(t, "the relay listening", func() bool { return listenerPID(t, db, "listening-relay") != 0 })
+	terminateListener(t, db, "listening-relay")
+	<-down
+	waitUntil(t, "Run idle, waiting for a wake-up", idle.Load)
+	insertPending(t, db, 1) // its notification goes to no one
+	close(resume)
+	waitUntil(t, "the row published", func() bool { return len(broker.Published()) == 1 })
+}
+
+// The listener's backoff starts again each time it listened: three deaths
+// of its connection, each after it listened again, are each followed by a
+// first backoff, 50 to 100 ms. (Caught: a count never reset, 100 to 200 ms
+// after the second death, 200 to 400 after the third.)
+func TestListenerBackoffStartsAgainOnceItListened(t *testing.T) {
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	relay := postgres.NewOutboxRelay(open(t, name, "listening-relay"), &recorder{})
+	relay.PollInterval = time.Hour
+	waits := make(chan time.Duration, 3)
+	postgres.SetListenWait(relay, func(ctx context.Context, d time.Duration, _ <-chan struct{}) bool {
+		waits <- d
+		return true
+	})
+	runRelay(t, relay)
+	last := int32(0)
+	for i := range 3 {
+		waitUntil(t, "the relay listening again", func() bool {
+			pid := listenerPID(t, db, "listening-relay")
+			return pid != 0 && pid != last
+		})
+		last = listenerPID(t, db, "listening-relay")
+		terminateListener(t, db, "listening-relay")
+		if d := <-waits; d < 50*time.Millisecond || d >= 100*time.Millisecond {
+			t.Errorf("backoff after death %d = %v, want [50ms, 100ms)", i+1, d)
+		}
+	}
+}
+
+// listenerPID is the backend of app's connection that listens, or 0.
+func listenerPID(t *testing.T, db *sql.DB, app string) int32 {
+	var pid int32
+	err := db.QueryRow(`SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN `+
+		postgres.NotifyChannel+`'`, app).Scan(&pid)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		t.Fatal(err)
+	}
+	return pid
+}
+
+func terminateListener(t *testing.T, db *sql.DB, app string) {
+	t.Helper()
+	if _, err := db.Exec(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+		WHERE application_name = $1 AND query = 'LISTEN `+postgres.NotifyChannel+`'`, app); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A commit that the server refuses, a deferred unique constraint checked at
+// COMMIT, is a rollback the server reported: Transaction's error is the
+// server's, not ErrCommitUnknown, and nothing fn wrote is kept. (Caught:
+// every commit error taken for an unknown outcome.)
+func TestServerErrorAtCommitIsARollbackNotAnUnknownOutcome(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	if _, err := db.Exec(`CREATE TABLE deferred_unique (k integer UNIQUE DEFERRABLE INITIALLY DEFERRED)`); err != nil {
+		t.Fatal(err)
+	}
+	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO deferred_unique VALUES (1), (1)`) // checked at COMMIT
+		return err
+	})
+	var pgErr *pgconn.PgError
+	if errors.Is(err, postgres.ErrCommitUnknown) || !errors.As(err, &pgErr) || pgErr.Code != "23505" {
+		t.Fatalf("Transaction = %v; want the server's unique_violation at commit, not ErrCommitUnknown", err)
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM deferred_unique`).Scan(&n); err != nil || n != 0 {
+		t.Errorf("rows kept: %d, %v; want 0", n, err)
+	}
+}
+
+// logBuffer collects a logger's lines; safe for the relay's goroutines.
+type logBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// lines are the lines that hold s.
+func (l *logBuffer) lines(s string) []string {
+	var found []string
+	for line := range strings.Lines(l.String()) {
+		if strings.Contains(line, s) {
+			found = append(found, strings.TrimSpace(line))
+		}
+	}
+	return found
+}
