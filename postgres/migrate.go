@@ -95,7 +95,12 @@ const migrationLock = 7_468_327_001
 // no lock.
 func Migrate(ctx context.Context, db *sql.DB) error {
 	for _, m := range migrations {
-		if err := apply(ctx, db, m); err != nil {
+		err := apply(ctx, db, m)
+		switch {
+		case sqlState(err) == "55P03": // lock_not_available
+			return fmt.Errorf("migration %s waited longer than %v for a lock, and is rolled back; run it again: %w",
+				m.name, MigrationLockTimeout, err)
+		case err != nil:
 			return fmt.Errorf("migration %s: %w", m.name, err)
 		}
 	}

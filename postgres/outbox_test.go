@@ -604,16 +604,6 @@ func TestWarehouseRefusesBadMessagesAndRecordsNothing(t *testing.T) {
 	wantReservations(t, db)
 }
 
-// CreateTables may run again on a database that has the tables.
-func TestCreateTablesTwice(t *testing.T) {
-	db := newDatabase(t)
-	place(t, db, 100)
-	if err := postgres.Migrate(context.Background(), db); err != nil {
-		t.Fatal(err)
-	}
-	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 100})
-}
-
 // ---- Helpers ----
 
 var errRefused = errors.New("message refused")
@@ -676,6 +666,17 @@ var databases atomic.Int64
 // to be dropped when tb ends, and returns its name.
 func newDatabaseName(tb testing.TB) string {
 	tb.Helper()
+	name := newBlankDatabase(tb)
+	if err := postgres.Migrate(context.Background(), open(tb, name, "")); err != nil {
+		tb.Fatal(err)
+	}
+	return name
+}
+
+// newBlankDatabase creates an empty database for tb alone, to be dropped
+// when tb ends, and returns its name.
+func newBlankDatabase(tb testing.TB) string {
+	tb.Helper()
 	if server == nil {
 		tb.Skip("no server: run make postgres")
 	}
@@ -690,9 +691,6 @@ func newDatabaseName(tb testing.TB) string {
 			tb.Error(err)
 		}
 	})
-	if err := postgres.Migrate(ctx, open(tb, name, "")); err != nil {
-		tb.Fatal(err)
-	}
 	return name
 }
 

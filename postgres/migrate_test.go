@@ -1,0 +1,203 @@
+package postgres_test
+
+// The schema's migrations: applied once each, in order, recorded; checked at
+// start-up without a lock; from the schema before they were numbered, with
+// orders being placed; and a migration that meets a lock gives up whole.
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"os"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// Migrate records every migration, 1 to SchemaVersion without a gap, and
+// run again applies nothing and changes nothing; CheckSchema then agrees.
+func TestMigrateRecordsEachMigrationOnceAndRunsAgainAsANoOp(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100)
+	if err := postgres.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := versions(t, db), upTo(postgres.SchemaVersion); !slices.Equal(got, want) {
+		t.Errorf("recorded migrations %v, want %v", got, want)
+	}
+	if err := postgres.CheckSchema(ctx, db); err != nil {
+		t.Errorf("CheckSchema = %v, want nil", err)
+	}
+	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 100})
+}
+
+// CheckSchema refuses a database that Migrate never ran on, one a version
+// behind, and one a version ahead, each with ErrSchemaVersion.
+func TestCheckSchemaRefusesADatabaseNotAtItsVersion(t *testing.T) {
+	ctx := context.Background()
+	blank := open(t, newBlankDatabase(t), "")
+	if err := postgres.CheckSchema(ctx, blank); !errors.Is(err, postgres.ErrSchemaVersion) {
+		t.Errorf("CheckSchema of a blank database = %v, want ErrSchemaVersion", err)
+	}
+	for _, change := range []string{
+		`DELETE FROM outbox_migrations WHERE version = (SELECT max(version) FROM outbox_migrations)`,
+		`INSERT INTO outbox_migrations (version, name) VALUES (1000, '1000_from_the_future')`,
+	} {
+		db := newDatabase(t)
+		if _, err := db.Exec(change); err != nil {
+			t.Fatal(err)
+		}
+		if err := postgres.CheckSchema(ctx, db); !errors.Is(err, postgres.ErrSchemaVersion) {
+			t.Errorf("CheckSchema after %q = %v, want ErrSchemaVersion", change, err)
+		}
+	}
+}
+
+// A database made by the CreateTables of the versions before migrations (the
+// schema of migration 1, with no record of it) is brought to SchemaVersion
+// while four producers place orders: every order placed before, during and
+// after has its one event, and the relay publishes each once.
+func TestMigrateFromTheSchemaBeforeMigrationsLosesNoRow(t *testing.T) {
+	ctx := context.Background()
+	db := open(t, newBlankDatabase(t), "")
+	old, err := os.ReadFile("migrations/0001_schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(string(old)); err != nil {
+		t.Fatal(err)
+	}
+	place(t, db, 100, 200)
+	broker := &recorder{}
+	relay := postgres.NewOutboxRelay(db, broker)
+	if _, err := relay.PublishPending(ctx); err != nil { // one sent before, one waiting
+		t.Fatal(err)
+	}
+	place(t, db, 300)
+
+	var placed atomic.Int64
+	placed.Store(3)
+	stop := make(chan struct{})
+	var producers sync.WaitGroup
+	shop := postgres.NewOrderService(db)
+	for range 4 {
+		producers.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if _, err := shop.PlaceOrder(ctx, 500); err != nil {
+					t.Error(err)
+					return
+				}
+				placed.Add(1)
+			}
+		})
+	}
+	waitUntil(t, "20 orders placed before the migration", func() bool { return placed.Load() >= 20 })
+	err = postgres.Migrate(ctx, db)
+	close(stop)
+	producers.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := postgres.CheckSchema(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		n, err := relay.PublishPending(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			break
+		}
+	}
+	seen := map[int64]int{}
+	for _, m := range broker.Published() {
+		seen[m.ID]++
+	}
+	if int64(len(seen)) != placed.Load() || len(broker.Published()) != len(seen) {
+		t.Errorf("the broker got %d messages of %d ids; want %d orders' events, each once",
+			len(broker.Published()), len(seen), placed.Load())
+	}
+	t.Logf("%d orders placed around the migration, each event published once", placed.Load())
+}
+
+// A migration whose statement waits for a lock longer than
+// MigrationLockTimeout gives up, rolled back whole: here migration 2, whose
+// ALTER TABLE meets a transaction that read aggregate_positions. Migration 1
+// stays recorded, 2 does not, and once the lock is gone Migrate completes.
+func TestMigrationThatMeetsALockGivesUpWhole(t *testing.T) {
+	ctx := context.Background()
+	db := open(t, newBlankDatabase(t), "")
+	old, err := os.ReadFile("migrations/0001_schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(string(old)); err != nil {
+		t.Fatal(err)
+	}
+	reader := begin(t, db)
+	if _, err := reader.Exec(`SELECT count(*) FROM aggregate_positions`); err != nil {
+		t.Fatal(err)
+	}
+	err = postgres.Migrate(ctx, db)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
+		t.Fatalf("Migrate behind a reader = %v, want a lock timeout", err)
+	}
+	t.Logf("Migrate said: %v", err)
+	if got := versions(t, db); !slices.Equal(got, []int{1}) {
+		t.Errorf("recorded migrations %v, want [1]", got)
+	}
+	var columns int
+	if err := db.QueryRow(`SELECT count(*) FROM information_schema.columns
+		WHERE table_name = 'aggregate_positions' AND column_name IN ('applied_at', 'closed')`).Scan(&columns); err != nil || columns != 0 {
+		t.Errorf("migration 2's columns: %d, %v; want none", columns, err)
+	}
+	reader.Rollback()
+	if err := postgres.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if err := postgres.CheckSchema(ctx, db); err != nil {
+		t.Error(err)
+	}
+}
+
+// versions are the migrations db records, in order.
+func versions(t *testing.T, db *sql.DB) []int {
+	t.Helper()
+	rows, err := db.Query(`SELECT version FROM outbox_migrations ORDER BY version`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var vs []int
+	for rows.Next() {
+		var v int
+		if err := rows.Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		vs = append(vs, v)
+	}
+	return vs
+}
+
+// upTo is 1, 2, ..., n.
+func upTo(n int) []int {
+	vs := make([]int, n)
+	for i := range vs {
+		vs[i] = i + 1
+	}
+	return vs
+}
