@@ -126,11 +126,15 @@ natsbroker:
 	$(call module-tests,natsbroker)
 
 # The shop of natsbroker/cmd/shop, to run by hand and curl, on a throwaway
-# PostgreSQL with an embedded JetStream. SHOP_ADDR is where it listens.
-# Ctrl-C stops it, removes the broker's store, then the server's folder.
+# PostgreSQL with an embedded JetStream whose store is a temporary folder:
+# shop migrate first (the schema, the stream and its consumer), then shop
+# serve, which checks them. SHOP_ADDR is where it listens. Ctrl-C stops it,
+# removes the broker's store, then the server's folder.
 SHOP_ADDR ?= 127.0.0.1:8080
 shop:
-	@postgres/with-server.sh bash -c 'cd natsbroker && exec $(GO) run ./cmd/shop -addr $(SHOP_ADDR)'
+	@postgres/with-server.sh bash -c 'dir=$$(mktemp -d "$${TMPDIR:-/tmp}/shop.XXXXXX") && trap "rm -rf $$dir" EXIT && \
+		(cd natsbroker && $(GO) build -o "$$dir/shop" ./cmd/shop) && \
+		"$$dir/shop" migrate -store "$$dir/jetstream" && "$$dir/shop" serve -store "$$dir/jetstream" -addr $(SHOP_ADDR)'
 
 # The natsbroker README's figures, into measure-natsbroker.txt: the relay's
 # drain rate to JetStream waiting for each ack against the asynchronous

@@ -11,6 +11,10 @@
 package natsbroker
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -79,4 +83,37 @@ func ConsumerConfig(name string, ackWait time.Duration) jetstream.ConsumerConfig
 		DeliverPolicy: jetstream.DeliverAllPolicy,
 		FilterSubject: SubjectPrefix + ">",
 	}
+}
+
+// ErrStreamConfig is wrapped by [CheckStream]'s error: the stream is
+// missing, or not as the configuration the publisher relies on says.
+var ErrStreamConfig = errors.New("natsbroker: stream missing or not as configured")
+
+// CheckStream reports, with an error wrapping [ErrStreamConfig], a stream
+// named want.Name that does not exist, or whose subjects, storage,
+// replicas or duplicate window differ from want's. Provision the stream
+// apart, as the shop's migrate command does with CreateOrUpdateStream, and
+// have a service check it at start-up: a service that creates or updates
+// the stream itself at every start would undo an operator's change to it
+// each time.
+func CheckStream(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig) error {
+	stream, err := js.Stream(ctx, want.Name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("%w: no stream %s: provision it first", ErrStreamConfig, want.Name)
+	}
+	if err != nil {
+		return fmt.Errorf("check stream %s: %w", want.Name, err)
+	}
+	got := stream.CachedInfo().Config
+	switch {
+	case !slices.Equal(got.Subjects, want.Subjects):
+		return fmt.Errorf("%w: stream %s takes subjects %v, want %v", ErrStreamConfig, want.Name, got.Subjects, want.Subjects)
+	case got.Storage != want.Storage:
+		return fmt.Errorf("%w: stream %s has %v storage, want %v", ErrStreamConfig, want.Name, got.Storage, want.Storage)
+	case max(got.Replicas, 1) != max(want.Replicas, 1):
+		return fmt.Errorf("%w: stream %s has %d replicas, want %d", ErrStreamConfig, want.Name, got.Replicas, want.Replicas)
+	case got.Duplicates != want.Duplicates:
+		return fmt.Errorf("%w: stream %s drops duplicates within %v, want %v", ErrStreamConfig, want.Name, got.Duplicates, want.Duplicates)
+	}
+	return nil
 }

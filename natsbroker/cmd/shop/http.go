@@ -1,12 +1,15 @@
 package main
 
 import (
+	"context"
 	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"strconv"
+	"time"
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
@@ -15,12 +18,29 @@ import (
 // maxOrderBody is the largest POST /orders body read.
 const maxOrderBody = 1 << 10
 
+// requestTimeout bounds each request's database work: a database that does
+// not answer gets a 503 within it, not a client waiting for ever.
+const requestTimeout = 5 * time.Second
+
+// orderPlacer is what POST /orders needs of [postgres.OrderService].
+type orderPlacer interface {
+	PlaceOrder(ctx context.Context, totalCents int64) (int64, error)
+	PlaceOrderWithKey(ctx context.Context, key string, totalCents int64) (int64, error)
+}
+
+// badBody is the answer to a POST /orders body that is not one JSON object
+// {"totalCents": a whole number}.
+const badBody = `body must be one JSON object {"totalCents": a whole number of cents}`
+
 // newHandler serves the shop's HTTP entry points. Bad input gets a 4xx with
-// a JSON {"error": ...} and changes nothing: 400 for a body that is not
-// {"totalCents": whole number} or a malformed Idempotency-Key, 422 for a
-// total of zero or less (outbox.ErrInvalidTotal) or a key reused for
-// another total.
-func newHandler(db *sql.DB, orders *postgres.OrderService, broker *embeddedBroker) http.Handler {
+// a JSON {"error": ...} and changes nothing: 400 for a body that is not one
+// JSON object {"totalCents": whole number} and nothing after it, or a
+// malformed Idempotency-Key; 413 for a body over maxOrderBody; 422 for a
+// total of zero or less (outbox.ErrInvalidTotal) or a key reused for another
+// total. A commit whose outcome is unknown (postgres.ErrCommitUnknown) gets
+// a 503 whose body says so and how to retry safely; a database that did not
+// answer within requestTimeout, a 503 that says nothing was placed.
+func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
 		var body struct {
@@ -28,22 +48,49 @@ func newHandler(db *sql.DB, orders *postgres.OrderService, broker *embeddedBroke
 		}
 		dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxOrderBody))
 		dec.DisallowUnknownFields()
-		if err := dec.Decode(&body); err != nil || body.TotalCents == nil || dec.More() {
-			writeJSON(w, http.StatusBadRequest, problem(`body must be one JSON object {"totalCents": a whole number of cents}`))
+		err := dec.Decode(&body)
+		if err == nil {
+			if _, next := dec.Token(); next != io.EOF { // anything after the object
+				err = errors.New("more after the object")
+			}
+		}
+		var tooLarge *http.MaxBytesError
+		switch {
+		case errors.As(err, &tooLarge):
+			writeJSON(w, http.StatusRequestEntityTooLarge, problem(fmt.Sprintf("body over %d bytes", maxOrderBody)))
+			return
+		case err != nil || body.TotalCents == nil:
+			writeJSON(w, http.StatusBadRequest, problem(badBody))
 			return
 		}
+		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+		defer cancel()
 		var id int64
-		var err error
-		if key := r.Header.Get("Idempotency-Key"); key != "" {
-			id, err = orders.PlaceOrderWithKey(r.Context(), key, *body.TotalCents)
+		key := r.Header.Get("Idempotency-Key")
+		if key != "" {
+			id, err = orders.PlaceOrderWithKey(ctx, key, *body.TotalCents)
 		} else {
-			id, err = orders.PlaceOrder(r.Context(), *body.TotalCents)
+			id, err = orders.PlaceOrder(ctx, *body.TotalCents)
 		}
 		switch {
 		case errors.Is(err, postgres.ErrInvalidIdempotencyKey):
 			writeJSON(w, http.StatusBadRequest, problem(err.Error()))
 		case errors.Is(err, outbox.ErrInvalidTotal), errors.Is(err, postgres.ErrIdempotencyKeyReused):
 			writeJSON(w, http.StatusUnprocessableEntity, problem(err.Error()))
+		case errors.Is(err, postgres.ErrCommitUnknown):
+			retry := "send the same request again with the same Idempotency-Key: it places the order at most once"
+			if key == "" {
+				retry = "this request had no Idempotency-Key, so sending it again may place a second order; send orders with one"
+			}
+			w.Header().Set("Retry-After", "1")
+			writeJSON(w, http.StatusServiceUnavailable, map[string]string{
+				"error": "the database did not answer the commit: whether the order was placed is unknown",
+				"retry": retry,
+			})
+		case errors.Is(err, context.DeadlineExceeded):
+			w.Header().Set("Retry-After", "1")
+			writeJSON(w, http.StatusServiceUnavailable, problem(
+				fmt.Sprintf("the database did not answer within %v; the order was not placed", requestTimeout)))
 		case err != nil:
 			writeJSON(w, http.StatusInternalServerError, problem("cannot save the order"))
 		default:
@@ -63,7 +110,9 @@ func newHandler(db *sql.DB, orders *postgres.OrderService, broker *embeddedBroke
 			Sent       bool  `json:"sent"`     // its OrderPlaced is no longer waiting: the broker stored it
 			Reserved   bool  `json:"reserved"` // the warehouse applied it
 		}
-		err = db.QueryRowContext(r.Context(), `
+		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+		defer cancel()
+		err = db.QueryRowContext(ctx, `
 			SELECT o.id, o.total_cents,
 			       NOT EXISTS (SELECT 1 FROM outbox -- through outbox_unsent_by_aggregate; a sent row may be cleaned up
 			                   WHERE aggregate = 'order/' || o.id AND sent_at IS NULL AND type = 'OrderPlaced'),
@@ -79,7 +128,9 @@ func newHandler(db *sql.DB, orders *postgres.OrderService, broker *embeddedBroke
 		}
 	})
 	mux.HandleFunc("GET /outbox", func(w http.ResponseWriter, r *http.Request) {
-		lag, err := postgres.ReadLag(r.Context(), db)
+		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+		defer cancel()
+		lag, err := postgres.ReadLag(ctx, db)
 		if err != nil {
 			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
 			return

@@ -2,15 +2,21 @@
 // that places orders in PostgreSQL, a relay that publishes the outbox to an
 // embedded NATS JetStream, and the warehouse consuming from it.
 //
-// make shop starts it on a throwaway PostgreSQL. It serves, on loopback:
+// It has two commands, run one after the other, as a team runs migrations
+// apart from its services:
+//
+//	shop migrate -store DIR              applies the database's migrations and provisions the stream and the consumer
+//	shop serve -store DIR [-addr ADDR]   checks both, refuses to start if either is not as it expects, and serves
+//
+// make shop runs both on a throwaway PostgreSQL. serve serves, on loopback:
 //
 //	POST /orders         {"totalCents":2500} places an order: 201 {"orderId":1}, from the database alone
 //	GET  /orders/{id}    the order, whether its event was sent and whether the warehouse reserved it
 //	GET  /outbox         how many messages wait (unsent, parked) and for how long
 //	POST /broker/down    stops the JetStream server; POST /broker/up starts it again on the same store
 //
-// Ctrl-C stops everything, and removes the broker's store (make shop
-// removes the database server).
+// Ctrl-C stops everything (make shop then removes the broker's store and the
+// database server).
 package main
 
 import (
@@ -38,35 +44,112 @@ import (
 )
 
 func main() {
-	addr := flag.String("addr", "127.0.0.1:8080", "where the HTTP service listens")
-	flag.Parse()
+	if len(os.Args) < 2 || (os.Args[1] != "migrate" && os.Args[1] != "serve") {
+		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR | shop serve -store DIR [-addr ADDR]")
+		os.Exit(2)
+	}
+	cmd := os.Args[1]
+	flags := flag.NewFlagSet(cmd, flag.ExitOnError)
+	addr := flags.String("addr", "127.0.0.1:8080", "where serve's HTTP service listens")
+	store := flags.String("store", "", "the folder of the embedded JetStream server's store")
+	flags.Parse(os.Args[2:])
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, *addr, os.Getenv("OUTBOX_POSTGRES_URL")); err != nil {
+	if err := run(ctx, cmd, *addr, *store, os.Getenv("OUTBOX_POSTGRES_URL")); err != nil {
 		fmt.Fprintln(os.Stderr, "shop:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, addr, databaseURL string) error {
+func run(ctx context.Context, cmd, addr, store, databaseURL string) error {
 	if databaseURL == "" {
 		return errors.New("OUTBOX_POSTGRES_URL is not set: run make shop")
 	}
-	db, err := sql.Open("pgx", databaseURL)
+	if store == "" {
+		return errors.New("-store is not set: name the folder of the broker's store")
+	}
+	db, err := openDB(databaseURL)
 	if err != nil {
 		return err
 	}
 	defer db.Close()
-	store, err := os.MkdirTemp("", "shop-jetstream-")
-	if err != nil {
-		return err
+	if cmd == "migrate" {
+		return migrate(ctx, db, store, os.Stdout)
 	}
-	defer os.RemoveAll(store)
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
 	}
 	return serve(ctx, ln, db, store, os.Stdout)
+}
+
+// openDB opens the database with limits on its pool: at most maxConns
+// connections, of which the relay takes up to three (a pass, its flush of
+// the server's log, and the listener), the warehouse one, and HTTP
+// requests the rest; none kept longer than half an hour, or idle longer
+// than five minutes.
+func openDB(url string) (*sql.DB, error) {
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		return nil, err
+	}
+	db.SetMaxOpenConns(maxConns)
+	db.SetMaxIdleConns(maxConns / 2)
+	db.SetConnMaxLifetime(30 * time.Minute)
+	db.SetConnMaxIdleTime(5 * time.Minute)
+	return db, nil
+}
+
+// maxConns is the most connections the shop opens to the database.
+const maxConns = 20
+
+// streamConfig is the stream the shop provisions and checks.
+var streamConfig = natsbroker.StreamConfig(0)
+
+// migrate is the step before serve: it brings the database's schema to
+// postgres.SchemaVersion, and creates (or updates) the stream and the
+// warehouse's durable consumer on the broker whose store is in store.
+func migrate(ctx context.Context, db *sql.DB, store string, out io.Writer) error {
+	if err := postgres.Migrate(ctx, db); err != nil {
+		return err
+	}
+	broker, err := startBroker(store)
+	if err != nil {
+		return err
+	}
+	defer broker.Down()
+	nc, err := nats.Connect(broker.URL())
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	stream, err := js.CreateOrUpdateStream(ctx, streamConfig)
+	if err != nil {
+		return fmt.Errorf("provision stream %s: %w", streamConfig.Name, err)
+	}
+	if _, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", 0)); err != nil {
+		return fmt.Errorf("provision consumer warehouse: %w", err)
+	}
+	fmt.Fprintf(out, "shop: database at schema version %d, stream %s and consumer warehouse provisioned\n",
+		postgres.SchemaVersion, streamConfig.Name)
+	return nil
+}
+
+// newServer is the shop's HTTP server for h, with a limit on each phase of a
+// request: its header, its whole reading, the writing of the answer (longer
+// than a request's database work), and a kept-alive connection's idle time.
+func newServer(h http.Handler) *http.Server {
+	return &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       10 * time.Second,
+		WriteTimeout:      2 * requestTimeout,
+		IdleTimeout:       time.Minute,
+	}
 }
 
 // serve is the application root: it wires the shop, the relay, the broker
@@ -75,7 +158,7 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out i
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	logger := slog.New(slog.NewTextHandler(out, nil))
-	if err := postgres.Migrate(ctx, db); err != nil {
+	if err := postgres.CheckSchema(ctx, db); err != nil {
 		return err
 	}
 
@@ -93,13 +176,12 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out i
 	if err != nil {
 		return err
 	}
-	stream, err := js.CreateOrUpdateStream(ctx, natsbroker.StreamConfig(0))
-	if err != nil {
-		return err
+	if err := natsbroker.CheckStream(ctx, js, streamConfig); err != nil {
+		return fmt.Errorf("%w: run shop migrate first", err)
 	}
-	cons, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", 0))
+	cons, err := js.Consumer(ctx, streamConfig.Name, "warehouse")
 	if err != nil {
-		return err
+		return fmt.Errorf("consumer warehouse: %w: run shop migrate first", err)
 	}
 	publisher, err := natsbroker.NewPublisher(nc)
 	if err != nil {
@@ -112,10 +194,7 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out i
 	relay.Logger = logger
 	warehouse := natsbroker.NewConsumer(cons, postgres.NewWarehouse(db))
 	warehouse.Logger = logger
-	srv := &http.Server{
-		Handler:           newHandler(db, postgres.NewOrderService(db), broker),
-		ReadHeaderTimeout: 5 * time.Second,
-	}
+	srv := newServer(newHandler(db, postgres.NewOrderService(db), broker))
 
 	var wg sync.WaitGroup
 	errs := make(chan error, 3)
