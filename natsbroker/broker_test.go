@@ -128,6 +128,7 @@ func TestLostAckIsSentAgainAndStoredOnce(t *testing.T) {
 	proxy := newAckDropper(t, strings.TrimPrefix(b.url(), "nats://"))
 	pub := newPublisher(t, connect(t, proxy.url()))
 	relay := postgres.NewOutboxRelay(db, pub)
+	relay.PerAggregate = true // each order an aggregate of its own: the relay publishes its batch at once
 	relay.PassTimeout = time.Second
 	for _, total := range []int64{2500, 4000, 700} {
 		if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, total); err != nil {
@@ -363,8 +364,9 @@ func TestConsumerThatDiesBeforeItsAckGetsTheMessageAgainAndAppliesItOnce(t *test
 
 // 6. A message that can never be stored: a payload over the server's
 // limit is a rejection, and with ParkAfter the relay parks it and the rows
-// after it flow. A subject that no stream takes is a rejection too; a
-// closed connection and a stopped server are not.
+// after it flow. A subject that no stream takes, a closed connection and a
+// stopped server are not rejections: the broker is at fault, not the
+// message.
 func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -402,8 +404,8 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	if err := js.DeleteStream(ctx, natsbroker.Stream); err != nil {
 		t.Fatal(err)
 	}
-	if err := pub.Publish(ctx, msg); !errors.Is(err, postgres.ErrRejected) {
-		t.Errorf("Publish with no stream for the subject = %v, want ErrRejected", err)
+	if err := pub.Publish(ctx, msg); !errors.Is(err, outbox.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
+		t.Errorf("Publish with no stream for the subject = %v, want ErrBrokerUnavailable and not ErrRejected", err)
 	}
 	closed := connect(t, b.url())
 	closedPub := newPublisher(t, closed)

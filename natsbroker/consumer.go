@@ -26,6 +26,15 @@ type Handler interface {
 // [Consumer.RetryDelay] is zero.
 const DefaultRetryDelay = time.Second
 
+// DefaultPrefetch is how many messages a [Consumer] asks JetStream for at
+// a time, when [Consumer.Prefetch] is zero.
+const DefaultPrefetch = 10
+
+// DefaultMaxOutOfOrder is how many deliveries a [Consumer] gives a message
+// that arrives before its predecessor, when [Consumer.MaxOutOfOrder] is
+// zero, before it terminates it.
+const DefaultMaxOutOfOrder = 20
+
 // Consumer feeds the messages of a JetStream pull consumer to a Handler, one
 // at a time, and tells JetStream what became of each:
 //   - handled (applied, or a duplicate): Ack, only after the handler has
@@ -39,8 +48,22 @@ const DefaultRetryDelay = time.Second
 //     be delivered again;
 //   - never to be applied (a payload the handler cannot read, wrapping
 //     [postgres.ErrMalformedMessage], or no key, or headers that are not
-//     an outbox message's): Term, with the reason, and a log line; it is not
-//     delivered again.
+//     an outbox message's), or still before its predecessor after
+//     MaxOutOfOrder deliveries (its predecessor was terminated, or parked
+//     in the outbox, and may never come): Term, with the reason, and a log
+//     line at level Error; it is not delivered again. JetStream publishes
+//     an advisory for each message terminated
+//     ($JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.<stream>.<consumer>), with
+//     the reason, for an operator to find it by; the message stays in the
+//     stream.
+//
+// The JetStream consumer's AckWait runs from a message's delivery, also
+// while it waits in the client's buffer behind others. So a Consumer asks
+// for Prefetch messages at a time, and gives each Handle a deadline of
+// AckWait / (2 × Prefetch): a full buffer is handled within half of
+// AckWait, and no message is delivered again only because the ones before
+// it were slow. A Handle that runs out of time is asked for again, as any
+// failure that may pass.
 //
 // A Consumer is not safe for concurrent use: run one Run at a time. Several
 // Consumers, in one process or many, may share one JetStream consumer, which
@@ -52,6 +75,16 @@ type Consumer struct {
 	// RetryDelay is how long a failed message waits before it is delivered
 	// again; zero or less means DefaultRetryDelay.
 	RetryDelay time.Duration
+
+	// Prefetch is how many messages Run asks for at a time; zero or less
+	// means DefaultPrefetch.
+	Prefetch int
+
+	// MaxOutOfOrder is how many deliveries a message that arrives before
+	// its predecessor gets before it is terminated; zero or less means
+	// DefaultMaxOutOfOrder. With RetryDelay, it bounds how long such a
+	// message waits: 20 s with the defaults.
+	MaxOutOfOrder int
 
 	// Logger, if not nil, is told of each message terminated.
 	Logger *slog.Logger
@@ -71,7 +104,13 @@ func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
 // handling ctx cut short is neither acked nor asked for again: it is
 // delivered again after the consumer's AckWait.
 func (c *Consumer) Run(ctx context.Context) error {
-	it, err := c.consumer.Messages()
+	prefetch := orDefault(c.Prefetch, DefaultPrefetch)
+	ackWait := c.consumer.CachedInfo().Config.AckWait
+	if ackWait <= 0 {
+		ackWait = 30 * time.Second // the server's default
+	}
+	deadline := ackWait / time.Duration(2*prefetch)
+	it, err := c.consumer.Messages(jetstream.PullMaxMessages(prefetch))
 	if err != nil {
 		return fmt.Errorf("consume: %w", err)
 	}
@@ -89,7 +128,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("consume: %w", err)
 		}
-		if err := c.handle(ctx, msg); err != nil {
+		if err := c.handle(ctx, msg, deadline); err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
@@ -98,12 +137,20 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 }
 
-// handle handles msg, and returns an error only when it could not tell
-// JetStream what became of it.
-func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg) error {
+// handle handles msg, within deadline, and returns an error only when it
+// could not tell JetStream what became of it.
+func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration) error {
 	m, err := decode(msg)
 	if err == nil {
-		_, err = c.handler.Handle(ctx, m)
+		hctx, cancel := context.WithTimeout(ctx, deadline)
+		_, err = c.handler.Handle(hctx, m)
+		cancel()
+	}
+	if errors.Is(err, postgres.ErrOutOfOrder) {
+		if meta, merr := msg.Metadata(); merr == nil && meta.NumDelivered >= uint64(orDefault(c.MaxOutOfOrder, DefaultMaxOutOfOrder)) {
+			err = fmt.Errorf("%w after %d deliveries: its predecessor may never come", err, meta.NumDelivered)
+			return c.terminate(msg, m, err)
+		}
 	}
 	switch {
 	case ctx.Err() != nil:
@@ -111,13 +158,20 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg) error {
 	case err == nil:
 		return ack(msg.Ack(), "ack", msg)
 	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, errNotOutbox):
-		if c.Logger != nil {
-			c.Logger.Error("message terminated: it can never be applied", "subject", msg.Subject(), "key", m.Key, "error", err)
-		}
-		return ack(msg.TermWithReason(err.Error()), "terminate", msg)
+		return c.terminate(msg, m, err)
 	default:
 		return ack(msg.NakWithDelay(orDefault(c.RetryDelay, DefaultRetryDelay)), "ask again for", msg)
 	}
+}
+
+// terminate tells JetStream never to deliver msg again, with err as the
+// reason, and logs it.
+func (c *Consumer) terminate(msg jetstream.Msg, m postgres.Message, err error) error {
+	if c.Logger != nil {
+		c.Logger.Error("message terminated: it can never be applied", "subject", msg.Subject(), "key", m.Key,
+			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)
+	}
+	return ack(msg.TermWithReason(err.Error()), "terminate", msg)
 }
 
 func ack(err error, what string, msg jetstream.Msg) error {

@@ -21,8 +21,10 @@ import (
 )
 
 // The relay of a service, publishing the outbox to JetStream until the
-// process is told to stop. The stream is created (or brought up to date)
-// first: without it, every message would be a rejection.
+// process is told to stop. The schema and the stream were provisioned apart,
+// before the service started (the shop's migrate command does both); the
+// service only checks them, and refuses to start if either is not as it
+// expects.
 func ExamplePublisher() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
@@ -40,15 +42,16 @@ func ExamplePublisher() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	if _, err := js.CreateOrUpdateStream(ctx, natsbroker.StreamConfig(natsbroker.DefaultDuplicateWindow)); err != nil {
+	if err := postgres.CheckSchema(ctx, db); err != nil {
+		log.Fatal(err)
+	}
+	if err := natsbroker.CheckStream(ctx, js, natsbroker.StreamConfig(natsbroker.DefaultDuplicateWindow)); err != nil {
 		log.Fatal(err)
 	}
 
-	publisher, err := natsbroker.NewPublisher(nc)
-	if err != nil {
-		log.Fatal(err)
-	}
-	relay := postgres.NewOutboxRelay(db, publisher) // it publishes each pass's batch through PublishBatch
+	publisher := natsbroker.NewPublisher(js)
+	relay := postgres.NewOutboxRelay(db, publisher)
+	relay.PerAggregate = true // each aggregate in order, and each pass's batch through PublishBatch
 	relay.ParkAfter = 5
 	if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
@@ -56,7 +59,7 @@ func ExamplePublisher() {
 }
 
 // The warehouse of a service, consuming the stream through a durable
-// consumer until the process is told to stop.
+// consumer, provisioned apart, until the process is told to stop.
 func ExampleConsumer() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
@@ -74,7 +77,7 @@ func ExampleConsumer() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	cons, err := js.CreateOrUpdateConsumer(ctx, natsbroker.Stream, natsbroker.ConsumerConfig("warehouse", 0))
+	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
 	if err != nil {
 		log.Fatal(err)
 	}

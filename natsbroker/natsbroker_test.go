@@ -175,11 +175,11 @@ func setUp(t testing.TB, nc *nats.Conn, window, ackWait time.Duration) (jetstrea
 // newPublisher is a Publisher over nc.
 func newPublisher(t testing.TB, nc *nats.Conn) *natsbroker.Publisher {
 	t.Helper()
-	p, err := natsbroker.NewPublisher(nc)
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(time.Minute))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return p
+	return natsbroker.NewPublisher(js)
 }
 
 // runConsumer runs a Consumer of the warehouse's durable consumer over nc,

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"strconv"
 	"sync/atomic"
-	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -29,12 +28,15 @@ import (
 // What the server says comes back as the relay needs it:
 //   - an acknowledgement, including one that says the stream had the
 //     message already (a duplicate, counted by Duplicates), is a success;
-//   - a payload over the server's or the stream's limit, and a subject that
-//     no stream takes, can never succeed: errors wrapping
+//   - a payload over the server's or the stream's limit, and a type that
+//     makes no valid subject, can never succeed: errors wrapping
 //     [postgres.ErrRejected], which a relay may park;
 //   - everything else, a server that does not answer, a connection that is
-//     closed or reconnecting, a stream with no leader, no ack before the
-//     context ended, may pass: errors wrapping [outbox.ErrBrokerUnavailable].
+//     closed or reconnecting, a stream with no leader, no stream that takes
+//     the subject (a broker not yet provisioned, or misconfigured: the
+//     message is not at fault, and parking it would lose its place), no
+//     ack before the context ended, may pass: errors wrapping
+//     [outbox.ErrBrokerUnavailable].
 //     After such an error the stream may hold the message all the same (the
 //     ack lost on its way back); the relay publishes it again, and the
 //     duplicate window drops the copy.
@@ -46,21 +48,15 @@ type Publisher struct {
 	duplicates atomic.Int64
 }
 
-// publishAckTimeout is how long JetStream's client keeps waiting for an
-// asynchronous publish's ack before it gives up on it. The batch stops
-// waiting when its context ends; this only frees the client's slot for an
-// ack that was lost.
-const publishAckTimeout = time.Minute
-
-// NewPublisher returns a Publisher over the connection nc. It does not
-// create the stream: create it with StreamConfig first (a subject without a
-// stream is a rejection).
-func NewPublisher(nc *nats.Conn) (*Publisher, error) {
-	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(publishAckTimeout))
-	if err != nil {
-		return nil, err
-	}
-	return &Publisher{js: js}, nil
+// NewPublisher returns a Publisher that publishes through js, created by
+// the caller with the options its deployment needs (a domain or an API
+// prefix, jetstream.WithPublishAsyncMaxPending, and
+// jetstream.WithPublishAsyncTimeout, which frees the client's slot for an
+// asynchronous publish whose ack was lost: PublishBatch itself stops
+// waiting when its context ends). It does not create the stream: provision
+// it apart with StreamConfig, and check it with CheckStream.
+func NewPublisher(js jetstream.JetStream) *Publisher {
+	return &Publisher{js: js}
 }
 
 // Duplicates is how many messages the stream acknowledged as duplicates: it
@@ -145,11 +141,15 @@ func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error)
 			msg.Key, subject, outbox.ErrBrokerUnavailable, err)
 	case errors.Is(err, nats.ErrMaxPayload), errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum):
 		return fmt.Errorf("message %s to %s: %d bytes: %w: %w", msg.Key, subject, len(msg.Payload), postgres.ErrRejected, err)
+	case errors.Is(err, nats.ErrBadSubject):
+		return fmt.Errorf("message %s: type %q makes no valid subject: %w: %w", msg.Key, msg.Type, postgres.ErrRejected, err)
 	case errors.Is(err, jetstream.ErrNoStreamResponse), errors.Is(err, nats.ErrNoResponders):
 		// Nobody answered: either no stream takes the subject, which stays
-		// so until someone creates one, or JetStream is not up yet.
+		// so until someone provisions one, or JetStream is not up yet.
+		// Either way the broker is at fault, not the message.
 		if _, lookup := p.js.StreamNameBySubject(ctx, subject); errors.Is(lookup, jetstream.ErrStreamNotFound) {
-			return fmt.Errorf("message %s: no stream takes subject %s: %w", msg.Key, subject, postgres.ErrRejected)
+			return fmt.Errorf("message %s: no stream takes subject %s, so the broker is not provisioned as the relay needs: %w",
+				msg.Key, subject, outbox.ErrBrokerUnavailable)
 		}
 	}
 	return fmt.Errorf("message %s to %s: %w: %w", msg.Key, subject, outbox.ErrBrokerUnavailable, err)

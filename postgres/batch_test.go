@@ -42,9 +42,10 @@ func (b *batchBroker) PublishBatch(_ context.Context, msgs []postgres.Message) (
 	return r.accept, r.err
 }
 
-// A relay whose broker is a BatchPublisher hands it the whole claim at once
-// and marks exactly the prefix the broker accepted: the first message it did
-// not accept and everything after it stay unsent, even if the broker
+// A relay with PerAggregate whose broker is a BatchPublisher hands it the
+// whole claim at once
+// and marks exactly the prefix the broker accepted: the first message it
+// did not accept and everything after it stay unsent, even if the broker
 // stored them, and go again next pass.
 func TestBatchPublisherMarksExactlyTheAcceptedPrefix(t *testing.T) {
 	ctx := context.Background()
@@ -52,6 +53,7 @@ func TestBatchPublisherMarksExactlyTheAcceptedPrefix(t *testing.T) {
 	place(t, db, 100, 200, 300, 400, 500)
 	broker := &batchBroker{replies: []batchReply{{2, fmt.Errorf("ack of 3 lost: %w", outbox.ErrBrokerUnavailable)}}}
 	relay := postgres.NewOutboxRelay(db, broker)
+	relay.PerAggregate = true
 	n, err := relay.PublishPending(ctx)
 	if n != 2 || !errors.Is(err, outbox.ErrBrokerUnavailable) {
 		t.Fatalf("pass = %d, %v; want 2 and the broker's error", n, err)
@@ -74,6 +76,7 @@ func TestBatchPublisherRejectionParksAndTheRestGoesOn(t *testing.T) {
 	place(t, db, 100, 200, 300, 400, 500)
 	broker := &batchBroker{replies: []batchReply{{2, fmt.Errorf("too large: %w", postgres.ErrRejected)}}}
 	relay := postgres.NewOutboxRelay(db, broker)
+	relay.PerAggregate = true
 	relay.ParkAfter = 1
 	if n, err := relay.PublishPending(ctx); n != 4 || err != nil {
 		t.Fatalf("pass = %d, %v; want 4, <nil>", n, err)
@@ -106,6 +109,7 @@ func TestBatchPublisherThatMisreportsMarksNothingItCannotHaveAccepted(t *testing
 			db := newDatabase(t)
 			place(t, db, 100, 200, 300)
 			relay := postgres.NewOutboxRelay(db, &batchBroker{replies: []batchReply{tc.reply}})
+			relay.PerAggregate = true
 			n, err := relay.PublishPending(ctx)
 			if n != tc.n || err == nil {
 				t.Fatalf("pass = %d, %v; want %d and an error", n, err, tc.n)
@@ -113,4 +117,31 @@ func TestBatchPublisherThatMisreportsMarksNothingItCannotHaveAccepted(t *testing
 			wantSent(t, db, tc.sent...)
 		})
 	}
+}
+
+// A relay that keeps the whole table's order never batches, even through a
+// BatchPublisher: it publishes one message at a time, so that the broker
+// never stores a message after one it refused. (Caught: a batch over the
+// whole table, which a broker may store past a refusal.)
+func TestWholeTableRelayPublishesOneAtATime(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100, 200, 300)
+	broker := &eitherBroker{}
+	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 3 || err != nil {
+		t.Fatalf("pass = %d, %v; want 3", n, err)
+	}
+	if broker.singles != 3 || broker.batches != 0 {
+		t.Errorf("the relay made %d single publishes and %d batches, want 3 and 0", broker.singles, broker.batches)
+	}
+}
+
+// eitherBroker accepts everything, one message or a batch, and counts which.
+type eitherBroker struct{ singles, batches int }
+
+func (b *eitherBroker) Publish(context.Context, postgres.Message) error { b.singles++; return nil }
+
+func (b *eitherBroker) PublishBatch(_ context.Context, msgs []postgres.Message) (int, error) {
+	b.batches++
+	return len(msgs), nil
 }

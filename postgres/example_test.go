@@ -42,6 +42,35 @@ func ExampleOutboxRelay_Run() {
 	}
 }
 
+// The migration step of a deployment, run before the services start: it
+// brings the schema to SchemaVersion, and run again it changes nothing.
+func ExampleMigrate() {
+	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := postgres.Migrate(ctx, db); err != nil {
+		log.Fatal(err) // a lock timeout says to run it again
+	}
+}
+
+// A service's start-up: it checks the schema, and refuses to start on a
+// database that the migration step has not brought to its version, rather
+// than running DDL itself.
+func ExampleCheckSchema() {
+	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	if err := postgres.CheckSchema(context.Background(), db); err != nil {
+		log.Fatal(err) // errors.Is(err, postgres.ErrSchemaVersion)
+	}
+}
+
 // A gauge for the outbox, read every few seconds; alert on Oldest and on
 // any parked row.
 func ExampleReadLag() {

@@ -393,3 +393,36 @@ func (l *logBuffer) lines(s string) []string {
 	}
 	return found
 }
+
+// A publish that hangs until the pass's budget ends is written to its row,
+// attempt after attempt, with the deadline as its error, and never parks it,
+// even with ParkAfter 1: a timeout is not a rejection. (Caught: a budget cut
+// left unrecorded, the row at attempts 0 and no error while it held up the
+// outbox.)
+func TestPublishThatHangsIsWrittenToItsRowAndNeverParks(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	insertPending(t, db, 1)
+	hang := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		<-ctx.Done()
+		return fmt.Errorf("no ack: %w: %w", postgres.ErrRejected, ctx.Err()) // even a broker that says "rejected" late
+	})
+	relay := postgres.NewOutboxRelay(db, hang)
+	relay.PassTimeout, relay.ParkAfter = 200*time.Millisecond, 1
+	for range 3 {
+		if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("pass = %d, %v; want 0 and the deadline", n, err)
+		}
+	}
+	var attempts, rejections int
+	var lastError string
+	var parked bool
+	if err := db.QueryRow(`SELECT attempts, rejections, last_error, parked_at IS NOT NULL FROM outbox WHERE id = 1`).
+		Scan(&attempts, &rejections, &lastError, &parked); err != nil {
+		t.Fatal(err)
+	}
+	if attempts != 3 || rejections != 0 || parked || !strings.Contains(lastError, "deadline exceeded") {
+		t.Errorf("row 1: %d attempts, %d rejections, parked %v, last error %q; want 3, 0, false and the deadline",
+			attempts, rejections, parked, lastError)
+	}
+}

@@ -169,9 +169,10 @@ func cancelWithoutLock(t *testing.T, tx *sql.Tx, orderID int64) int64 {
 
 // Without the lock, two changes of one order, A and B, take ids 2 and 3 and
 // the same seq, B commits first, and the relay, keeping order per aggregate
-// as well as it can, publishes 3 before 2: the warehouse then refuses 2 as
-// out of order. With CancelOrder's lock the second change waits for the
-// first, finds the order cancelled, and writes nothing.
+// as well as it can, publishes 3 before 2: the warehouse then takes 2, whose
+// seq it has applied, for a copy and drops it, and that change is lost for
+// good. With CancelOrder's lock the second change waits for the first, finds
+// the order cancelled, and writes nothing.
 func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -207,13 +208,16 @@ func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 		t.Errorf("published ids %v, want [1 3 2], the last two with one seq", broker.IDs())
 	}
 	warehouse := postgres.NewWarehouse(newDatabase(t))
-	var errs []error
+	var applied []bool
 	for _, m := range msgs {
-		_, err := warehouse.Handle(ctx, m)
-		errs = append(errs, err)
+		ok, err := warehouse.Handle(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		applied = append(applied, ok)
 	}
-	if errs[0] != nil || errs[1] != nil || !errors.Is(errs[2], postgres.ErrOutOfOrder) {
-		t.Errorf("the warehouse: %v; want the third refused as out of order", errs)
+	if !slices.Equal(applied, []bool{true, true, false}) {
+		t.Errorf("the warehouse applied %v; want the third dropped, its seq taken", applied)
 	}
 
 	// With the lock: two CancelOrder at once, one event.
@@ -249,9 +253,11 @@ func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 
 // The warehouse refuses an OrderCancelled that arrives before its
 // OrderPlaced, changing nothing, and applies it once its predecessor has
-// been applied; a duplicate of the predecessor is dropped. (Caught: a
-// warehouse without the check, which releases nothing, then reserves, and
-// keeps the cancelled order's stock.)
+// been applied; a duplicate of the predecessor is dropped, by its key, and
+// once the key is forgotten by its seq. (Caught: a warehouse without the
+// check, which releases nothing, then reserves, and keeps the cancelled
+// order's stock; and one that refused a stale copy as out of order for
+// ever.)
 func TestWarehouseAppliesAnAggregateInSeqOrder(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -278,6 +284,17 @@ func TestWarehouseAppliesAnAggregateInSeqOrder(t *testing.T) {
 	}
 	if ok, err := warehouse.Handle(ctx, cancelled); !ok || err != nil {
 		t.Fatalf("the cancellation after its order = %v, %v", ok, err)
+	}
+	wantReservations(t, db)
+
+	// A copy of OrderPlaced that comes after its key was forgotten, or in a
+	// replay of the stream, is at or below the position: a duplicate, not a
+	// message that waits for ever for a predecessor it already had.
+	if _, err := db.ExecContext(ctx, `DELETE FROM processed_messages`); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := warehouse.Handle(ctx, placed); ok || err != nil {
+		t.Errorf("a copy of OrderPlaced after its key was forgotten = %v, %v; want dropped as a duplicate", ok, err)
 	}
 	wantReservations(t, db)
 }

@@ -55,22 +55,28 @@ var ErrClaimLost = errors.New("postgres: relay pass lost its claim")
 // 100 took 74 to 94 µs a message with it, 21 µs without. (Planning the mark
 // afresh each pass, plan_cache_mode = force_custom_plan, fixes it too, but
 // made a pass of one row slower, measured.)
+//
+// And it notes where the server's write-ahead log stands as the claim
+// begins, for walPositions to read: see there.
 const passLimits = `(SELECT set_config('statement_timeout', $2, true)
        || set_config('lock_timeout', $2, true)
        || set_config('idle_in_transaction_session_timeout', $3, true)
-       || set_config('enable_seqscan', 'off', true)) IS NOT NULL`
+       || set_config('enable_seqscan', 'off', true)
+       || set_config('outbox.wal_flushed', (pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn())::text, true)
+       || set_config('outbox.wal_inserted', pg_current_wal_insert_lsn()::text, true)) IS NOT NULL`
 
-// walPositions are the claim's last two columns, read for each row just
-// before the row is locked: whether the server has flushed its write-ahead
-// log as far as it has written it, and how far it has written it. A commit
-// is written to the log before other sessions can see it, so the position
-// read for the first row, after the claim's snapshot was taken and before
-// the claim's own locks wrote to the log, is past the commit of every row
-// the claim returns; once the log is flushed that far, those commits
-// survive a crash of the server. Producers that commit with
-// synchronous_commit = off make their rows visible before that: see
-// [OutboxRelay] on what the relay does about it.
-const walPositions = `pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn(), pg_current_wal_insert_lsn()::text`
+// walPositions are the claim's last two columns, noted by passLimits as the
+// claim begins: whether the server had flushed its write-ahead log as far as
+// it had written it, and how far it had written it. A commit is written to
+// the log before other sessions can see it, and the claim's snapshot is
+// taken before passLimits runs, so that position is past the commit of
+// every row the claim returns; once the log is flushed that far, those
+// commits survive a crash of the server. (Noted before the claim reads a
+// row, the position leaves out what the claim itself writes to the log: its
+// row locks, and the pruning of pages its scan visits.) Producers that
+// commit with synchronous_commit = off make their rows visible before their
+// commit is flushed: see [OutboxRelay] on what the relay does about it.
+const walPositions = `current_setting('outbox.wal_flushed')::boolean, current_setting('outbox.wal_inserted')`
 
 // walFlushed says whether the server has flushed its log up to $1.
 const walFlushed = `SELECT pg_current_wal_flush_lsn() >= $1::pg_lsn`
@@ -174,7 +180,7 @@ WHERE id = $1`
 // told the warehouse of an order that never was. So after its claim a pass
 // makes sure, within its budget, that the server has flushed its log past
 // every commit the claim could see (pg_current_wal_flush_lsn against the
-// pg_current_wal_insert_lsn the claim read). Where everything is flushed
+// pg_current_wal_insert_lsn, read as the claim began). Where everything is flushed
 // already, as it is when producers commit synchronously and no other
 // transaction is writing, it costs nothing but two function calls in the
 // claim; otherwise it makes the server flush, with a synchronous commit of
@@ -229,13 +235,15 @@ type OutboxRelay struct {
 	// rows whose earlier rows of the same aggregate the broker accepted
 	// already, so a message being retried, or held by another relay, is
 	// never overtaken by a later one of its aggregate, however many relays
-	// run. A message the broker refuses holds back its aggregate alone: the
+	// run. Since a pass then holds at most one row of each aggregate, it
+	// may hand its whole batch to a [BatchPublisher] at once. A message the broker refuses holds back its aggregate alone: the
 	// pass goes on with the other aggregates' rows (it stops only when the
 	// broker is unavailable), and reports the refusals in its error. A
 	// parked row, too, holds back the rest of its aggregate until Unpark.
 	//
 	// Without it the relay keeps the article's order: the whole table in id
-	// order for one relay, stopping at the first refusal. That is right for
+	// order for one relay, stopping at the first refusal, and publishing
+	// one message at a time. That is right for
 	// one relay, and for events whose order between aggregates matters too.
 	// With several relays, whose batches interleave, or when one stuck
 	// message must not stop every other, PerAggregate is the one that keeps
@@ -262,7 +270,10 @@ type OutboxRelay struct {
 }
 
 // NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
-// to broker, [DefaultBatchSize] rows a pass. Wrap a broker whose Publish
+// to broker, [DefaultBatchSize] rows a pass. A pass takes one connection of
+// db's pool for its transaction and, while it makes the server flush its
+// log, a second one; Run holds one more for listening. A pool limited below
+// that makes passes wait for a connection until their budget ends. Wrap a broker whose Publish
 // takes no context, such as [outbox.InMemoryBroker], with [AdaptBroker].
 func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 	return &OutboxRelay{db: db, broker: broker}
@@ -286,15 +297,19 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 // even when nothing was sent; a row rejected ParkAfter times is parked
 // instead, and the pass goes on with the rows after it.
 //
-// Through a [BatchPublisher] the pass publishes its whole batch in one call,
-// and what follows the first message the broker did not accept in the same
-// way as above, in a call of its own.
+// With PerAggregate, through a [BatchPublisher], the pass publishes its
+// whole batch in one call, and what follows the first message the broker did
+// not accept in the same way as above, in a call of its own. Without
+// PerAggregate it publishes one message at a time, waiting for each ack,
+// whatever the broker: a batch's messages after a refused one may be stored
+// all the same, ahead of it, which would break the table's order.
 //
 // A pass stops publishing when its budget (PassTimeout) runs out or ctx
 // ends, and then still marks and commits what the broker accepted, under a
 // context of its own that ctx's cancellation does not cut. A shutdown in the
 // middle of a pass therefore sends again, later, at most the one message
-// whose publish was in flight. When the budget runs out between publishes,
+// whose publish was in flight, or, through a BatchPublisher, the part of the
+// batch whose acks had not come back. When the budget runs out between publishes,
 // the rest wait for the next pass and the error is nil; when ctx ends, the
 // error wraps ctx's. When the server's log cannot be flushed past the claimed
 // rows' commits within the budget, nothing is published and the error says
@@ -393,11 +408,18 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		if i += n; err == nil {
 			continue
 		}
-		msg := msgs[i]           // the message the broker did not accept
-		if pubCtx.Err() == nil { // the broker's own failure, not the end of the pass
-			f := failure{id: msg.ID, err: err, rejected: errors.Is(err, ErrRejected)}
+		msg := msgs[i] // the message the broker did not accept
+		if ctx.Err() == nil {
+			// The broker's failure, or the end of the pass's budget (a
+			// publish that hung): either way written to the row, so that it
+			// says why the message is stuck. Only a refusal the broker made
+			// in time counts as a rejection; a timeout never parks a row.
+			f := failure{id: msg.ID, err: err, rejected: pubCtx.Err() == nil && errors.Is(err, ErrRejected)}
 			f.park = f.rejected && r.ParkAfter > 0 && msg.rejections+1 >= r.ParkAfter
 			failed = append(failed, f)
+		}
+		if pubCtx.Err() == nil { // the broker's own failure, not the end of the pass
+			f := failed[len(failed)-1]
 			if f.park {
 				res.parked = append(res.parked, msg.ID)
 				i++
@@ -473,12 +495,19 @@ func cannotPass(err error) bool {
 }
 
 // publish publishes msgs from the first, all of them through a
-// BatchPublisher, only the first through any other broker, and returns how
-// many the broker accepted and, if it did not accept them all, the error of
-// the first it did not accept.
+// BatchPublisher when the relay keeps order per aggregate, only the first
+// otherwise, and returns how many the broker accepted and, if it did not
+// accept them all, the error of the first it did not accept.
+//
+// A batch is sent before any of its acks is read, so the broker may store
+// messages after one it refused. With PerAggregate that breaks no order a
+// consumer relies on: a pass holds at most one row of each aggregate, and
+// the next row of an aggregate is claimed only once this one is marked.
+// Over the whole table it would: so without PerAggregate the relay waits
+// for each message's ack before it sends the next.
 func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) {
 	bp, ok := r.broker.(BatchPublisher)
-	if !ok {
+	if !ok || !r.PerAggregate {
 		if err := r.broker.Publish(ctx, msgs[0].Message); err != nil {
 			return 0, err
 		}
@@ -490,10 +519,10 @@ func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) 
 	}
 	n, err := bp.PublishBatch(ctx, batch)
 	switch {
-	case n < 0 || n > len(msgs):
-		return 0, fmt.Errorf("broker says it accepted %d of %d messages", n, len(msgs))
+	case n < 0 || n > len(msgs): // a broker that misreports is taken for one that is down
+		return 0, fmt.Errorf("broker says it accepted %d of %d messages: %w", n, len(msgs), outbox.ErrBrokerUnavailable)
 	case n < len(msgs) && err == nil:
-		err = fmt.Errorf("broker accepted %d of %d messages and gave no error for the next", n, len(msgs))
+		err = fmt.Errorf("broker accepted %d of %d messages and gave no error for the next: %w", n, len(msgs), outbox.ErrBrokerUnavailable)
 	case n == len(msgs):
 		err = nil
 	}
@@ -538,7 +567,7 @@ func millis(d time.Duration) string {
 
 // walPosition is what a claim read of the server's write-ahead log.
 type walPosition struct {
-	flushed  bool   // flushed as far as written, when the claim read its first row
+	flushed  bool   // flushed as far as written, as the claim began
 	inserted string // how far written then, a pg_lsn such as 0/1A2B3C4
 }
 
@@ -552,13 +581,9 @@ func claim(ctx context.Context, tx *sql.Tx, query string, batch int, limit, idle
 	var msgs []claimed
 	for rows.Next() {
 		var m claimed
-		var w walPosition
 		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq, &m.rejections,
-			&w.flushed, &w.inserted); err != nil {
+			&wal.flushed, &wal.inserted); err != nil { // the same in every row
 			return nil, wal, fmt.Errorf("claim outbox rows: %w", err)
-		}
-		if len(msgs) == 0 { // read before the claim's own locks wrote to the log
-			wal = w
 		}
 		msgs = append(msgs, m)
 	}

@@ -65,7 +65,9 @@ func NewWarehouse(db *sql.DB) *Warehouse {
 // OrderCancelled releases it; messages of other types are recorded and have
 // no effect. A message of an aggregate must carry the Seq after the last one
 // applied for that aggregate: one that skips ahead is refused with
-// [ErrOutOfOrder], to be delivered again later. A message with no key is
+// [ErrOutOfOrder], to be delivered again later; one at or below it was
+// applied before (a copy that came after its key was forgotten, or a
+// replay of the stream) and is a duplicate, whatever its key says. A message with no key is
 // refused with [ErrNoMessageKey]; a payload that is not an order is refused
 // with an error wrapping [ErrMalformedMessage] and the decoding error. A
 // refused message changes nothing.
@@ -107,11 +109,18 @@ func (w *Warehouse) Handle(ctx context.Context, msg Message) (applied bool, err 
 		applied = true
 		return nil
 	})
+	if errors.Is(err, errStale) {
+		return false, nil
+	}
 	if err != nil {
 		return false, err
 	}
 	return applied, nil
 }
+
+// errStale is what advance returns for a message at or below its
+// aggregate's position: Handle rolls back and reports a duplicate.
+var errStale = errors.New("postgres: message at or below its aggregate's position")
 
 // advance moves the aggregate's position from msg.Seq-1 to msg.Seq, under
 // the position's row lock, or refuses msg with ErrOutOfOrder.
@@ -124,6 +133,9 @@ func advance(ctx context.Context, tx *sql.Tx, msg Message) error {
 	if err := tx.QueryRowContext(ctx,
 		`SELECT seq FROM aggregate_positions WHERE aggregate = $1 FOR UPDATE`, msg.Aggregate).Scan(&last); err != nil {
 		return fmt.Errorf("message %s: %w", msg.Key, err)
+	}
+	if msg.Seq <= last {
+		return errStale // applied before: a copy whose key was forgotten, or a replay
 	}
 	if msg.Seq != last+1 {
 		return fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",

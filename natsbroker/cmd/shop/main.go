@@ -172,7 +172,7 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out i
 		return err
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(time.Minute))
 	if err != nil {
 		return err
 	}
@@ -183,12 +183,10 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out i
 	if err != nil {
 		return fmt.Errorf("consumer warehouse: %w: run shop migrate first", err)
 	}
-	publisher, err := natsbroker.NewPublisher(nc)
-	if err != nil {
-		return err
-	}
+	publisher := natsbroker.NewPublisher(js)
 
 	relay := postgres.NewOutboxRelay(db, publisher)
+	relay.PerAggregate = true // each order's events in order, a pass's batch through PublishBatch
 	relay.ParkAfter = 5
 	relay.MaxBackoff = 2 * time.Second
 	relay.Logger = logger

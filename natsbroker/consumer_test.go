@@ -1,0 +1,190 @@
+package natsbroker_test
+
+// The consumer where a message cannot apply yet, or ever, and where its
+// buffer meets AckWait.
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/natsbroker"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// deliveries is a Handler that hands each delivery to a warehouse and
+// notes when it came and what the warehouse said, by key.
+type deliveries struct {
+	warehouse *postgres.Warehouse
+	delay     time.Duration // the fault: a handler this slow
+	mu        sync.Mutex
+	at        map[string][]time.Time
+	errs      map[string][]error
+}
+
+func newDeliveries(wh *postgres.Warehouse) *deliveries {
+	return &deliveries{warehouse: wh, at: map[string][]time.Time{}, errs: map[string][]error{}}
+}
+
+func (d *deliveries) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	d.mu.Lock()
+	d.at[msg.Key] = append(d.at[msg.Key], time.Now())
+	d.mu.Unlock()
+	time.Sleep(d.delay)
+	applied, err := d.warehouse.Handle(ctx, msg)
+	d.mu.Lock()
+	d.errs[msg.Key] = append(d.errs[msg.Key], err)
+	d.mu.Unlock()
+	return applied, err
+}
+
+func (d *deliveries) of(key string) ([]time.Time, []error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return append([]time.Time(nil), d.at[key]...), append([]error(nil), d.errs[key]...)
+}
+
+// Two messages arrive before their predecessors. order/8's cancellation
+// waits, asked for again RetryDelay later each time, and applies once its
+// OrderPlaced came; order/9's predecessor never comes (terminated, or parked
+// in the outbox), and after MaxOutOfOrder deliveries it is terminated with
+// a reason, and a log line says so, instead of being asked for again for
+// ever. (Caught: ErrOutOfOrder terminated at once, which lost order/8's
+// early cancellation; Nak without the delay, redelivered at once; and
+// MaxDeliver unlimited with nothing to stop it, order/9 Nak'ed for ever.)
+func TestMessageBeforeItsPredecessorWaitsBoundedly(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	js, _ := setUp(t, connect(t, b.url()), 0, 0)
+	pub := newPublisher(t, connect(t, b.url()))
+	event := func(key, aggregate string, seq int64, typ string) postgres.Message {
+		return postgres.Message{Key: key, Aggregate: aggregate, Seq: seq,
+			Message: outbox.Message{ID: seq, Type: typ, Payload: `{"orderId":8,"totalCents":800}`}}
+	}
+	const retry = 300 * time.Millisecond
+	h := newDeliveries(postgres.NewWarehouse(db))
+	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := natsbroker.NewConsumer(cons, h)
+	c.RetryDelay, c.MaxOutOfOrder = retry, 5
+	var logs logBuffer
+	c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	goRun(t, c.Run)
+
+	for _, m := range []postgres.Message{
+		event("k8-cancelled", "order/8", 2, postgres.OrderCancelled),
+		event("k9-cancelled", "order/9", 2, postgres.OrderCancelled),
+	} {
+		if err := pub.Publish(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "order/8's cancellation refused once", func() bool { _, errs := h.of("k8-cancelled"); return len(errs) >= 1 })
+	if err := pub.Publish(ctx, event("k8-placed", "order/8", 1, outbox.OrderPlaced)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "order/8's cancellation applied", func() bool {
+		_, errs := h.of("k8-cancelled")
+		return len(errs) > 0 && errs[len(errs)-1] == nil
+	})
+	waitFor(t, "order/9's cancellation terminated", func() bool {
+		return len(logs.lines(`msg="message terminated: it can never be applied"`)) == 1
+	})
+	at, _ := h.of("k9-cancelled")
+	if len(at) != 5 {
+		t.Errorf("order/9's cancellation was delivered %d times, want MaxOutOfOrder, 5", len(at))
+	}
+	for i := 1; i < len(at); i++ {
+		if gap := at[i].Sub(at[i-1]); gap < retry*3/4 {
+			t.Errorf("delivery %d came %v after the one before, want no sooner than the retry delay, %v", i+1, gap, retry)
+		}
+	}
+	if line := logs.lines("k9-cancelled"); len(line) != 1 || !strings.Contains(line[0], "after 5 deliveries") {
+		t.Errorf("log: %q; want one line for k9-cancelled saying it was out of order after 5 deliveries", line)
+	}
+	info, err := cons.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.NumAckPending != 0 || info.NumPending != 0 {
+		t.Errorf("consumer: %d pending acks, %d pending messages; want none left", info.NumAckPending, info.NumPending)
+	}
+}
+
+// 200 orders through a handler that takes 25 ms, with an AckWait of 2 s:
+// each message is delivered once. A buffer of 500 (the client's default)
+// keeps the last of them waiting longer than AckWait, and JetStream
+// delivers them again while the first copy waits. (Caught: the default
+// pull batch, 277 deliveries for 200 messages.)
+func TestPrefetchFitsWithinAckWait(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	js, _ := setUp(t, connect(t, b.url()), 0, 2*time.Second)
+	shop := postgres.NewOrderService(db)
+	const orders = 200
+	for range orders {
+		if _, err := shop.PlaceOrder(ctx, 100); err != nil {
+			t.Fatal(err)
+		}
+	}
+	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
+	relay.PerAggregate = true
+	for sent := 0; sent < orders; {
+		n, err := relay.PublishPending(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent += n
+	}
+	h := newDeliveries(postgres.NewWarehouse(db))
+	h.delay = 25 * time.Millisecond
+	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	goRun(t, natsbroker.NewConsumer(cons, h).Run)
+	waitFor(t, "every order reserved", func() bool {
+		return count(t, db, `SELECT count(*) FROM reservations`) == orders
+	})
+	info, err := cons.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.NumRedelivered != 0 {
+		t.Errorf("%d messages were delivered again, want 0", info.NumRedelivered)
+	}
+}
+
+// logBuffer collects a logger's lines; safe for the consumer's goroutine.
+type logBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+// lines are the lines that hold s.
+func (l *logBuffer) lines(s string) []string {
+	l.mu.Lock()
+	text := l.b.String()
+	l.mu.Unlock()
+	var found []string
+	for line := range strings.Lines(text) {
+		if strings.Contains(line, s) {
+			found = append(found, strings.TrimSpace(line))
+		}
+	}
+	return found
+}

@@ -1,0 +1,141 @@
+package natsbroker_test
+
+// Past the broker's door: the order the relay promises holds through what
+// the stream stores, and a message is a rejection only when the message
+// itself is at fault.
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/natsbroker"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// A stream whose MaxMsgSize refuses row 2 of 4. The relay that keeps the
+// whole table's order publishes one message at a time, so in three passes
+// the stream stores row 1 and nothing after the refused row; with
+// PerAggregate, where each order is an aggregate of its own and a batch
+// breaks no order, rows 1, 3 and 4 are stored and marked in the first pass,
+// and the refused row never makes the stream grow. (Caught: a batch over
+// the whole table, which stored rows 3 and 4 ahead of row 2, and stored them
+// again after each duplicate window.)
+func TestRefusedRowNeverHasLaterRowsStoredAheadOfItsOrder(t *testing.T) {
+	for _, perAggregate := range []bool{false, true} {
+		name := "whole table"
+		if perAggregate {
+			name = "per aggregate"
+		}
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			db := newDatabase(t)
+			b := startBroker(t, nil)
+			js, err := jetstream.New(connect(t, b.url()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg := natsbroker.StreamConfig(0)
+			cfg.MaxMsgSize = 1 << 10
+			stream, err := js.CreateOrUpdateStream(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			shop := postgres.NewOrderService(db)
+			for _, total := range []int64{100, 200, 300, 400} {
+				if _, err := shop.PlaceOrder(ctx, total); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := db.Exec(`UPDATE outbox SET payload = json_build_object('orderId', 2, 'totalCents', 200, 'note', repeat('x', 2048)) WHERE id = 2`); err != nil {
+				t.Fatal(err)
+			}
+			relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
+			relay.PerAggregate = perAggregate
+			var marked []int
+			for range 3 {
+				n, err := relay.PublishPending(ctx)
+				if !errors.Is(err, postgres.ErrRejected) {
+					t.Fatalf("pass = %d, %v; want the refusal of row 2", n, err)
+				}
+				marked = append(marked, n)
+			}
+			want, stored := []int{1, 0, 0}, uint64(1)
+			if perAggregate {
+				want, stored = []int{3, 0, 0}, 3
+			}
+			if !slices.Equal(marked, want) {
+				t.Errorf("three passes marked %v, want %v", marked, want)
+			}
+			if got := streamMessages(t, stream); got != stored {
+				t.Errorf("the stream holds %d messages, want %d: nothing stored ahead of the refused row in the order kept", got, stored)
+			}
+		})
+	}
+}
+
+// A stream that is missing is a broker not provisioned, not a message at
+// fault: the pass fails with ErrBrokerUnavailable, the row records the
+// attempt and is not parked, even with ParkAfter 1; once the stream is
+// there again, the row goes. (Caught: a missing stream taken for a
+// rejection, which parked every row it met.)
+func TestMissingStreamIsAnUnavailableBrokerAndParksNothing(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	js, _ := setUp(t, connect(t, b.url()), 0, 0)
+	if err := js.DeleteStream(ctx, natsbroker.Stream); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+		t.Fatal(err)
+	}
+	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
+	relay.ParkAfter = 1
+	for range 2 {
+		if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, outbox.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
+			t.Fatalf("pass with no stream = %d, %v; want 0 and ErrBrokerUnavailable, not ErrRejected", n, err)
+		}
+	}
+	if parked := count(t, db, `SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL`); parked != 0 {
+		t.Errorf("%d rows parked while the stream was missing, want 0", parked)
+	}
+	if attempts := count(t, db, `SELECT attempts FROM outbox WHERE id = 1`); attempts != 2 {
+		t.Errorf("row 1 records %d attempts, want 2", attempts)
+	}
+	setUp(t, connect(t, b.url()), 0, 0)
+	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
+		t.Errorf("pass once the stream is back = %d, %v; want 1, <nil>", n, err)
+	}
+}
+
+// An event type that makes no valid subject ("Order Placed", with a space)
+// can never be published: a rejection, parked under ParkAfter, and the rows
+// after it flow. (Caught: "nats: invalid subject" taken for an unavailable
+// broker, which held every later row for ever.)
+func TestTypeThatMakesNoSubjectIsARejection(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	setUp(t, connect(t, b.url()), 0, 0)
+	if _, err := db.Exec(`INSERT INTO outbox (type, payload) VALUES ('Order Placed', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+		t.Fatal(err)
+	}
+	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
+	relay.ParkAfter = 1
+	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
+		t.Fatalf("pass = %d, %v; want 1 (row 1 parked, row 2 sent), <nil>", n, err)
+	}
+	parked, err := postgres.ListParked(ctx, db, 0)
+	if err != nil || len(parked) != 1 || parked[0].ID != 1 || !strings.Contains(parked[0].LastError, "makes no valid subject") {
+		t.Errorf("parked = %+v, %v; want row 1, saying its type makes no valid subject", parked, err)
+	}
+}
