@@ -18,6 +18,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 // Stream is the name of the stream the outbox's messages are stored in, and
@@ -31,6 +33,11 @@ const (
 // DefaultDuplicateWindow is JetStream's own default duplicate window.
 const DefaultDuplicateWindow = 2 * time.Minute
 
+// DefaultMaxAge is how long the stream StreamConfig describes keeps a
+// message: a week. A consumer must remember the key of every message the
+// stream still holds, or a replay applies it again (see [ForgetProcessed]).
+const DefaultMaxAge = 7 * 24 * time.Hour
+
 // The headers a published message carries besides Nats-Msg-Id (the
 // message's key): the outbox row's id, and the message's aggregate and seq
 // when it has them.
@@ -42,9 +49,13 @@ const (
 
 // StreamConfig is the stream the outbox publishes to: every subject under
 // SubjectPrefix, kept on disk (file storage survives a restart of the
-// server, and so does its record of the message ids it has seen), and
-// duplicates dropped within window (zero or less means
-// DefaultDuplicateWindow).
+// server, and so does its record of the message ids it has seen), each
+// message for DefaultMaxAge (the limits retention policy: a message stays
+// whether or not it was consumed, so that a new or reset consumer can
+// replay it; set MaxAge to change it), and duplicates dropped within window
+// (zero or less means DefaultDuplicateWindow). It has one replica; set
+// Replicas to 3 on a cluster of three (see the README on what an ack then
+// means).
 //
 // The rule for the window: it must be longer than the longest delay before a
 // relay publishes a message again. That delay is a relay pass's budget
@@ -63,8 +74,41 @@ func StreamConfig(window time.Duration) jetstream.StreamConfig {
 		Name:       Stream,
 		Subjects:   []string{SubjectPrefix + ">"},
 		Storage:    jetstream.FileStorage,
+		Retention:  jetstream.LimitsPolicy,
+		MaxAge:     DefaultMaxAge,
 		Duplicates: window,
 	}
+}
+
+// ErrRetentionTooShort is returned, wrapped, by [ForgetProcessed] for a
+// retention shorter than the stream keeps its messages.
+var ErrRetentionTooShort = errors.New("natsbroker: consumer would forget keys of messages the stream still holds")
+
+// ForgetProcessed is [postgres.Warehouse.ForgetProcessed] under the rule
+// that ties it to the stream: a consumer forgets a key only once the stream
+// can no longer deliver its message. A message is stored before it is
+// processed, so a key is never older than its message; with a retention at
+// least the stream's MaxAge, every message the stream still holds has its
+// key remembered, and a replay (a new consumer, or one reset to the start)
+// applies nothing twice. ForgetProcessed reads the stream's MaxAge and
+// refuses, with ErrRetentionTooShort and deleting nothing, a retention
+// shorter than it, or any retention for a stream that keeps its messages
+// for ever (MaxAge zero). The warehouse's own rule still holds beside it: a
+// retention longer than the longest delay before a relay sends a message
+// again.
+func ForgetProcessed(ctx context.Context, js jetstream.JetStream, stream string, w *postgres.Warehouse, retention time.Duration, batchSize int) (int64, error) {
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		return 0, fmt.Errorf("forget processed messages: stream %s: %w", stream, err)
+	}
+	maxAge := s.CachedInfo().Config.MaxAge
+	switch {
+	case maxAge <= 0:
+		return 0, fmt.Errorf("%w: stream %s keeps its messages for ever", ErrRetentionTooShort, stream)
+	case retention < maxAge:
+		return 0, fmt.Errorf("%w: retention %v, but stream %s keeps messages %v", ErrRetentionTooShort, retention, stream, maxAge)
+	}
+	return w.ForgetProcessed(ctx, retention, batchSize)
 }
 
 // ConsumerConfig is a durable pull consumer, named name, of the whole stream,
@@ -91,7 +135,7 @@ var ErrStreamConfig = errors.New("natsbroker: stream missing or not as configure
 
 // CheckStream reports, with an error wrapping [ErrStreamConfig], a stream
 // named want.Name that does not exist, or whose subjects, storage,
-// replicas or duplicate window differ from want's. Provision the stream
+// replicas, retention, age limit or duplicate window differ from want's. Provision the stream
 // apart, as the shop's migrate command does with CreateOrUpdateStream, and
 // have a service check it at start-up: a service that creates or updates
 // the stream itself at every start would undo an operator's change to it
@@ -112,6 +156,9 @@ func CheckStream(ctx context.Context, js jetstream.JetStream, want jetstream.Str
 		return fmt.Errorf("%w: stream %s has %v storage, want %v", ErrStreamConfig, want.Name, got.Storage, want.Storage)
 	case max(got.Replicas, 1) != max(want.Replicas, 1):
 		return fmt.Errorf("%w: stream %s has %d replicas, want %d", ErrStreamConfig, want.Name, got.Replicas, want.Replicas)
+	case got.Retention != want.Retention || got.MaxAge != want.MaxAge:
+		return fmt.Errorf("%w: stream %s keeps messages by %v for %v, want %v for %v",
+			ErrStreamConfig, want.Name, got.Retention, got.MaxAge, want.Retention, want.MaxAge)
 	case got.Duplicates != want.Duplicates:
 		return fmt.Errorf("%w: stream %s drops duplicates within %v, want %v", ErrStreamConfig, want.Name, got.Duplicates, want.Duplicates)
 	}
