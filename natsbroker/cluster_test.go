@@ -113,7 +113,8 @@ func setUpReplicated(t testing.TB, c *cluster) (jetstream.JetStream, jetstream.S
 	if err != nil {
 		t.Fatal(err)
 	}
-	cons := natsbroker.ConsumerConfig("warehouse", 0)
+	// AckWait 5 s: a delivery lost with a server comes again within it.
+	cons := natsbroker.ConsumerConfig("warehouse", 5*time.Second)
 	cons.Replicas = 3
 	if _, err := stream.CreateOrUpdateConsumer(ctx, cons); err != nil {
 		t.Fatal(err)
@@ -209,11 +210,18 @@ func drainThroughAFault(t *testing.T, c *cluster, fault func()) {
 	<-half
 	fault() // on the test's goroutine, with the clients still placing orders
 	wg.Wait()
-	var events int
-	waitFor(t, "every event marked sent and applied", func() bool {
+	var events, unsent int
+	for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		events = count(t, db, `SELECT count(*) FROM outbox`)
-		return count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0 && int(h.applied.Load()) == events
-	})
+		unsent = count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`)
+		if unsent == 0 && int(h.applied.Load()) == events {
+			break
+		}
+		if time.Now().After(deadline) {
+			info, err := stream.Info(ctx)
+			t.Fatalf("after 90 s: %d of %d events unsent, %d applied; stream %+v, %v", unsent, events, h.applied.Load(), info.State, err)
+		}
+	}
 	var dups int64
 	for _, p := range pubs {
 		dups += p.Duplicates()

@@ -26,14 +26,22 @@ type Handler interface {
 // [Consumer.RetryDelay] is zero.
 const DefaultRetryDelay = time.Second
 
+// pullExpiry is how long one of a Consumer's pull requests lasts.
+const pullExpiry = 5 * time.Second
+
 // DefaultPrefetch is how many messages a [Consumer] asks JetStream for at
 // a time, when [Consumer.Prefetch] is zero.
 const DefaultPrefetch = 10
 
 // DefaultMaxOutOfOrder is how many deliveries a [Consumer] gives a message
 // that arrives before its predecessor, when [Consumer.MaxOutOfOrder] is
-// zero, before it terminates it.
+// zero, before it terminates it; more if the rule on MaxOutOfOrder asks
+// for more.
 const DefaultMaxOutOfOrder = 20
+
+// ErrOutOfOrderBound is returned, wrapped, by [Consumer.Run] for a
+// MaxOutOfOrder too small for the consumer's AckWait and RetryDelay.
+var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a message whose predecessor is only late")
 
 // Consumer feeds the messages of a JetStream pull consumer to a Handler, one
 // at a time, and tells JetStream what became of each:
@@ -50,7 +58,8 @@ const DefaultMaxOutOfOrder = 20
 //     [postgres.ErrMalformedMessage], or no key, or headers that are not
 //     an outbox message's), or still before its predecessor after
 //     MaxOutOfOrder deliveries (its predecessor was terminated, or parked
-//     in the outbox, and may never come): Term, with the reason, and a log
+//     in the outbox, and may never come; see MaxOutOfOrder for how many is
+//     enough): Term, with the reason, and a log
 //     line at level Error; it is not delivered again. JetStream publishes
 //     an advisory for each message terminated
 //     ($JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.<stream>.<consumer>), with
@@ -81,9 +90,14 @@ type Consumer struct {
 	Prefetch int
 
 	// MaxOutOfOrder is how many deliveries a message that arrives before
-	// its predecessor gets before it is terminated; zero or less means
-	// DefaultMaxOutOfOrder. With RetryDelay, it bounds how long such a
-	// message waits: 20 s with the defaults.
+	// its predecessor gets before it is terminated. The rule: MaxOutOfOrder
+	// times RetryDelay must be at least twice the JetStream consumer's
+	// AckWait, since a predecessor whose delivery was lost (a server that
+	// died with it in flight, a consumer that died before its ack) comes
+	// again only after AckWait, and its successor must not be terminated
+	// before that. Zero or less means DefaultMaxOutOfOrder or the rule's
+	// least, whichever is more (61 with the defaults: about a minute); a
+	// value below the rule's least makes Run fail with ErrOutOfOrderBound.
 	MaxOutOfOrder int
 
 	// Logger, if not nil, is told of each message terminated.
@@ -110,7 +124,21 @@ func (c *Consumer) Run(ctx context.Context) error {
 		ackWait = 30 * time.Second // the server's default
 	}
 	deadline := ackWait / time.Duration(2*prefetch)
-	it, err := c.consumer.Messages(jetstream.PullMaxMessages(prefetch))
+	retry := orDefault(c.RetryDelay, DefaultRetryDelay)
+	least := int(2*ackWait/retry) + 1
+	maxOutOfOrder := c.MaxOutOfOrder
+	switch {
+	case maxOutOfOrder <= 0:
+		maxOutOfOrder = max(DefaultMaxOutOfOrder, least)
+	case maxOutOfOrder < least:
+		return fmt.Errorf("%w: %d deliveries %v apart is less than twice AckWait, %v; want at least %d",
+			ErrOutOfOrderBound, maxOutOfOrder, retry, ackWait, least)
+	}
+	// Each pull request lasts pullExpiry, with idle heartbeats from the
+	// server every half of it: a pull parked on a server that died is given
+	// up, and made again to whichever server leads the consumer now, within
+	// about pullExpiry, not the client's default 30 s.
+	it, err := c.consumer.Messages(jetstream.PullMaxMessages(prefetch), jetstream.PullExpiry(pullExpiry))
 	if err != nil {
 		return fmt.Errorf("consume: %w", err)
 	}
@@ -128,7 +156,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("consume: %w", err)
 		}
-		if err := c.handle(ctx, msg, deadline); err != nil {
+		if err := c.handle(ctx, msg, deadline, maxOutOfOrder); err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
@@ -139,7 +167,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 
 // handle handles msg, within deadline, and returns an error only when it
 // could not tell JetStream what became of it.
-func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration) error {
+func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration, maxOutOfOrder int) error {
 	m, err := decode(msg)
 	if err == nil {
 		hctx, cancel := context.WithTimeout(ctx, deadline)
@@ -147,7 +175,7 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 		cancel()
 	}
 	if errors.Is(err, postgres.ErrOutOfOrder) {
-		if meta, merr := msg.Metadata(); merr == nil && meta.NumDelivered >= uint64(orDefault(c.MaxOutOfOrder, DefaultMaxOutOfOrder)) {
+		if meta, merr := msg.Metadata(); merr == nil && meta.NumDelivered >= uint64(maxOutOfOrder) {
 			err = fmt.Errorf("%w after %d deliveries: its predecessor may never come", err, meta.NumDelivered)
 			return c.terminate(msg, m, err)
 		}

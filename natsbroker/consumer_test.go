@@ -5,6 +5,7 @@ package natsbroker_test
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"strings"
 	"sync"
@@ -54,14 +55,16 @@ func (d *deliveries) of(key string) ([]time.Time, []error) {
 // OrderPlaced came; order/9's predecessor never comes (terminated, or parked
 // in the outbox), and after MaxOutOfOrder deliveries it is terminated with
 // a reason, and a log line says so, instead of being asked for again for
-// ever. (Caught: ErrOutOfOrder terminated at once, which lost order/8's
-// early cancellation; Nak without the delay, redelivered at once; and
-// MaxDeliver unlimited with nothing to stop it, order/9 Nak'ed for ever.)
+// ever. A MaxOutOfOrder that could terminate a message whose predecessor is
+// only late (fewer deliveries than twice AckWait lasts) makes Run fail.
+// (Caught: ErrOutOfOrder terminated at once, which lost order/8's early
+// cancellation; Nak without the delay, redelivered at once; and MaxDeliver
+// unlimited with nothing to stop it, order/9 Nak'ed for ever.)
 func TestMessageBeforeItsPredecessorWaitsBoundedly(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	b := startBroker(t, nil)
-	js, _ := setUp(t, connect(t, b.url()), 0, 0)
+	js, _ := setUp(t, connect(t, b.url()), 0, 500*time.Millisecond) // AckWait: MaxOutOfOrder × RetryDelay ≥ twice it
 	pub := newPublisher(t, connect(t, b.url()))
 	event := func(key, aggregate string, seq int64, typ string) postgres.Message {
 		return postgres.Message{Key: key, Aggregate: aggregate, Seq: seq,
@@ -75,8 +78,14 @@ func TestMessageBeforeItsPredecessorWaitsBoundedly(t *testing.T) {
 	}
 	c := natsbroker.NewConsumer(cons, h)
 	c.RetryDelay, c.MaxOutOfOrder = retry, 5
+	c.Prefetch = 1 // a Handle deadline of AckWait / 2
 	var logs logBuffer
 	c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	tooFew := natsbroker.NewConsumer(cons, h)
+	tooFew.RetryDelay, tooFew.MaxOutOfOrder = retry, 3 // 0.9 s of deliveries against an AckWait of 0.5 s
+	if err := tooFew.Run(ctx); !errors.Is(err, natsbroker.ErrOutOfOrderBound) {
+		t.Errorf("Run with MaxOutOfOrder 3 = %v, want ErrOutOfOrderBound", err)
+	}
 	goRun(t, c.Run)
 
 	for _, m := range []postgres.Message{
