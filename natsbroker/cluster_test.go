@@ -218,8 +218,13 @@ func drainThroughAFault(t *testing.T, c *cluster, fault func()) {
 			break
 		}
 		if time.Now().After(deadline) {
-			info, err := stream.Info(ctx)
-			t.Fatalf("after 90 s: %d of %d events unsent, %d applied; stream %+v, %v", unsent, events, h.applied.Load(), info.State, err)
+			state := "unknown"
+			if info, err := stream.Info(ctx); err == nil {
+				state = fmt.Sprintf("%+v", info.State)
+			} else {
+				state = err.Error()
+			}
+			t.Fatalf("after 90 s: %d of %d events unsent, %d applied; stream: %s", unsent, events, h.applied.Load(), state)
 		}
 	}
 	var dups int64
