@@ -12,7 +12,7 @@
 #   make measure-postgres                    the postgres README's latency, drain and cleanup figures (about 70 s)
 #   make natsbroker                          the natsbroker/ module's tests: JetStream embedded, a throwaway PostgreSQL (-race)
 #   make shop                                the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
-#   make measure-natsbroker                  the natsbroker README's drain and latency figures
+#   make measure-natsbroker                  the natsbroker README's drain (one server, synced, a cluster of 3) and latency figures
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
@@ -137,9 +137,11 @@ shop:
 		"$$dir/shop" migrate -store "$$dir/jetstream" && "$$dir/shop" serve -store "$$dir/jetstream" -addr $(SHOP_ADDR)'
 
 # The natsbroker README's figures, into measure-natsbroker.txt: the relay's
-# drain rate to JetStream waiting for each ack against the asynchronous
-# batch (six interleaved rounds, then their ratio), and the delay from an
-# order's commit to its reservation, end to end (once: 300 orders).
+# drain rate to JetStream, waiting for each ack against the asynchronous
+# batch, through one server, one that syncs to disk before each ack
+# (sync_interval: always) and a replicated cluster of three (six interleaved
+# rounds, then the ratios), and the delay from an order's commit to its
+# reservation, end to end (once: 300 orders).
 measure-natsbroker:
 	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \
@@ -148,4 +150,6 @@ measure-natsbroker:
 		| grep -E '^(Benchmark|    bench_test|--- FAIL|FAIL)' | tee measure-natsbroker.txt
 	@rm -f measure-natsbroker.test
 	@! grep -E '^(--- )?FAIL' measure-natsbroker.txt
-	$(BENCHSTAT) -filter .name:Drain -col '/ack@(each batch)' measure-natsbroker.txt
+	$(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' measure-natsbroker.txt
+	$(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' measure-natsbroker.txt
+	$(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' measure-natsbroker.txt

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
+
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
@@ -16,49 +18,72 @@ import (
 // store is on disk.
 
 // BenchmarkDrain is the relay's drain rate to JetStream, per message, in
-// passes of 100 rows: with ack=each the relay waits for each message's ack
-// before it publishes the next (the Publisher without its PublishBatch);
-// with ack=batch it publishes the pass's batch asynchronously and then
-// waits for the acks. The relay keeps order per aggregate in both, since it
-// batches only then (without PerAggregate it publishes one at a time, as
-// ack=each does). Rows are written in chunks of 1,000 with the timer
-// stopped.
+// passes of 100 rows, through three brokers: one server (broker=one), one
+// server that syncs its store to disk before each ack (broker=one-always,
+// sync_interval: always), and a cluster of three with the stream and its
+// consumer replicated three times (broker=cluster3, an ack once two of the
+// three stored it). With ack=each the relay waits for each message's ack
+// before it publishes the next (the Publisher without its PublishBatch, as a
+// relay without PerAggregate publishes); with ack=batch it publishes the
+// pass's batch asynchronously and then waits for the acks. The relay keeps
+// order per aggregate in both. Rows are written in chunks of 1,000 with the
+// timer stopped.
 func BenchmarkDrain(b *testing.B) {
-	for _, mode := range []string{"each", "batch"} {
-		b.Run("ack="+mode, func(b *testing.B) {
-			ctx := context.Background()
-			db := newDatabase(b)
-			br := startBroker(b, nil)
-			setUp(b, connect(b, br.url()), 0, 0)
-			pub := newPublisher(b, connect(b, br.url()))
-			var broker postgres.MessageBroker = pub
-			if mode == "each" {
-				broker = oneAtATime{pub}
-			}
-			relay := postgres.NewOutboxRelay(db, broker)
-			relay.PerAggregate = true // the relay batches only where order allows it
-			b.ResetTimer()
-			for done := 0; done < b.N; {
-				chunk := min(1000, b.N-done)
-				b.StopTimer()
-				if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
-					SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, chunk); err != nil {
-					b.Fatal(err)
+	for _, broker := range []string{"one", "one-always", "cluster3"} {
+		for _, mode := range []string{"each", "batch"} {
+			b.Run("broker="+broker+"/ack="+mode, func(b *testing.B) {
+				url := ""
+				switch broker {
+				case "one":
+					br := startBroker(b, nil)
+					setUp(b, connect(b, br.url()), 0, 0)
+					url = br.url()
+				case "one-always":
+					br := startBroker(b, func(o *server.Options) { o.SyncAlways = true })
+					setUp(b, connect(b, br.url()), 0, 0)
+					url = br.url()
+				case "cluster3":
+					c := startCluster(b, 3)
+					setUpReplicated(b, c)
+					url = c.url()
 				}
-				b.StartTimer()
-				for sent := 0; sent < chunk; {
-					n, err := relay.PublishPending(ctx)
-					if err != nil || n == 0 {
-						b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
-					}
-					sent += n
-				}
-				done += chunk
-			}
-			b.StopTimer()
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
-		})
+				drain(b, url, mode == "each")
+			})
+		}
 	}
+}
+
+// drain is BenchmarkDrain's loop, through the broker at url.
+func drain(b *testing.B, url string, each bool) {
+	ctx := context.Background()
+	db := newDatabase(b)
+	pub := newPublisher(b, connect(b, url))
+	var broker postgres.MessageBroker = pub
+	if each {
+		broker = oneAtATime{pub}
+	}
+	relay := postgres.NewOutboxRelay(db, broker)
+	relay.PerAggregate = true // the relay batches only where order allows it
+	b.ResetTimer()
+	for done := 0; done < b.N; {
+		chunk := min(1000, b.N-done)
+		b.StopTimer()
+		if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
+			SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, chunk); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		for sent := 0; sent < chunk; {
+			n, err := relay.PublishPending(ctx)
+			if err != nil || n == 0 {
+				b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
+			}
+			sent += n
+		}
+		done += chunk
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
 }
 
 // oneAtATime hides a Publisher's PublishBatch, so that the relay publishes
