@@ -139,3 +139,52 @@ func TestTypeThatMakesNoSubjectIsARejection(t *testing.T) {
 		t.Errorf("parked = %+v, %v; want row 1, saying its type makes no valid subject", parked, err)
 	}
 }
+
+// What a shutdown sends again, by how the relay publishes. The relay's
+// context ends while the first message's ack is lost on its way (a proxy
+// drops it): the pass marks nothing, and the next pass sends again what
+// was in flight. One message at a time (the whole table's order), that is
+// the one message: one duplicate ack. Through a batch (PerAggregate), it is
+// the whole unacknowledged part of the batch, all five: five duplicate
+// acks. Either way the stream holds each message once.
+func TestShutdownSendsAgainWhatWasInFlight(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		perAggregate bool
+		again        int64
+	}{{"one at a time", false, 1}, {"batch", true, 5}} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			db := newDatabase(t)
+			b := startBroker(t, nil)
+			_, stream := setUp(t, connect(t, b.url()), 0, 0)
+			proxy := newAckDropper(t, strings.TrimPrefix(b.url(), "nats://"))
+			pub := newPublisher(t, connect(t, proxy.url()))
+			for range 5 {
+				if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 100); err != nil {
+					t.Fatal(err)
+				}
+			}
+			relay := postgres.NewOutboxRelay(db, pub)
+			relay.PerAggregate = tc.perAggregate
+			proxy.dropNextAck()
+			shutdown, cancel := context.WithCancel(ctx)
+			done := make(chan int, 1)
+			go func() { n, _ := relay.PublishPending(shutdown); done <- n }()
+			waitFor(t, "the first ack dropped", func() bool { return proxy.dropped.Load() == 1 })
+			cancel()
+			if n := <-done; n != 0 {
+				t.Fatalf("the pass cut by the shutdown marked %d, want 0", n)
+			}
+			if n, err := relay.PublishPending(ctx); n != 5 || err != nil {
+				t.Fatalf("the next pass = %d, %v; want 5", n, err)
+			}
+			if d := pub.Duplicates(); d != tc.again {
+				t.Errorf("the next pass sent %d messages again, want %d", d, tc.again)
+			}
+			if n := streamMessages(t, stream); n != 5 {
+				t.Errorf("the stream holds %d messages, want 5", n)
+			}
+		})
+	}
+}

@@ -1,68 +1,182 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net"
+	"net/url"
+	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+
+	"example.com/patterns/enterprise/outbox/natsbroker"
 )
 
-// embeddedBroker is a NATS server with JetStream, run inside the shop's
-// process on a loopback port, with its store in a folder of the shop's.
-// Down stops it and Up starts it again on the same port and store, as a
-// broker that goes down and comes back does: the stream, its messages and
-// its record of message ids survive. Safe for concurrent use.
+// embeddedBroker is JetStream run inside the shop's process on loopback
+// ports: one server, or a cluster of several, each with its store in a
+// folder of the shop's. Down stops the one server, or one node of the
+// cluster (the stream's leader), and Up starts what is down again on the
+// same ports and stores, as a broker or a node that goes down and comes
+// back does: the stream, its messages and its record of message ids
+// survive. Safe for concurrent use.
+//
+// What an ack means is chosen here. A single server has no other copy, so
+// it syncs its store to disk before each ack (sync_interval: always): an
+// acknowledged message survives a power cut of its machine, at the cost the
+// README measures. A cluster's stream has a replica on each node, and a
+// node acks once a quorum holds the message, each in its memory and page
+// cache, synced every two minutes (the default): an acknowledged message
+// survives the loss of any one node of three, not a power cut of all of
+// them at once.
 type embeddedBroker struct {
-	mu   sync.Mutex
+	mu    sync.Mutex
+	nodes []*node
+}
+
+type node struct {
 	opts server.Options
 	srv  *server.Server // nil while down
 }
 
-func startBroker(storeDir string) (*embeddedBroker, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0") // a free port, kept across Down and Up
-	if err != nil {
+// startBroker starts n servers (1, or 3 for a cluster) with their stores
+// under storeDir, and waits until JetStream is ready.
+func startBroker(storeDir string, n int) (*embeddedBroker, error) {
+	if n != 1 && n != 3 {
+		return nil, fmt.Errorf("a broker of %d nodes: want 1 or 3", n)
+	}
+	b := &embeddedBroker{}
+	var routes []*url.URL
+	for i := range n {
+		port, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		opts := server.Options{
+			ServerName: fmt.Sprintf("n%d", i+1), Host: "127.0.0.1", Port: port, JetStream: true,
+			StoreDir: filepath.Join(storeDir, fmt.Sprintf("n%d", i+1)), NoSigs: true, NoLog: true,
+			SyncAlways: n == 1,
+		}
+		if n > 1 {
+			routePort, err := freePort()
+			if err != nil {
+				return nil, err
+			}
+			opts.Cluster = server.ClusterOpts{Name: "shop", Host: "127.0.0.1", Port: routePort}
+			routes = append(routes, &url.URL{Scheme: "nats", Host: fmt.Sprintf("127.0.0.1:%d", routePort)})
+		}
+		b.nodes = append(b.nodes, &node{opts: opts})
+	}
+	for _, nd := range b.nodes {
+		nd.opts.Routes = routes
+	}
+	if err := b.Up(); err != nil {
+		b.Stop()
 		return nil, err
 	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
-	b := &embeddedBroker{opts: server.Options{
-		Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: storeDir, NoSigs: true, NoLog: true,
-	}}
-	return b, b.Up()
+	return b, nil
 }
 
-// URL is where clients connect.
-func (b *embeddedBroker) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", b.opts.Port) }
+// freePort is a loopback port that was free a moment ago, kept across
+// Down and Up.
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
 
-// Up starts the server, if it is down.
+// Nodes is how many servers the broker has.
+func (b *embeddedBroker) Nodes() int { return len(b.nodes) }
+
+// URL is where clients connect: every node, so that a client goes on
+// through another when one is down.
+func (b *embeddedBroker) URL() string {
+	var us []string
+	for _, nd := range b.nodes {
+		us = append(us, fmt.Sprintf("nats://127.0.0.1:%d", nd.opts.Port))
+	}
+	return strings.Join(us, ",")
+}
+
+// Up starts every node that is down, and waits until JetStream has a
+// leader again.
 func (b *embeddedBroker) Up() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.srv != nil {
+	for _, nd := range b.nodes {
+		if nd.srv != nil {
+			continue
+		}
+		srv, err := server.NewServer(nd.opts.Clone())
+		if err != nil {
+			return err
+		}
+		srv.Start()
+		if !srv.ReadyForConnections(30 * time.Second) {
+			srv.Shutdown()
+			return fmt.Errorf("JetStream server %s not ready within 30 s", nd.opts.ServerName)
+		}
+		nd.srv = srv
+	}
+	if len(b.nodes) == 1 {
 		return nil
 	}
-	srv, err := server.NewServer(b.opts.Clone())
-	if err != nil {
-		return err
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		for _, nd := range b.nodes {
+			if nd.srv.JetStreamIsLeader() {
+				return nil
+			}
+		}
 	}
-	srv.Start()
-	if !srv.ReadyForConnections(30 * time.Second) {
-		srv.Shutdown()
-		return fmt.Errorf("JetStream server not ready within 30 s")
-	}
-	b.srv = srv
-	return nil
+	return errors.New("the JetStream cluster elected no leader within 30 s")
 }
 
-// Down stops the server, if it is up, and waits until it has.
-func (b *embeddedBroker) Down() {
+// Down stops the one server, or, in a cluster, the node that leads the
+// outbox's stream (another if none does), and waits until it has stopped.
+// It says which.
+func (b *embeddedBroker) Down() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.srv != nil {
-		b.srv.Shutdown()
-		b.srv.WaitForShutdown()
-		b.srv = nil
+	if len(b.nodes) == 1 {
+		b.nodes[0].stop()
+		return "down"
+	}
+	var victim *node
+	up := 0
+	for _, nd := range b.nodes {
+		if nd.srv == nil {
+			continue
+		}
+		up++
+		if victim == nil || nd.srv.JetStreamIsStreamLeader(server.DEFAULT_GLOBAL_ACCOUNT, natsbroker.Stream) {
+			victim = nd
+		}
+	}
+	if victim == nil {
+		return "down"
+	}
+	victim.stop()
+	return fmt.Sprintf("node %s down, %d of %d up", victim.opts.ServerName, up-1, len(b.nodes))
+}
+
+// Stop stops every node.
+func (b *embeddedBroker) Stop() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, nd := range b.nodes {
+		nd.stop()
+	}
+}
+
+func (nd *node) stop() {
+	if nd.srv != nil {
+		nd.srv.Shutdown()
+		nd.srv.WaitForShutdown()
+		nd.srv = nil
 	}
 }

@@ -139,8 +139,7 @@ func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker) http.Han
 			"unsent": lag.Unsent, "parked": lag.Parked, "oldestWaitSeconds": lag.Oldest.Seconds()})
 	})
 	mux.HandleFunc("POST /broker/down", func(w http.ResponseWriter, r *http.Request) {
-		broker.Down()
-		writeJSON(w, http.StatusOK, map[string]string{"broker": "down"})
+		writeJSON(w, http.StatusOK, map[string]string{"broker": broker.Down()})
 	})
 	mux.HandleFunc("POST /broker/up", func(w http.ResponseWriter, r *http.Request) {
 		if err := broker.Up(); err != nil {

@@ -5,15 +5,19 @@
 // It has two commands, run one after the other, as a team runs migrations
 // apart from its services:
 //
-//	shop migrate -store DIR              applies the database's migrations and provisions the stream and the consumer
-//	shop serve -store DIR [-addr ADDR]   checks both, refuses to start if either is not as it expects, and serves
+//	shop migrate -store DIR [-nodes N]              applies the database's migrations and provisions the stream and the consumer
+//	shop serve -store DIR [-nodes N] [-addr ADDR]   checks both, refuses to start if either is not as it expects, and serves
+//
+// -nodes 3 runs the embedded JetStream as a cluster of three, the stream
+// and its consumer with three replicas; POST /broker/down then stops one
+// node, the stream's leader, and the shop goes on through the other two.
 //
 // make shop runs both on a throwaway PostgreSQL. serve serves, on loopback:
 //
 //	POST /orders         {"totalCents":2500} places an order: 201 {"orderId":1}, from the database alone
 //	GET  /orders/{id}    the order, whether its event was sent and whether the warehouse reserved it
 //	GET  /outbox         how many messages wait (unsent, parked) and for how long
-//	POST /broker/down    stops the JetStream server; POST /broker/up starts it again on the same store
+//	POST /broker/down    stops the JetStream server (one node of a cluster); POST /broker/up starts it again on the same store
 //
 // Ctrl-C stops everything (make shop then removes the broker's store and the
 // database server).
@@ -45,23 +49,24 @@ import (
 
 func main() {
 	if len(os.Args) < 2 || (os.Args[1] != "migrate" && os.Args[1] != "serve") {
-		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR | shop serve -store DIR [-addr ADDR]")
+		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR [-nodes N] | shop serve -store DIR [-nodes N] [-addr ADDR]")
 		os.Exit(2)
 	}
 	cmd := os.Args[1]
 	flags := flag.NewFlagSet(cmd, flag.ExitOnError)
 	addr := flags.String("addr", "127.0.0.1:8080", "where serve's HTTP service listens")
 	store := flags.String("store", "", "the folder of the embedded JetStream server's store")
+	nodes := flags.Int("nodes", 1, "how many JetStream servers: 1, or 3 for a cluster")
 	flags.Parse(os.Args[2:])
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cmd, *addr, *store, os.Getenv("OUTBOX_POSTGRES_URL")); err != nil {
+	if err := run(ctx, cmd, *addr, *store, *nodes, os.Getenv("OUTBOX_POSTGRES_URL")); err != nil {
 		fmt.Fprintln(os.Stderr, "shop:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, cmd, addr, store, databaseURL string) error {
+func run(ctx context.Context, cmd, addr, store string, nodes int, databaseURL string) error {
 	if databaseURL == "" {
 		return errors.New("OUTBOX_POSTGRES_URL is not set: run make shop")
 	}
@@ -74,13 +79,13 @@ func run(ctx context.Context, cmd, addr, store, databaseURL string) error {
 	}
 	defer db.Close()
 	if cmd == "migrate" {
-		return migrate(ctx, db, store, os.Stdout)
+		return migrate(ctx, db, store, nodes, os.Stdout)
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
 	}
-	return serve(ctx, ln, db, store, os.Stdout)
+	return serve(ctx, ln, db, store, nodes, os.Stdout)
 }
 
 // openDB opens the database with limits on its pool: at most maxConns
@@ -103,21 +108,26 @@ func openDB(url string) (*sql.DB, error) {
 // maxConns is the most connections the shop opens to the database.
 const maxConns = 20
 
-// streamConfig is the stream the shop provisions and checks.
-var streamConfig = natsbroker.StreamConfig(0)
+// streamConfig is the stream the shop provisions and checks on a broker of
+// nodes servers: a replica on each.
+func streamConfig(nodes int) jetstream.StreamConfig {
+	cfg := natsbroker.StreamConfig(0)
+	cfg.Replicas = nodes
+	return cfg
+}
 
 // migrate is the step before serve: it brings the database's schema to
 // postgres.SchemaVersion, and creates (or updates) the stream and the
 // warehouse's durable consumer on the broker whose store is in store.
-func migrate(ctx context.Context, db *sql.DB, store string, out io.Writer) error {
+func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Writer) error {
 	if err := postgres.Migrate(ctx, db); err != nil {
 		return err
 	}
-	broker, err := startBroker(store)
+	broker, err := startBroker(store, nodes)
 	if err != nil {
 		return err
 	}
-	defer broker.Down()
+	defer broker.Stop()
 	nc, err := nats.Connect(broker.URL())
 	if err != nil {
 		return err
@@ -127,16 +137,36 @@ func migrate(ctx context.Context, db *sql.DB, store string, out io.Writer) error
 	if err != nil {
 		return err
 	}
-	stream, err := js.CreateOrUpdateStream(ctx, streamConfig)
+	cfg := streamConfig(nodes)
+	stream, err := js.CreateOrUpdateStream(ctx, cfg)
 	if err != nil {
-		return fmt.Errorf("provision stream %s: %w", streamConfig.Name, err)
+		return fmt.Errorf("provision stream %s: %w", cfg.Name, err)
 	}
 	if _, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", 0)); err != nil {
 		return fmt.Errorf("provision consumer warehouse: %w", err)
 	}
-	fmt.Fprintf(out, "shop: database at schema version %d, stream %s and consumer warehouse provisioned\n",
-		postgres.SchemaVersion, streamConfig.Name)
+	fmt.Fprintf(out, "shop: database at schema version %d, stream %s (%d replicas) and consumer warehouse provisioned\n",
+		postgres.SchemaVersion, cfg.Name, cfg.Replicas)
 	return nil
+}
+
+// checkStream is natsbroker.CheckStream, asked again for up to 30 s while
+// the broker does not answer: a cluster that starts again from its stores
+// elects its leaders, the meta leader first and then the stream's, and
+// answers for the stream only once it has one.
+func checkStream(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := natsbroker.CheckStream(ctx, js, want)
+		if err == nil || errors.Is(err, natsbroker.ErrStreamConfig) || time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
 }
 
 // newServer is the shop's HTTP server for h, with a limit on each phase of a
@@ -154,7 +184,7 @@ func newServer(h http.Handler) *http.Server {
 
 // serve is the application root: it wires the shop, the relay, the broker
 // and the warehouse, serves HTTP on ln until ctx ends, then stops them all.
-func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out io.Writer) error {
+func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, nodes int, out io.Writer) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	logger := slog.New(slog.NewTextHandler(out, nil))
@@ -162,11 +192,11 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out i
 		return err
 	}
 
-	broker, err := startBroker(store)
+	broker, err := startBroker(store, nodes)
 	if err != nil {
 		return err
 	}
-	defer broker.Down()
+	defer broker.Stop()
 	nc, err := nats.Connect(broker.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		return err
@@ -176,10 +206,10 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, out i
 	if err != nil {
 		return err
 	}
-	if err := natsbroker.CheckStream(ctx, js, streamConfig); err != nil {
+	if err := checkStream(ctx, js, streamConfig(nodes)); err != nil {
 		return fmt.Errorf("%w: run shop migrate first", err)
 	}
-	cons, err := js.Consumer(ctx, streamConfig.Name, "warehouse")
+	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
 	if err != nil {
 		return fmt.Errorf("consumer warehouse: %w: run shop migrate first", err)
 	}

@@ -32,11 +32,11 @@ func TestShopOverHTTP(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	var out syncBuffer
 	store := t.TempDir()
-	if err := migrate(ctx, db, store, &out); err != nil {
+	if err := migrate(ctx, db, store, 1, &out); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, db, store, &out) }()
+	go func() { served <- serve(ctx, ln, db, store, 1, &out) }()
 	base := "http://" + ln.Addr().String()
 	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
 
@@ -184,4 +184,60 @@ func newDatabase(t *testing.T) *sql.DB {
 	db := stdlib.OpenDB(*cfg)
 	t.Cleanup(func() { db.Close() })
 	return db
+}
+
+// The shop on a cluster of three (-nodes 3): POST /broker/down stops one
+// node, the stream's leader, and orders go on being reserved through the
+// other two; POST /broker/up brings it back. (Caught: a stream of one
+// replica, which stops with its node.)
+func TestShopOnAClusterGoesOnWithANodeDown(t *testing.T) {
+	db := newDatabase(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var out syncBuffer
+	store := t.TempDir()
+	if err := migrate(ctx, db, store, 3, &out); err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- serve(ctx, ln, db, store, 3, &out) }()
+	base := "http://" + ln.Addr().String()
+	waitFor(t, "the shop to say it listens", func() bool {
+		select {
+		case err := <-served:
+			t.Fatalf("serve = %v before it listened:\n%s", err, out.String())
+		default:
+		}
+		return strings.Contains(out.String(), "shop: listening on "+base)
+	})
+	reserved := func(id int) {
+		t.Helper()
+		call(t, "POST", base+"/orders", `{"totalCents":100}`, 201, fmt.Sprintf(`{"orderId":%d}`, id))
+		waitFor(t, fmt.Sprintf("order %d reserved", id), func() bool {
+			return get(t, fmt.Sprintf("%s/orders/%d", base, id)) == fmt.Sprintf(`{"orderId":%d,"totalCents":100,"sent":true,"reserved":true}`, id)
+		})
+	}
+	reserved(1)
+	down := newRequest(t, "POST", base+"/broker/down", "")
+	r, err := http.DefaultClient.Do(down)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(r.Body)
+	r.Body.Close()
+	if !strings.Contains(string(body), "down, 2 of 3 up") {
+		t.Fatalf("POST /broker/down = %s, want one node down, 2 of 3 up", body)
+	}
+	t.Logf("POST /broker/down: %s", strings.TrimSpace(string(body)))
+	reserved(2)
+	call(t, "POST", base+"/broker/up", "", 200, `{"broker":"up"}`)
+	reserved(3)
+	cancel()
+	if err := <-served; err != nil {
+		t.Errorf("serve = %v, want nil after the context ended", err)
+	}
 }
