@@ -150,15 +150,15 @@ func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Wr
 	return nil
 }
 
-// checkStream is natsbroker.CheckStream, asked again for up to 30 s while
-// the broker does not answer: a cluster that starts again from its stores
-// elects its leaders, the meta leader first and then the stream's, and
-// answers for the stream only once it has one.
-func checkStream(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig) error {
+// whileStarting calls f until it succeeds, fails for good (final), or 30 s
+// have passed: a cluster that starts again from its stores elects its
+// leaders, the meta leader first and then the stream's and the
+// consumer's, and answers for each only once it has one.
+func whileStarting(ctx context.Context, f func() error, final func(error) bool) error {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		err := natsbroker.CheckStream(ctx, js, want)
-		if err == nil || errors.Is(err, natsbroker.ErrStreamConfig) || time.Now().After(deadline) {
+		err := f()
+		if err == nil || final(err) || time.Now().After(deadline) {
 			return err
 		}
 		select {
@@ -206,11 +206,13 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, nodes
 	if err != nil {
 		return err
 	}
-	if err := checkStream(ctx, js, streamConfig(nodes)); err != nil {
+	if err := whileStarting(ctx, func() error { return natsbroker.CheckStream(ctx, js, streamConfig(nodes)) },
+		func(err error) bool { return errors.Is(err, natsbroker.ErrStreamConfig) }); err != nil {
 		return fmt.Errorf("%w: run shop migrate first", err)
 	}
-	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
-	if err != nil {
+	var cons jetstream.Consumer
+	if err := whileStarting(ctx, func() (err error) { cons, err = js.Consumer(ctx, natsbroker.Stream, "warehouse"); return err },
+		func(err error) bool { return errors.Is(err, jetstream.ErrConsumerNotFound) }); err != nil {
 		return fmt.Errorf("consumer warehouse: %w: run shop migrate first", err)
 	}
 	publisher := natsbroker.NewPublisher(js)
