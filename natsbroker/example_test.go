@@ -11,6 +11,7 @@ import (
 	"log"
 	"os"
 	"os/signal"
+	"time"
 
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver for database/sql
 	"github.com/nats-io/nats.go"
@@ -33,19 +34,25 @@ func ExamplePublisher() {
 		log.Fatal(err)
 	}
 	defer db.Close()
-	nc, err := nats.Connect(os.Getenv("NATS_URL"), nats.MaxReconnects(-1))
+	nc, err := nats.Connect(os.Getenv("NATS_URL"), nats.MaxReconnects(-1)) // every node's URL, comma-separated
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(time.Minute))
 	if err != nil {
 		log.Fatal(err)
 	}
 	if err := postgres.CheckSchema(ctx, db); err != nil {
 		log.Fatal(err)
 	}
-	if err := natsbroker.CheckStream(ctx, js, natsbroker.StreamConfig(natsbroker.DefaultDuplicateWindow)); err != nil {
+	// The stream as the migration step provisioned it, on a cluster of
+	// three: an ack means two of the three servers hold the message, which
+	// survives the loss of any one of them (see the README on what it does
+	// not survive, and on sync_interval).
+	stream := natsbroker.StreamConfig(natsbroker.DefaultDuplicateWindow)
+	stream.Replicas = 3
+	if err := natsbroker.CheckStream(ctx, js, stream); err != nil {
 		log.Fatal(err)
 	}
 
