@@ -180,13 +180,14 @@ WHERE id = $1`
 // told the warehouse of an order that never was. So after its claim a pass
 // makes sure, within its budget, that the server has flushed its log past
 // every commit the claim could see (pg_current_wal_flush_lsn against the
-// pg_current_wal_insert_lsn, read as the claim began). Where everything is flushed
-// already, as it is when producers commit synchronously and no other
-// transaction is writing, it costs nothing but two function calls in the
-// claim; otherwise it makes the server flush, with a synchronous commit of
-// a one-record transaction on a second connection of its pool, before it
-// publishes: a pass may need two connections at once. With synchronous standbys that commit also waits for them.
-// What it cannot see is an asynchronous standby: after a failover to an
+// pg_current_wal_insert_lsn, read as the claim began). Where everything is
+// flushed already, as it is when producers commit synchronously and no
+// other transaction is writing, it costs nothing but two function calls in
+// the claim; otherwise it makes the server flush, with a synchronous commit
+// of a one-record transaction on a second connection of its pool, before
+// it publishes: a pass may need two connections at once. With synchronous
+// standbys that commit also waits for them. What it cannot see is an
+// asynchronous standby: after a failover to an
 // asynchronous standby the new primary may lack orders whose events were
 // published, with this relay and with the dual write alike (see the
 // README).
@@ -236,15 +237,16 @@ type OutboxRelay struct {
 	// already, so a message being retried, or held by another relay, is
 	// never overtaken by a later one of its aggregate, however many relays
 	// run. Since a pass then holds at most one row of each aggregate, it
-	// may hand its whole batch to a [BatchPublisher] at once. A message the broker refuses holds back its aggregate alone: the
-	// pass goes on with the other aggregates' rows (it stops only when the
-	// broker is unavailable), and reports the refusals in its error. A
-	// parked row, too, holds back the rest of its aggregate until Unpark.
+	// may hand its whole batch to a [BatchPublisher] at once. A message the
+	// broker refuses holds back its aggregate alone: the pass goes on with
+	// the other aggregates' rows (it stops only when the broker is
+	// unavailable), and reports the refusals in its error. A parked row,
+	// too, holds back the rest of its aggregate until Unpark.
 	//
 	// Without it the relay keeps the article's order: the whole table in id
 	// order for one relay, stopping at the first refusal, and publishing
-	// one message at a time. That is right for
-	// one relay, and for events whose order between aggregates matters too.
+	// one message at a time. That is right for one relay, and for events
+	// whose order between aggregates matters too.
 	// With several relays, whose batches interleave, or when one stuck
 	// message must not stop every other, PerAggregate is the one that keeps
 	// an order a consumer can rely on. Its price: an aggregate's next event
