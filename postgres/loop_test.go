@@ -426,3 +426,69 @@ func TestPublishThatHangsIsWrittenToItsRowAndNeverParks(t *testing.T) {
 			attempts, rejections, parked, lastError)
 	}
 }
+
+// A row whose publish fails pass after pass is surfaced: when its attempts
+// reach FailingAfter, Run logs it once at level Warn, with its id and key,
+// and ReadLag counts it as failing, however many more passes fail. (Caught:
+// a stuck row that only its own attempts column could tell of.)
+func TestRowThatKeepsFailingIsLoggedOnceAndCounted(t *testing.T) {
+	db := newDatabase(t)
+	insertPending(t, db, 2)
+	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		return fmt.Errorf("connection refused: %w", outbox.ErrBrokerUnavailable)
+	})
+	relay := postgres.NewOutboxRelay(db, broker)
+	relay.PollOnly = true
+	var logs logBuffer
+	relay.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	const passes = postgres.FailingAfter + 3
+	waits := 0
+	postgres.SetRunWait(relay, func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
+		if waits++; waits == passes {
+			cancel()
+			return false
+		}
+		return true
+	})
+	if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run = %v, want context.Canceled", err)
+	}
+	var key string
+	if err := db.QueryRow(`SELECT message_key FROM outbox WHERE id = 1`).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	lines := logs.lines(`level=WARN msg="outbox: message keeps failing"`)
+	if len(lines) != 1 || !strings.Contains(lines[0], "id=1 key="+key) || !strings.Contains(lines[0], "connection refused") {
+		t.Errorf("log lines of a failing message: %q; want one, for row 1 with its key and error", lines)
+	}
+	lag, err := postgres.ReadLag(context.Background(), db)
+	if err != nil || lag.Failing != 1 || lag.Unsent != 2 {
+		t.Errorf("ReadLag = %+v, %v; want 2 unsent, 1 of them failing", lag, err)
+	}
+}
+
+// InsertOutbox refuses, before any statement, a type that no broker could
+// route (a space, a wildcard, an empty word, too long), and the caller's
+// transaction goes on: the valid row after it commits alone. (Caught: a
+// type with a space inserted, and held in the outbox for ever.)
+func TestInsertOutboxRefusesATypeNoBrokerCanRoute(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	tx := begin(t, db)
+	for _, typ := range []string{"Order Placed", "", "order..placed", ".placed", "placed.", "order.*", "order.>", "Ordér", strings.Repeat("x", postgres.MaxEventTypeLen+1)} {
+		if _, err := postgres.InsertOutbox(ctx, tx, typ, outbox.Order{ID: 1}); !errors.Is(err, postgres.ErrInvalidEventType) {
+			t.Errorf("InsertOutbox(%q) = %v, want ErrInvalidEventType", typ, err)
+		}
+	}
+	for _, typ := range []string{"OrderPlaced", "order.placed", "Order_Placed-v2"} {
+		if _, err := postgres.InsertOutbox(ctx, tx, typ, outbox.Order{ID: 1}); err != nil {
+			t.Errorf("InsertOutbox(%q) = %v, want nil", typ, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	wantUnsent(t, db, 3)
+}

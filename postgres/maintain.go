@@ -34,6 +34,9 @@ type Lag struct {
 	// Parked is how many rows are parked: set aside after too many
 	// rejections, and published only once put back with Unpark.
 	Parked int64
+	// Failing is how many of the Unsent rows failed FailingAfter publishes
+	// or more: messages that hold up the outbox, or their aggregates.
+	Failing int64
 }
 
 // readLag counts through the two partial indexes, so its cost follows the
@@ -42,7 +45,8 @@ type Lag struct {
 const readLag = `
 SELECT count(*),
        COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8,
-       (SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL)
+       (SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL),
+       count(*) FILTER (WHERE attempts >= $1)
 FROM outbox
 WHERE sent_at IS NULL AND parked_at IS NULL`
 
@@ -55,11 +59,12 @@ WHERE sent_at IS NULL AND parked_at IS NULL`
 // grows without bound, and while it works Oldest stays below a relay's poll
 // interval plus a pass. A threshold of a few poll intervals catches a stop
 // whatever the traffic. Alert on any Parked row too: each is a message no
-// consumer will see until someone looks at it.
+// consumer will see until someone looks at it; and on any Failing row, a
+// message that may hold the others up.
 func ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
 	var lag Lag
 	var seconds float64
-	if err := db.QueryRowContext(ctx, readLag).Scan(&lag.Unsent, &seconds, &lag.Parked); err != nil {
+	if err := db.QueryRowContext(ctx, readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing); err != nil {
 		return Lag{}, fmt.Errorf("read outbox lag: %w", err)
 	}
 	lag.Oldest = time.Duration(seconds * float64(time.Second))

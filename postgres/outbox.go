@@ -100,9 +100,24 @@ func sqlState(err error) string {
 	return ""
 }
 
+// ErrInvalidEventType is returned, wrapped, by [InsertOutbox] and
+// [InsertOutboxFor] for an event type that a broker could not route: one
+// that is not words of letters, digits, '_' and '-' joined by single dots
+// ("OrderPlaced", "order.placed"), or is longer than [MaxEventTypeLen]
+// bytes. A broker names its destination after the type (JetStream's
+// subject outbox.<type>), and a space or a wildcard there would hold the
+// row in the outbox for ever; refused at insert, the caller's transaction
+// learns of it while it can still roll back.
+var ErrInvalidEventType = errors.New("postgres: event type no broker can route")
+
+// MaxEventTypeLen is the longest event type, in bytes.
+const MaxEventTypeLen = 200
+
 // InsertOutbox adds an unsent message of the given type to the outbox table,
 // with payload encoded as JSON, inside tx, and returns the new row's id. The
-// row is written, and seen by the relay, only if tx commits.
+// row is written, and seen by the relay, only if tx commits. A type no
+// broker can route is refused with [ErrInvalidEventType] before any
+// statement is sent.
 func InsertOutbox(ctx context.Context, tx *sql.Tx, eventType string, payload any) (int64, error) {
 	return insertOutbox(ctx, tx, sql.NullString{}, 0, eventType, payload)
 }
@@ -121,6 +136,9 @@ func InsertOutboxFor(ctx context.Context, tx *sql.Tx, aggregate string, seq int6
 }
 
 func insertOutbox(ctx context.Context, tx *sql.Tx, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
+	if !routable(eventType) {
+		return 0, fmt.Errorf("%w: %q", ErrInvalidEventType, eventType)
+	}
 	data, err := json.Marshal(payload)
 	if err != nil {
 		return 0, fmt.Errorf("encode %s payload: %w", eventType, err)
@@ -133,6 +151,25 @@ func insertOutbox(ctx context.Context, tx *sql.Tx, aggregate sql.NullString, seq
 		return 0, fmt.Errorf("insert into outbox: %w", err)
 	}
 	return id, nil
+}
+
+// routable reports whether t is words of letters, digits, '_' and '-'
+// joined by single dots, at most MaxEventTypeLen bytes.
+func routable(t string) bool {
+	if t == "" || len(t) > MaxEventTypeLen {
+		return false
+	}
+	for word := range strings.SplitSeq(t, ".") {
+		if word == "" {
+			return false
+		}
+		for _, c := range word {
+			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // OrderCancelled is the type of the event that tells the warehouse an order

@@ -139,12 +139,20 @@ FOR UPDATE OF o SKIP LOCKED`
 const markSent = `UPDATE outbox SET sent_at = clock_timestamp() WHERE id = ANY($1)`
 
 // recordFailure counts a failed publish of row $1 with its error $3, as a
-// rejection too if $2 is 1, and parks the row if $4.
+// rejection too if $2 is 1, parks the row if $4, and returns its attempts.
 const recordFailure = `
 UPDATE outbox
 SET attempts = attempts + 1, rejections = rejections + $2, last_error = $3,
     parked_at = CASE WHEN $4 THEN clock_timestamp() END
-WHERE id = $1`
+WHERE id = $1
+RETURNING attempts`
+
+// FailingAfter is how many failed publishes, for any reason, make an unsent
+// row failing: a message that holds up the outbox, or its aggregate, pass
+// after pass. [OutboxRelay.Run] logs it once, at level Warn, with its id,
+// key and last error, when its attempts reach FailingAfter; [ReadLag]
+// counts the failing rows in Lag.Failing.
+const FailingAfter = 5
 
 // OutboxRelay moves messages from the outbox table to the broker. It knows
 // nothing about orders: it publishes rows.
@@ -335,11 +343,12 @@ func (r *OutboxRelay) PublishPending(ctx context.Context) (int, error) {
 
 // passResult is what a pass did, for Run.
 type passResult struct {
-	published int     // accepted by the broker
-	marked    int     // marked sent, and committed: the pass's progress
-	claimed   int     // rows the pass claimed
-	full      bool    // it claimed a whole batch
-	parked    []int64 // ids of the rows it parked, if it committed
+	published int       // accepted by the broker
+	marked    int       // marked sent, and committed: the pass's progress
+	claimed   int       // rows the pass claimed
+	full      bool      // it claimed a whole batch
+	parked    []int64   // ids of the rows it parked, if it committed
+	failing   []failure // the rows whose attempts reached FailingAfter, if it committed
 	// fatal is set when a statement failed in a way no retry mends: a
 	// table or column that does not exist, a permission the relay lacks.
 	fatal bool
@@ -416,7 +425,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 			// publish that hung): either way written to the row, so that it
 			// says why the message is stuck. Only a refusal the broker made
 			// in time counts as a rejection; a timeout never parks a row.
-			f := failure{id: msg.ID, err: err, rejected: pubCtx.Err() == nil && errors.Is(err, ErrRejected)}
+			f := failure{id: msg.ID, key: msg.Key, err: err, rejected: pubCtx.Err() == nil && errors.Is(err, ErrRejected)}
 			f.park = f.rejected && r.ParkAfter > 0 && msg.rejections+1 >= r.ParkAfter
 			failed = append(failed, f)
 		}
@@ -444,7 +453,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	// Whatever fails from here on leaves every accepted message unsent, to
 	// go again, and no row parked.
 	unmarked := func(what string, err error) (passResult, error) {
-		res.parked = nil
+		res.parked, res.failing = nil, nil
 		return res, errors.Join(stop, fmt.Errorf("%s, so the %d messages the broker accepted stay unsent and go again: %w", what, len(sent), err))
 	}
 	if len(sent) > 0 {
@@ -457,8 +466,12 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		}
 	}
 	for _, f := range failed {
-		if _, err := tx.ExecContext(txCtx, recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park); err != nil {
+		var attempts int
+		if err := tx.QueryRowContext(txCtx, recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park).Scan(&attempts); err != nil {
 			return unmarked(fmt.Sprintf("record the failure of message %d", f.id), err)
+		}
+		if attempts == FailingAfter && !f.park {
+			res.failing = append(res.failing, f)
 		}
 	}
 	if err := commit(tx); err != nil {
@@ -541,6 +554,7 @@ type claimed struct {
 // failure is a failed publish, to be written to its row.
 type failure struct {
 	id             int64
+	key            string
 	err            error
 	rejected, park bool
 }

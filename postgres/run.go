@@ -108,6 +108,9 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 		for _, id := range res.parked {
 			log.Warn("outbox: message parked after too many rejections", "id", id)
 		}
+		for _, f := range res.failing {
+			log.Warn("outbox: message keeps failing", "id", f.id, "key", f.key, "attempts", FailingAfter, "err", f.err)
+		}
 		if res.marked > 0 {
 			failures = 0
 		}
