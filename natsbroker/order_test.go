@@ -7,6 +7,7 @@ package natsbroker_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -119,24 +120,28 @@ func TestMissingStreamIsAnUnavailableBrokerAndParksNothing(t *testing.T) {
 // after it flow. (Caught: "nats: invalid subject" taken for an unavailable
 // broker, which held every later row for ever.)
 func TestTypeThatMakesNoSubjectIsARejection(t *testing.T) {
-	ctx := context.Background()
-	db := newDatabase(t)
-	b := startBroker(t, nil)
-	setUp(t, connect(t, b.url()), 0, 0)
-	if _, err := db.Exec(`INSERT INTO outbox (type, payload) VALUES ('Order Placed', '{}')`); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
-		t.Fatal(err)
-	}
-	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
-	relay.ParkAfter = 1
-	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
-		t.Fatalf("pass = %d, %v; want 1 (row 1 parked, row 2 sent), <nil>", n, err)
-	}
-	parked, err := postgres.ListParked(ctx, db, 0)
-	if err != nil || len(parked) != 1 || parked[0].ID != 1 || !strings.Contains(parked[0].LastError, "makes no valid subject") {
-		t.Errorf("parked = %+v, %v; want row 1, saying its type makes no valid subject", parked, err)
+	for _, perAggregate := range []bool{false, true} {
+		t.Run(fmt.Sprintf("PerAggregate=%v", perAggregate), func(t *testing.T) {
+			ctx := context.Background()
+			db := newDatabase(t)
+			b := startBroker(t, nil)
+			setUp(t, connect(t, b.url()), 0, 0)
+			if _, err := db.Exec(`INSERT INTO outbox (type, payload) VALUES ('Order Placed', '{}')`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+				t.Fatal(err)
+			}
+			relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
+			relay.ParkAfter, relay.PerAggregate = 1, perAggregate
+			if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
+				t.Fatalf("pass = %d, %v; want 1 (row 1 parked, row 2 sent), <nil>", n, err)
+			}
+			parked, err := postgres.ListParked(ctx, db, 0)
+			if err != nil || len(parked) != 1 || parked[0].ID != 1 || !strings.Contains(parked[0].LastError, "makes no valid subject") {
+				t.Errorf("parked = %+v, %v; want row 1, saying its type makes no valid subject", parked, err)
+			}
+		})
 	}
 }
 

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
@@ -40,7 +42,13 @@ const badBody = `body must be one JSON object {"totalCents": a whole number of c
 // total. A commit whose outcome is unknown (postgres.ErrCommitUnknown) gets
 // a 503 whose body says so and how to retry safely; a database that did not
 // answer within requestTimeout, a 503 that says nothing was placed.
-func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker) http.Handler {
+//
+// GET /outbox is the operator's view: the counts of ReadLag, the row that
+// blocks the others (the oldest unsent one, if a publish of it failed), and
+// the warehouse consumer's lag and redeliveries from JetStream. GET
+// /outbox/parked lists the parked rows, and POST /outbox/parked/{id}/unpark
+// puts one back.
+func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer jetstream.Consumer) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
 		var body struct {
@@ -135,8 +143,76 @@ func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker) http.Han
 			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
 			return
 		}
-		writeJSON(w, http.StatusOK, map[string]any{
-			"unsent": lag.Unsent, "parked": lag.Parked, "oldestWaitSeconds": lag.Oldest.Seconds()})
+		view := map[string]any{"unsent": lag.Unsent, "parked": lag.Parked, "failing": lag.Failing,
+			"oldestWaitSeconds": lag.Oldest.Seconds(), "blocking": nil}
+		// The oldest unsent row, if a publish of it failed: the one that
+		// holds up the rows behind it (its aggregate's, with PerAggregate).
+		var b struct {
+			ID        int64  `json:"id"`
+			Key       string `json:"key"`
+			Attempts  int    `json:"attempts"`
+			LastError string `json:"lastError"`
+		}
+		err = db.QueryRowContext(ctx, `SELECT id, message_key, attempts, COALESCE(last_error, '') FROM outbox
+			WHERE sent_at IS NULL AND parked_at IS NULL ORDER BY id LIMIT 1`).Scan(&b.ID, &b.Key, &b.Attempts, &b.LastError)
+		switch {
+		case err == nil && b.Attempts > 0:
+			view["blocking"] = b
+		case err != nil && !errors.Is(err, sql.ErrNoRows):
+			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
+			return
+		}
+		if consumer != nil {
+			if info, err := consumer.Info(ctx); err != nil {
+				view["consumer"] = problem("cannot reach the broker: " + err.Error())
+			} else {
+				view["consumer"] = map[string]any{"pending": info.NumPending, "ackPending": info.NumAckPending,
+					"redelivered": info.NumRedelivered}
+			}
+		}
+		writeJSON(w, http.StatusOK, view)
+	})
+	mux.HandleFunc("GET /outbox/parked", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+		defer cancel()
+		parked, err := postgres.ListParked(ctx, db, 0)
+		if err != nil {
+			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
+			return
+		}
+		type row struct {
+			ID         int64     `json:"id"`
+			Key        string    `json:"key"`
+			Type       string    `json:"type"`
+			Aggregate  string    `json:"aggregate,omitempty"`
+			Seq        int64     `json:"seq,omitempty"`
+			Attempts   int       `json:"attempts"`
+			Rejections int       `json:"rejections"`
+			LastError  string    `json:"lastError"`
+			ParkedAt   time.Time `json:"parkedAt"`
+		}
+		rows := []row{}
+		for _, p := range parked {
+			rows = append(rows, row{p.ID, p.Key, p.Type, p.Aggregate, p.Seq, p.Attempts, p.Rejections, p.LastError, p.ParkedAt})
+		}
+		writeJSON(w, http.StatusOK, rows)
+	})
+	mux.HandleFunc("POST /outbox/parked/{id}/unpark", func(w http.ResponseWriter, r *http.Request) {
+		id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+		if err != nil {
+			writeJSON(w, http.StatusBadRequest, problem("outbox row id must be a whole number"))
+			return
+		}
+		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+		defer cancel()
+		switch err := postgres.Unpark(ctx, db, id); {
+		case errors.Is(err, postgres.ErrNotParked):
+			writeJSON(w, http.StatusNotFound, problem(fmt.Sprintf("no parked outbox row %d", id)))
+		case err != nil:
+			writeJSON(w, http.StatusInternalServerError, problem("cannot unpark the row"))
+		default:
+			writeJSON(w, http.StatusOK, map[string]int64{"unparked": id})
+		}
 	})
 	mux.HandleFunc("POST /broker/down", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"broker": broker.Down()})

@@ -224,7 +224,7 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, nodes
 	relay.Logger = logger
 	warehouse := natsbroker.NewConsumer(cons, postgres.NewWarehouse(db))
 	warehouse.Logger = logger
-	srv := newServer(newHandler(db, postgres.NewOrderService(db), broker))
+	srv := newServer(newHandler(db, postgres.NewOrderService(db), broker, cons))
 
 	var wg sync.WaitGroup
 	errs := make(chan error, 3)

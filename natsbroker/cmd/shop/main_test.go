@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -56,8 +57,19 @@ func TestShopOverHTTP(t *testing.T) {
 	if got := get(t, base+"/orders/2"); got != `{"orderId":2,"totalCents":4000,"sent":false,"reserved":false}` {
 		t.Errorf("order 2 while the broker is down = %s, want it unsent and not reserved", got)
 	}
-	if got := get(t, base+"/outbox"); !strings.HasPrefix(got, `{"oldestWaitSeconds":`) || !strings.HasSuffix(got, `,"parked":0,"unsent":1}`) {
-		t.Errorf("GET /outbox while the broker is down = %s, want 1 unsent, 0 parked", got)
+	var view struct {
+		Unsent, Parked, Failing int
+		Blocking                *struct {
+			ID        int64
+			Attempts  int
+			LastError string
+		}
+		Consumer map[string]any
+	}
+	if got := get(t, base+"/outbox"); json.Unmarshal([]byte(got), &view) != nil || view.Unsent != 1 || view.Parked != 0 ||
+		view.Blocking == nil || view.Blocking.ID != 2 || view.Blocking.Attempts == 0 ||
+		!strings.Contains(view.Blocking.LastError, "message broker unavailable") || view.Consumer["error"] == nil {
+		t.Errorf("GET /outbox while the broker is down = %s, want 1 unsent, 0 parked, row 2 blocking with the broker's error, the consumer unreachable", got)
 	}
 	call(t, "POST", base+"/broker/up", "", 200, `{"broker":"up"}`)
 	waitFor(t, "order 2 reserved", func() bool {
@@ -66,6 +78,27 @@ func TestShopOverHTTP(t *testing.T) {
 	for range 2 { // a retry with the same key gets the first order
 		postWithKey(t, base+"/orders", "order-3", `{"totalCents":700}`, 201, `{"orderId":3}`)
 	}
+	if got := get(t, base+"/outbox"); json.Unmarshal([]byte(got), &view) != nil || view.Blocking != nil || view.Consumer["pending"] != 0.0 {
+		t.Errorf("GET /outbox once the broker is back = %s, want nothing blocking, nothing pending for the consumer", got)
+	}
+
+	// An operator's view of a row the broker can never take: parked after
+	// ParkAfter rejections, listed, put back.
+	var row int64
+	if err := db.QueryRow(`INSERT INTO outbox (type, payload) VALUES ('Order Placed', '{}') RETURNING id`).Scan(&row); err != nil {
+		t.Fatal(err)
+	}
+	listed := fmt.Sprintf(`[{"id":%d,`, row)
+	waitFor(t, "the unroutable row parked", func() bool { return strings.HasPrefix(get(t, base+"/outbox/parked"), listed) })
+	if got := get(t, base+"/outbox/parked"); !strings.Contains(got, `"type":"Order Placed","attempts":5,"rejections":5,"lastError":"message`) ||
+		!strings.Contains(got, "makes no valid subject") {
+		t.Errorf("GET /outbox/parked = %s, want the row after 5 rejections, saying its type makes no valid subject", got)
+	}
+	call(t, "POST", fmt.Sprintf("%s/outbox/parked/%d/unpark", base, row), "", 200, fmt.Sprintf(`{"unparked":%d}`, row))
+	call(t, "POST", base+"/outbox/parked/999/unpark", "", 404, `{"error":"no parked outbox row 999"}`)
+	call(t, "POST", base+"/outbox/parked/x/unpark", "", 400, `{"error":"outbox row id must be a whole number"}`)
+	waitFor(t, "the row parked again", func() bool { return strings.HasPrefix(get(t, base+"/outbox/parked"), listed) })
+
 	postWithKey(t, base+"/orders", "order-3", `{"totalCents":800}`, 422, `{"error":"postgres: idempotency key already used for another order: key \"order-3\" placed order 3 of 700 cents, not 800"}`)
 
 	cancel()
