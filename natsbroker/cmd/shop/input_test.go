@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
@@ -175,13 +177,23 @@ func TestServerAndPoolHaveLimits(t *testing.T) {
 		t.Errorf("a request header that never ends: %v; want the server to close the connection", err)
 	}
 
-	db, err := openDB("host=/nonexistent")
+	cfg, err := pgx.ParseConfig("host=/nonexistent")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer db.Close()
-	if got := db.Stats().MaxOpenConnections; got != maxConns {
-		t.Errorf("the pool's MaxOpenConnections = %d, want %d", got, maxConns)
+	dbs := openPools(cfg)
+	defer dbs.Close()
+	total := 0
+	for _, db := range []*sql.DB{dbs.shop, dbs.relay, dbs.warehouse} {
+		if max := db.Stats().MaxOpenConnections; max <= 0 {
+			t.Errorf("a pool without a limit on its connections")
+		} else {
+			total += max
+		}
+	}
+	if total != maxConns || dbs.relay.Stats().MaxOpenConnections < 3 {
+		t.Errorf("the pools open %d connections in all, the relay's %d; want %d, and at least 3 for the relay (a pass, its flush, the listener)",
+			total, dbs.relay.Stats().MaxOpenConnections, maxConns)
 	}
 }
 
@@ -189,7 +201,7 @@ func TestServerAndPoolHaveLimits(t *testing.T) {
 // not brought to the schema's version, and on a broker store where migrate
 // has not provisioned the stream; each error says to run migrate.
 func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
-	db := newDatabase(t)
+	db, dbs := newDatabase(t)
 	ctx := context.Background()
 	serveOnce := func(store string) error {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -199,7 +211,7 @@ func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
 		defer ln.Close()
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		return serve(ctx, ln, db, store, 1, io.Discard)
+		return serve(ctx, ln, dbs, store, 1, io.Discard)
 	}
 	if err := serveOnce(t.TempDir()); !errors.Is(err, postgres.ErrSchemaVersion) {
 		t.Errorf("serve on a blank database = %v, want ErrSchemaVersion", err)

@@ -39,7 +39,8 @@ import (
 	"syscall"
 	"time"
 
-	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -73,40 +74,55 @@ func run(ctx context.Context, cmd, addr, store string, nodes int, databaseURL st
 	if store == "" {
 		return errors.New("-store is not set: name the folder of the broker's store")
 	}
-	db, err := openDB(databaseURL)
+	cfg, err := pgx.ParseConfig(databaseURL)
 	if err != nil {
-		return err
+		return fmt.Errorf("OUTBOX_POSTGRES_URL: %w", err)
 	}
-	defer db.Close()
+	dbs := openPools(cfg)
+	defer dbs.Close()
 	if cmd == "migrate" {
-		return migrate(ctx, db, store, nodes, os.Stdout)
+		return migrate(ctx, dbs.shop, store, nodes, os.Stdout)
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
 	}
-	return serve(ctx, ln, db, store, nodes, os.Stdout)
+	return serve(ctx, ln, dbs, store, nodes, os.Stdout)
 }
 
-// openDB opens the database with limits on its pool: at most maxConns
-// connections, of which the relay takes up to three (a pass, its flush of
-// the server's log, and the listener), the warehouse one, and HTTP
-// requests the rest; none kept longer than half an hour, or idle longer
-// than five minutes.
-func openDB(url string) (*sql.DB, error) {
-	db, err := sql.Open("pgx", url)
-	if err != nil {
-		return nil, err
-	}
-	db.SetMaxOpenConns(maxConns)
-	db.SetMaxIdleConns(maxConns / 2)
-	db.SetConnMaxLifetime(30 * time.Minute)
-	db.SetConnMaxIdleTime(5 * time.Minute)
-	return db, nil
+// pools are the shop's connection pools to its database, one for each of
+// its parts, each with its own application_name, so that an operator tells
+// them apart in pg_stat_activity: shop (HTTP requests), outbox-relay (a
+// pass, its flush of the server's log, and the listener) and warehouse.
+// Together they open at most maxConns connections; none is kept longer
+// than half an hour, or idle longer than five minutes.
+type pools struct {
+	shop, relay, warehouse *sql.DB
 }
 
 // maxConns is the most connections the shop opens to the database.
 const maxConns = 20
+
+func openPools(cfg *pgx.ConnConfig) *pools {
+	open := func(app string, max int) *sql.DB {
+		c := cfg.Copy()
+		c.RuntimeParams["application_name"] = app
+		db := stdlib.OpenDB(*c)
+		db.SetMaxOpenConns(max)
+		db.SetMaxIdleConns(max)
+		db.SetConnMaxLifetime(30 * time.Minute)
+		db.SetConnMaxIdleTime(5 * time.Minute)
+		return db
+	}
+	return &pools{shop: open("shop", maxConns-5), relay: open("outbox-relay", 3), warehouse: open("warehouse", 2)}
+}
+
+// Close closes the three pools.
+func (p *pools) Close() {
+	p.shop.Close()
+	p.relay.Close()
+	p.warehouse.Close()
+}
 
 // streamConfig is the stream the shop provisions and checks on a broker of
 // nodes servers: a replica on each.
@@ -184,7 +200,8 @@ func newServer(h http.Handler) *http.Server {
 
 // serve is the application root: it wires the shop, the relay, the broker
 // and the warehouse, serves HTTP on ln until ctx ends, then stops them all.
-func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, nodes int, out io.Writer) error {
+func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes int, out io.Writer) error {
+	db := dbs.shop
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	logger := slog.New(slog.NewTextHandler(out, nil))
@@ -217,12 +234,12 @@ func serve(ctx context.Context, ln net.Listener, db *sql.DB, store string, nodes
 	}
 	publisher := natsbroker.NewPublisher(js)
 
-	relay := postgres.NewOutboxRelay(db, publisher)
+	relay := postgres.NewOutboxRelay(dbs.relay, publisher)
 	relay.PerAggregate = true // each order's events in order, a pass's batch through PublishBatch
 	relay.ParkAfter = 5
 	relay.MaxBackoff = 2 * time.Second
 	relay.Logger = logger
-	warehouse := natsbroker.NewConsumer(cons, postgres.NewWarehouse(db))
+	warehouse := natsbroker.NewConsumer(cons, postgres.NewWarehouse(dbs.warehouse))
 	warehouse.Logger = logger
 	srv := newServer(newHandler(db, postgres.NewOrderService(db), broker, cons))
 

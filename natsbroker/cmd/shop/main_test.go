@@ -25,7 +25,7 @@ import (
 // in the outbox; the broker back, the order reserved. Then Ctrl-C (the
 // context's end) stops everything.
 func TestShopOverHTTP(t *testing.T) {
-	db := newDatabase(t)
+	db, dbs := newDatabase(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -33,11 +33,11 @@ func TestShopOverHTTP(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	var out syncBuffer
 	store := t.TempDir()
-	if err := migrate(ctx, db, store, 1, &out); err != nil {
+	if err := migrate(ctx, dbs.shop, store, 1, &out); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, db, store, 1, &out) }()
+	go func() { served <- serve(ctx, ln, dbs, store, 1, &out) }()
 	base := "http://" + ln.Addr().String()
 	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
 
@@ -46,6 +46,12 @@ func TestShopOverHTTP(t *testing.T) {
 		return get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
 	})
 	badInputChangesNothing(t, db, base)
+	waitFor(t, "the shop's parts named apart in pg_stat_activity", func() bool {
+		var named int
+		db.QueryRow(`SELECT count(DISTINCT application_name) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name IN ('shop', 'outbox-relay', 'warehouse')`).Scan(&named)
+		return named == 3
+	})
 
 	call(t, "POST", base+"/broker/down", "", 200, `{"broker":"down"}`)
 	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":2}`)
@@ -191,8 +197,9 @@ func (s *syncBuffer) String() string {
 }
 
 // newDatabase creates a database of its own for t on the server that
-// OUTBOX_POSTGRES_URL names (make natsbroker sets it), dropped when t ends.
-func newDatabase(t *testing.T) *sql.DB {
+// OUTBOX_POSTGRES_URL names (make natsbroker sets it), dropped when t ends,
+// and opens it for the test and as the shop's pools.
+func newDatabase(t *testing.T) (*sql.DB, *pools) {
 	t.Helper()
 	url := os.Getenv("OUTBOX_POSTGRES_URL")
 	if url == "" {
@@ -215,8 +222,9 @@ func newDatabase(t *testing.T) *sql.DB {
 	})
 	cfg.Database = name
 	db := stdlib.OpenDB(*cfg)
-	t.Cleanup(func() { db.Close() })
-	return db
+	dbs := openPools(cfg)
+	t.Cleanup(func() { db.Close(); dbs.Close() })
+	return db, dbs
 }
 
 // The shop on a cluster of three (-nodes 3): POST /broker/down stops one
@@ -224,7 +232,7 @@ func newDatabase(t *testing.T) *sql.DB {
 // other two; POST /broker/up brings it back. (Caught: a stream of one
 // replica, which stops with its node.)
 func TestShopOnAClusterGoesOnWithANodeDown(t *testing.T) {
-	db := newDatabase(t)
+	_, dbs := newDatabase(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -233,11 +241,11 @@ func TestShopOnAClusterGoesOnWithANodeDown(t *testing.T) {
 	defer cancel()
 	var out syncBuffer
 	store := t.TempDir()
-	if err := migrate(ctx, db, store, 3, &out); err != nil {
+	if err := migrate(ctx, dbs.shop, store, 3, &out); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, db, store, 3, &out) }()
+	go func() { served <- serve(ctx, ln, dbs, store, 3, &out) }()
 	base := "http://" + ln.Addr().String()
 	waitFor(t, "the shop to say it listens", func() bool {
 		select {
