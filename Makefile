@@ -11,7 +11,7 @@
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    the postgres README's latency, drain and cleanup figures (about 70 s)
 #   make natsbroker                          the natsbroker/ module's tests: JetStream embedded, a throwaway PostgreSQL (-race)
-#   make shop [SHOP_NODES=3]                 the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
+#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make measure-natsbroker                  the natsbroker README's drain (one server, synced, a cluster of 3) and latency figures
 #
 # make test without T does the same as with it; a T naming another pattern
@@ -131,14 +131,20 @@ natsbroker:
 # serve, which checks them. SHOP_ADDR is where it listens. Ctrl-C stops it,
 # removes the broker's store, then the server's folder.
 # SHOP_NODES=3 runs JetStream as a cluster of three, the stream replicated
-# on each, and POST /broker/down then stops one node.
+# on each, and POST /broker/down then stops one node. SHOP_DATA=FOLDER keeps
+# the database (FOLDER/postgres) and the broker's store (FOLDER/jetstream):
+# make shop SHOP_DATA=FOLDER again resumes on them, and the outbox catches up
+# with whatever was left unsent.
 SHOP_ADDR  ?= 127.0.0.1:8080
 SHOP_NODES ?= 1
+SHOP_DATA  ?=
 shop:
-	@postgres/with-server.sh bash -c 'dir=$$(mktemp -d "$${TMPDIR:-/tmp}/shop.XXXXXX") && trap "rm -rf $$dir" EXIT && \
+	@OUTBOX_POSTGRES_DATA=$(if $(SHOP_DATA),$(abspath $(SHOP_DATA))/postgres) SHOP_DATA=$(if $(SHOP_DATA),$(abspath $(SHOP_DATA))) \
+	postgres/with-server.sh bash -c 'dir=$$(mktemp -d "$${TMPDIR:-/tmp}/shop.XXXXXX") && trap "rm -rf $$dir" EXIT && \
+		store="$${SHOP_DATA:-$$dir}/jetstream" && \
 		(cd natsbroker && $(GO) build -o "$$dir/shop" ./cmd/shop) && \
-		"$$dir/shop" migrate -store "$$dir/jetstream" -nodes $(SHOP_NODES) && \
-		"$$dir/shop" serve -store "$$dir/jetstream" -nodes $(SHOP_NODES) -addr $(SHOP_ADDR)'
+		"$$dir/shop" migrate -store "$$store" -nodes $(SHOP_NODES) && \
+		"$$dir/shop" serve -store "$$store" -nodes $(SHOP_NODES) -addr $(SHOP_ADDR)'
 
 # The natsbroker README's figures, into measure-natsbroker.txt: the relay's
 # drain rate to JetStream, waiting for each ack against the asynchronous

@@ -12,6 +12,11 @@
 # that server, then stops the server and removes the folder, whether COMMAND
 # passed, failed or was interrupted. Exits with COMMAND's status.
 #
+# OUTBOX_POSTGRES_DATA=FOLDER keeps the server's files instead (make shop
+# SHOP_DATA=...): the cluster is made there the first time, started from
+# there after, with fsync on, and at the end stopped cleanly and left in
+# place.
+#
 # PostgreSQL refuses to run as root; run as root, the server runs as the
 # postgres user. It never touches a server it did not start.
 set -u
@@ -38,12 +43,21 @@ if [ "$(id -u)" = 0 ]; then
 	as=(runuser -u postgres --)
 fi
 
-dir=$(mktemp -d "${TMPDIR:-/tmp}/outbox-postgres.XXXXXX") || exit 1
+keep=${OUTBOX_POSTGRES_DATA:-}
+if [ -n "$keep" ]; then
+	mkdir -p "$keep" && dir=$(cd "$keep" && pwd) || exit 1
+else
+	dir=$(mktemp -d "${TMPDIR:-/tmp}/outbox-postgres.XXXXXX") || exit 1
+fi
 # server runs one of the server's programs from the server's own folder: the
 # postgres user may not be allowed into the folder make runs in, and the
 # programs complain when they cannot change back to it.
 server() { (cd "$dir" && "${as[@]}" "$@"); }
 cleanup() {
+	if [ -n "$keep" ]; then
+		[ -f "$dir/data/postmaster.pid" ] && server "$bindir/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null 2>&1
+		return
+	fi
 	if [ -f "$dir/data/postmaster.pid" ]; then
 		server "$bindir/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null 2>&1
 	fi
@@ -55,12 +69,19 @@ trap 'exit 143' TERM
 chmod 755 "$dir"
 [ ${#as[@]} -gt 0 ] && chown postgres "$dir"
 
-if ! server "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/initdb.log" 2>&1; then
+# A throwaway server runs without fsync; a kept one with it, since its files
+# must survive what happens to the machine.
+fsync=${OUTBOX_POSTGRES_FSYNC:-off}
+[ -n "$keep" ] && fsync=${OUTBOX_POSTGRES_FSYNC:-on}
+
+if [ -f "$dir/data/PG_VERSION" ]; then
+	: # a kept cluster, made by an earlier run
+elif ! server "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/initdb.log" 2>&1; then
 	cat "$dir/initdb.log" >&2
 	exit 1
 fi
 if ! server "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-	-o "-k $dir -c listen_addresses='' -c fsync=${OUTBOX_POSTGRES_FSYNC:-off} -c full_page_writes=${OUTBOX_POSTGRES_FSYNC:-off} ${OUTBOX_POSTGRES_OPTS:-}" start >/dev/null; then
+	-o "-k $dir -c listen_addresses='' -c fsync=$fsync -c full_page_writes=$fsync ${OUTBOX_POSTGRES_OPTS:-}" start >/dev/null; then
 	cat "$dir/server.log" >&2
 	exit 1
 fi

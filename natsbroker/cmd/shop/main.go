@@ -161,7 +161,7 @@ func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Wr
 	if _, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", 0)); err != nil {
 		return fmt.Errorf("provision consumer warehouse: %w", err)
 	}
-	fmt.Fprintf(out, "shop: database at schema version %d, stream %s (%d replicas) and consumer warehouse provisioned\n",
+	fmt.Fprintf(out, "shop: database at schema version %d, stream %s (replicas: %d) and consumer warehouse provisioned\n",
 		postgres.SchemaVersion, cfg.Name, cfg.Replicas)
 	return nil
 }
