@@ -66,14 +66,7 @@ func TestCheckSchemaRefusesADatabaseNotAtItsVersion(t *testing.T) {
 // after has its one event, and the relay publishes each once.
 func TestMigrateFromTheSchemaBeforeMigrationsLosesNoRow(t *testing.T) {
 	ctx := context.Background()
-	db := open(t, newBlankDatabase(t), "")
-	old, err := os.ReadFile("migrations/0001_schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := db.Exec(string(old)); err != nil {
-		t.Fatal(err)
-	}
+	db := atTheSchemaBeforeMigrations(t)
 	place(t, db, 100, 200)
 	broker := &recorder{}
 	relay := postgres.NewOutboxRelay(db, broker)
@@ -104,7 +97,7 @@ func TestMigrateFromTheSchemaBeforeMigrationsLosesNoRow(t *testing.T) {
 		})
 	}
 	waitUntil(t, "20 orders placed before the migration", func() bool { return placed.Load() >= 20 })
-	err = postgres.Migrate(ctx, db)
+	err := postgres.Migrate(ctx, db)
 	close(stop)
 	producers.Wait()
 	if err != nil {
@@ -139,19 +132,12 @@ func TestMigrateFromTheSchemaBeforeMigrationsLosesNoRow(t *testing.T) {
 // stays recorded, 2 does not, and once the lock is gone Migrate completes.
 func TestMigrationThatMeetsALockGivesUpWhole(t *testing.T) {
 	ctx := context.Background()
-	db := open(t, newBlankDatabase(t), "")
-	old, err := os.ReadFile("migrations/0001_schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := db.Exec(string(old)); err != nil {
-		t.Fatal(err)
-	}
+	db := atTheSchemaBeforeMigrations(t)
 	reader := begin(t, db)
 	if _, err := reader.Exec(`SELECT count(*) FROM aggregate_positions`); err != nil {
 		t.Fatal(err)
 	}
-	err = postgres.Migrate(ctx, db)
+	err := postgres.Migrate(ctx, db)
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
 		t.Fatalf("Migrate behind a reader = %v, want a lock timeout", err)
@@ -172,6 +158,22 @@ func TestMigrationThatMeetsALockGivesUpWhole(t *testing.T) {
 	if err := postgres.CheckSchema(ctx, db); err != nil {
 		t.Error(err)
 	}
+}
+
+// atTheSchemaBeforeMigrations is a new database as the CreateTables of the
+// versions before migrations left it: migration 1's schema, and no record
+// of it.
+func atTheSchemaBeforeMigrations(t *testing.T) *sql.DB {
+	t.Helper()
+	db := open(t, newBlankDatabase(t), "")
+	old, err := os.ReadFile("migrations/0001_schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(string(old)); err != nil {
+		t.Fatal(err)
+	}
+	return db
 }
 
 // versions are the migrations db records, in order.
