@@ -73,6 +73,7 @@ func TestEveryOrderReservedOnceEndToEnd(t *testing.T) {
 	_, stream := setUp(t, connect(t, b.url()), 0, 0)
 	for range 3 {
 		relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
+		relay.PerAggregate = true // each order an aggregate of its own: the relays publish in batches
 		relay.BatchSize = 20
 		relay.PollInterval = 50 * time.Millisecond
 		goRun(t, relay.Run)
