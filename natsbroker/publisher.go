@@ -23,7 +23,10 @@ import (
 // relay publishes it within the duplicate window, and with its id,
 // aggregate and seq in headers (HeaderID, HeaderAggregate, HeaderSeq).
 // Publish and PublishBatch return only once the stream has acknowledged the
-// message, that is, stored it.
+// message. What an ack promises is the stream's and the server's to choose:
+// with one replica, the server wrote the message (on disk only with
+// sync_interval: always); with three, two of the servers hold it. The
+// README has what each survives.
 //
 // What the server says comes back as the relay needs it:
 //   - an acknowledgement, including one that says the stream had the
