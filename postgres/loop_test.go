@@ -247,6 +247,27 @@ func TestBrokerThatReturnsLateStillGetsItsAcceptedMessagesMarked(t *testing.T) {
 		t.Fatalf("pass = %d, %v; want 1 marked and the broker's error", n, err)
 	}
 	wantSent(t, db, true, false)
+
+	// A broker later still, past twice the budget: nothing is marked, and
+	// the error says the pass ran past it, not only "context deadline
+	// exceeded".
+	if _, err := db.Exec(`UPDATE outbox SET sent_at = NULL`); err != nil {
+		t.Fatal(err)
+	}
+	later := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.ID == 2 {
+			<-ctx.Done()
+			time.Sleep(2 * budget) // the fault: past the transaction's own deadline
+			return outbox.ErrBrokerUnavailable
+		}
+		return nil
+	})
+	relay = postgres.NewOutboxRelay(db, later)
+	relay.PassTimeout = budget
+	n, err := relay.PublishPending(ctx)
+	if n != 0 || !strings.Contains(fmt.Sprint(err), "the pass ran past twice its budget") {
+		t.Errorf("pass with a broker past twice the budget = %d, %v; want 0, saying the pass ran past twice its budget", n, err)
+	}
 }
 
 // When its connection dies, Run's listener listens again, and Run passes

@@ -3,6 +3,7 @@ package postgres
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -454,7 +455,8 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	// go again, and no row parked.
 	unmarked := func(what string, err error) (passResult, error) {
 		res.parked, res.failing = nil, nil
-		return res, errors.Join(stop, fmt.Errorf("%s, so the %d messages the broker accepted stay unsent and go again: %w", what, len(sent), err))
+		return res, errors.Join(stop, fmt.Errorf("%s%s, so the %d messages the broker accepted stay unsent and go again: %w",
+			what, why(txCtx, err), len(sent), err))
 	}
 	if len(sent) > 0 {
 		mark := markSent
@@ -479,6 +481,25 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	}
 	res.marked = len(sent)
 	return res, stop
+}
+
+// why says, for an error of the pass's transaction, what happened to it
+// when the error itself does not: the pass ran past twice its budget (its
+// transaction's context ended), or its session is gone (the server ended
+// it, or a pooler, or the network did) and with it everything the pass
+// wrote.
+// (A commit whose outcome is unknown says so itself.)
+func why(txCtx context.Context, err error) string {
+	code := sqlState(err)
+	switch {
+	case errors.Is(err, ErrCommitUnknown):
+		return ""
+	case txCtx.Err() != nil:
+		return " (the pass ran past twice its budget, PassTimeout: a broker slower than the budget?)"
+	case errors.Is(err, driver.ErrBadConn), strings.HasPrefix(code, "08"), code == "57P01", code == "57P02", code == "25P03":
+		return " (the pass's session is gone, ended by the server, a pooler or the network, and nothing it wrote was kept)"
+	}
+	return ""
 }
 
 // flush makes sure the server has flushed its log up to lsn before the pass

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -428,6 +429,9 @@ func TestFailedMarkKeepsTheBrokersError(t *testing.T) {
 	n, err := postgres.NewOutboxRelay(open(t, name, "dying-relay"), refuse2AndDie).PublishPending(ctx)
 	if n != 0 || !errors.Is(err, errRefused) || err == errRefused {
 		t.Fatalf("pass = %d, %v; want 0 marked and an error that holds both the refusal and the failed mark", n, err)
+	}
+	if !strings.Contains(err.Error(), "the pass's session is gone") {
+		t.Errorf("the pass's error %q does not say that its session is gone", err)
 	}
 	t.Logf("the pass's error: %v", err)
 	wantSent(t, db, false, false)
