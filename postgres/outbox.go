@@ -100,6 +100,19 @@ func sqlState(err error) string {
 	return ""
 }
 
+// Executor is what [InsertOutbox] and [InsertOutboxFor] need of the
+// caller's transaction: the methods that database/sql's *sql.Tx, *sql.Conn
+// and *sql.DB share, as do sqlc's generated DBTX and the transaction types
+// of libraries built on database/sql. So a team's own transaction, however
+// its code opens it, writes the outbox row beside its own change. Give it
+// the transaction that writes the change: a *sql.DB would write the row in
+// a transaction of its own, which is the dual write again.
+type Executor interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
 // ErrInvalidEventType is returned, wrapped, by [InsertOutbox] and
 // [InsertOutboxFor] for an event type that a broker could not route: one
 // that is not words of letters, digits, '_' and '-' joined by single dots
@@ -114,11 +127,12 @@ var ErrInvalidEventType = errors.New("postgres: event type no broker can route")
 const MaxEventTypeLen = 200
 
 // InsertOutbox adds an unsent message of the given type to the outbox table,
-// with payload encoded as JSON, inside tx, and returns the new row's id. The
-// row is written, and seen by the relay, only if tx commits. A type no
+// with payload encoded as JSON, inside tx (the caller's transaction, any
+// [Executor]), and returns the new row's id. The row is written, and seen
+// by the relay, only if tx commits. A type no
 // broker can route is refused with [ErrInvalidEventType] before any
 // statement is sent.
-func InsertOutbox(ctx context.Context, tx *sql.Tx, eventType string, payload any) (int64, error) {
+func InsertOutbox(ctx context.Context, tx Executor, eventType string, payload any) (int64, error) {
 	return insertOutbox(ctx, tx, sql.NullString{}, 0, eventType, payload)
 }
 
@@ -131,11 +145,11 @@ func InsertOutbox(ctx context.Context, tx *sql.Tx, eventType string, payload any
 // CancelOrder does: then a later event of the aggregate takes its id only
 // after this one committed, so one aggregate's ids follow its commits, and
 // the seq read under the lock is not taken twice.
-func InsertOutboxFor(ctx context.Context, tx *sql.Tx, aggregate string, seq int64, eventType string, payload any) (int64, error) {
+func InsertOutboxFor(ctx context.Context, tx Executor, aggregate string, seq int64, eventType string, payload any) (int64, error) {
 	return insertOutbox(ctx, tx, sql.NullString{String: aggregate, Valid: true}, seq, eventType, payload)
 }
 
-func insertOutbox(ctx context.Context, tx *sql.Tx, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
+func insertOutbox(ctx context.Context, tx Executor, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
 	if !routable(eventType) {
 		return 0, fmt.Errorf("%w: %q", ErrInvalidEventType, eventType)
 	}

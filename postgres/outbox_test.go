@@ -848,3 +848,61 @@ func wantSent(t *testing.T, db *sql.DB, want ...bool) {
 		t.Errorf("outbox rows sent: %v, want %v", got, want)
 	}
 }
+
+// teamTx is a team's own transaction type, as sqlc's generated Queries or a
+// repository layer wrap one: not a *sql.Tx, but an Executor.
+type teamTx struct{ tx *sql.Tx }
+
+func (q teamTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	return q.tx.ExecContext(ctx, query, args...)
+}
+
+func (q teamTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	return q.tx.QueryContext(ctx, query, args...)
+}
+
+func (q teamTx) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
+	return q.tx.QueryRowContext(ctx, query, args...)
+}
+
+// A team's own transaction, through its own type, writes the outbox row
+// beside its change: rolled back, neither is there; committed, both are,
+// and the relay publishes the row.
+func TestInsertOutboxInATeamsOwnTransaction(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	if _, err := db.Exec(`CREATE TABLE customers (id bigint PRIMARY KEY, name text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	for _, commit := range []bool{false, true} {
+		tx := begin(t, db)
+		q := teamTx{tx}
+		if _, err := q.ExecContext(ctx, `INSERT INTO customers VALUES (7, 'Ada')`); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := postgres.InsertOutbox(ctx, q, "CustomerRegistered", map[string]any{"customerId": 7}); err != nil {
+			t.Fatal(err)
+		}
+		if commit {
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+		} else if err := tx.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+		var customers, rows int
+		if err := db.QueryRow(`SELECT (SELECT count(*) FROM customers), (SELECT count(*) FROM outbox)`).Scan(&customers, &rows); err != nil {
+			t.Fatal(err)
+		}
+		if want := map[bool]int{false: 0, true: 1}[commit]; customers != want || rows != want {
+			t.Errorf("committed %v: %d customers, %d outbox rows; want %d of each", commit, customers, rows, want)
+		}
+	}
+	broker := &recorder{}
+	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 1 || err != nil {
+		t.Fatalf("pass = %d, %v; want 1", n, err)
+	}
+	if m := broker.Published()[0]; m.Type != "CustomerRegistered" || m.Payload != `{"customerId":7}` {
+		t.Errorf("published %+v, want the CustomerRegistered row", m)
+	}
+}
