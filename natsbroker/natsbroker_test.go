@@ -172,6 +172,23 @@ func setUp(t testing.TB, nc *nats.Conn, window, ackWait time.Duration) (jetstrea
 	return js, stream
 }
 
+// createStream creates the outbox's stream on the server at url, as
+// StreamConfig says and then edit changes it, with no consumer.
+func createStream(t testing.TB, url string, edit func(*jetstream.StreamConfig)) (jetstream.JetStream, jetstream.Stream) {
+	t.Helper()
+	js, err := jetstream.New(connect(t, url))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := natsbroker.StreamConfig(0)
+	edit(&cfg)
+	stream, err := js.CreateOrUpdateStream(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js, stream
+}
+
 // newPublisher is a Publisher over nc.
 func newPublisher(t testing.TB, nc *nats.Conn) *natsbroker.Publisher {
 	t.Helper()

@@ -37,16 +37,7 @@ func TestRefusedRowNeverHasLaterRowsStoredAheadOfItsOrder(t *testing.T) {
 			ctx := context.Background()
 			db := newDatabase(t)
 			b := startBroker(t, nil)
-			js, err := jetstream.New(connect(t, b.url()))
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg := natsbroker.StreamConfig(0)
-			cfg.MaxMsgSize = 1 << 10
-			stream, err := js.CreateOrUpdateStream(ctx, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			_, stream := createStream(t, b.url(), func(cfg *jetstream.StreamConfig) { cfg.MaxMsgSize = 1 << 10 })
 			shop := postgres.NewOrderService(db)
 			for _, total := range []int64{100, 200, 300, 400} {
 				if _, err := shop.PlaceOrder(ctx, total); err != nil {

@@ -23,15 +23,9 @@ func TestReplayAfterCleanupAppliesNothingTwice(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	b := startBroker(t, nil)
-	js, err := jetstream.New(connect(t, b.url()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := natsbroker.StreamConfig(time.Second)
-	cfg.MaxAge = 3 * time.Second
-	if _, err := js.CreateOrUpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
+	js, _ := createStream(t, b.url(), func(cfg *jetstream.StreamConfig) {
+		cfg.Duplicates, cfg.MaxAge = time.Second, 3*time.Second
+	})
 	warehouse := postgres.NewWarehouse(db)
 	// A message without an aggregate, so that only its key can tell a copy.
 	msg := postgres.Message{Key: "k-stored", Message: outbox.Message{ID: 1, Type: "CustomerRegistered", Payload: `{}`}}
