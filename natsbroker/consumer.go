@@ -59,9 +59,9 @@ var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a
 //     an outbox message's), or still before its predecessor after
 //     MaxOutOfOrder deliveries (its predecessor was terminated, or parked
 //     in the outbox, and may never come; see MaxOutOfOrder for how many is
-//     enough): Term, with the reason, and a log
-//     line at level Error; it is not delivered again. JetStream publishes
-//     an advisory for each message terminated
+//     enough): Term, with the reason, and a log line at level Error; it is
+//     not delivered again. JetStream publishes an advisory for each message
+//     terminated
 //     ($JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.<stream>.<consumer>), with
 //     the reason, for an operator to find it by; the message stays in the
 //     stream.
@@ -116,7 +116,9 @@ func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
 // returns that error. A server that goes down and comes back is not such
 // an error: the client reconnects and Run goes on. A message whose
 // handling ctx cut short is neither acked nor asked for again: it is
-// delivered again after the consumer's AckWait.
+// delivered again after the consumer's AckWait. A MaxOutOfOrder below its
+// rule's least makes Run return at once with an error wrapping
+// ErrOutOfOrderBound.
 func (c *Consumer) Run(ctx context.Context) error {
 	prefetch := orDefault(c.Prefetch, DefaultPrefetch)
 	ackWait := c.consumer.CachedInfo().Config.AckWait
