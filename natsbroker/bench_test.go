@@ -11,6 +11,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // The benchmarks behind the figures in README.md; make measure-natsbroker
@@ -109,8 +110,8 @@ func BenchmarkLatency(b *testing.B) {
 	relay := postgres.NewOutboxRelay(db, newPublisher(b, connect(b, br.url())))
 	goRun(b, relay.Run)
 	applied := make(chan time.Time, orders)
-	runConsumer(b, connect(b, br.url()), timed{postgres.NewWarehouse(db), applied})
-	shop := postgres.NewOrderService(db)
+	runConsumer(b, connect(b, br.url()), timed{shop.NewWarehouse(db), applied})
+	service := shop.NewOrderService(db)
 	seed := time.Now().UnixNano()
 	b.Logf("seed %d", seed)
 	rng := rand.New(rand.NewPCG(uint64(seed), 0))
@@ -119,7 +120,7 @@ func BenchmarkLatency(b *testing.B) {
 	var delays []time.Duration
 	for range orders {
 		time.Sleep(time.Duration(rng.Int64N(int64(20 * time.Millisecond))))
-		if _, err := shop.PlaceOrder(context.Background(), 2500); err != nil {
+		if _, err := service.PlaceOrder(context.Background(), 2500); err != nil {
 			b.Fatal(err)
 		}
 		committed := time.Now()
@@ -141,7 +142,7 @@ func BenchmarkLatency(b *testing.B) {
 // timed hands messages to a warehouse and sends the time of each
 // application on applied.
 type timed struct {
-	w       *postgres.Warehouse
+	w       *shop.Warehouse
 	applied chan<- time.Time
 }
 

@@ -16,19 +16,20 @@ import (
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // recorder is a Handler that hands every delivery to a warehouse and
 // counts the deliveries and how many of them the warehouse applied.
 type recorder struct {
-	warehouse        *postgres.Warehouse
+	warehouse        *shop.Warehouse
 	calls, applied   atomic.Int64
 	duplicateApplied atomic.Int64 // copies applied as new: must stay zero
 	mu               sync.Mutex
 	seen             map[string]bool
 }
 
-func newRecorder(wh *postgres.Warehouse) *recorder {
+func newRecorder(wh *shop.Warehouse) *recorder {
 	return &recorder{warehouse: wh, seen: map[string]bool{}}
 }
 
@@ -78,19 +79,19 @@ func TestEveryOrderReservedOnceEndToEnd(t *testing.T) {
 		relay.PollInterval = 50 * time.Millisecond
 		goRun(t, relay.Run)
 	}
-	rec := newRecorder(postgres.NewWarehouse(db))
+	rec := newRecorder(shop.NewWarehouse(db))
 	for range 2 {
 		runConsumer(t, connect(t, b.url()), rec)
 	}
 
 	const clients, each = 4, 50
-	shop := postgres.NewOrderService(db)
+	service := shop.NewOrderService(db)
 	var wg sync.WaitGroup
 	errs := make(chan error, clients*each)
 	for c := range clients {
 		wg.Go(func() {
 			for i := range each {
-				if _, err := shop.PlaceOrder(context.Background(), int64(100*(c+1)+i)); err != nil {
+				if _, err := service.PlaceOrder(context.Background(), int64(100*(c+1)+i)); err != nil {
 					errs <- err
 				}
 			}
@@ -132,13 +133,13 @@ func TestLostAckIsSentAgainAndStoredOnce(t *testing.T) {
 	relay.PerAggregate = true // each order an aggregate of its own: the relay publishes its batch at once
 	relay.PassTimeout = time.Second
 	for _, total := range []int64{2500, 4000, 700} {
-		if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, total); err != nil {
+		if _, err := shop.NewOrderService(db).PlaceOrder(ctx, total); err != nil {
 			t.Fatal(err)
 		}
 	}
 
 	proxy.dropNextAck()
-	if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, outbox.ErrBrokerUnavailable) || !errors.Is(err, context.DeadlineExceeded) {
+	if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, postgres.ErrBrokerUnavailable) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("pass whose ack was lost = %d, %v; want 0 and no ack before the pass's budget ran out", n, err)
 	}
 	if d := proxy.dropped.Load(); d != 1 {
@@ -176,9 +177,9 @@ func TestResendAfterTheWindowReachesTheConsumerWhichDropsIt(t *testing.T) {
 	_, stream := setUp(t, connect(t, b.url()), window, 0)
 	pub := newPublisher(t, connect(t, b.url()))
 	relay := postgres.NewOutboxRelay(db, pub)
-	rec := newRecorder(postgres.NewWarehouse(db))
+	rec := newRecorder(shop.NewWarehouse(db))
 	runConsumer(t, connect(t, b.url()), rec)
-	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
 	}
 	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
@@ -238,12 +239,12 @@ func TestBrokerRestartMidDrainLosesNothingAndStillDropsCopies(t *testing.T) {
 		}
 		return n
 	}
-	rec := newRecorder(postgres.NewWarehouse(db))
+	rec := newRecorder(shop.NewWarehouse(db))
 	runConsumer(t, connect(t, b.url()), rec)
-	shop := postgres.NewOrderService(db)
+	service := shop.NewOrderService(db)
 	place := func(n int) {
 		for i := range n {
-			if _, err := shop.PlaceOrder(ctx, int64(1000+i)); err != nil {
+			if _, err := service.PlaceOrder(ctx, int64(1000+i)); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -289,7 +290,7 @@ func TestBrokerRestartMidDrainLosesNothingAndStillDropsCopies(t *testing.T) {
 // before the warehouse's commit, on the second after it and before the ack.
 // It dies by closing the consumer's connection, so the ack cannot leave.
 type dying struct {
-	warehouse *postgres.Warehouse
+	warehouse *shop.Warehouse
 	conn      atomic.Pointer[nats.Conn]
 	calls     atomic.Int64
 	handled   atomic.Int64 // deliveries whose Handle has returned
@@ -323,14 +324,14 @@ func TestConsumerThatDiesBeforeItsAckGetsTheMessageAgainAndAppliesItOnce(t *test
 	b := startBroker(t, nil)
 	_, stream := setUp(t, connect(t, b.url()), 0, time.Second)
 	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
-	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
 	}
 	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("pass = %d, %v; want 1, <nil>", n, err)
 	}
 
-	h := &dying{warehouse: postgres.NewWarehouse(db)}
+	h := &dying{warehouse: shop.NewWarehouse(db)}
 	for life := int64(1); life <= 3; life++ {
 		nc := connect(t, b.url())
 		h.conn.Store(nc)
@@ -376,7 +377,7 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	pub := newPublisher(t, connect(t, b.url()))
 	relay := postgres.NewOutboxRelay(db, pub)
 	relay.ParkAfter = 1
-	rec := newRecorder(postgres.NewWarehouse(db))
+	rec := newRecorder(shop.NewWarehouse(db))
 	runConsumer(t, connect(t, b.url()), rec)
 
 	if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
@@ -384,7 +385,7 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, total := range []int64{2500, 4000} {
-		if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, total); err != nil {
+		if _, err := shop.NewOrderService(db).PlaceOrder(ctx, total); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -401,23 +402,23 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	waitFor(t, "both orders reserved", func() bool { return rec.applied.Load() == 2 })
 	wantEachOrderReservedOnce(t, db, 2)
 
-	msg := postgres.Message{Message: outbox.Message{ID: 9, Type: outbox.OrderPlaced, Payload: `{}`}, Key: "k9"}
+	msg := postgres.Message{ID: 9, Type: outbox.OrderPlaced, Payload: `{}`, Key: "k9"}
 	if err := js.DeleteStream(ctx, natsbroker.Stream); err != nil {
 		t.Fatal(err)
 	}
-	if err := pub.Publish(ctx, msg); !errors.Is(err, outbox.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
+	if err := pub.Publish(ctx, msg); !errors.Is(err, postgres.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
 		t.Errorf("Publish with no stream for the subject = %v, want ErrBrokerUnavailable and not ErrRejected", err)
 	}
 	closed := connect(t, b.url())
 	closedPub := newPublisher(t, closed)
 	closed.Close()
-	if _, err := closedPub.PublishBatch(ctx, []postgres.Message{msg}); !errors.Is(err, outbox.ErrBrokerUnavailable) {
+	if _, err := closedPub.PublishBatch(ctx, []postgres.Message{msg}); !errors.Is(err, postgres.ErrBrokerUnavailable) {
 		t.Errorf("PublishBatch on a closed connection = %v, want ErrBrokerUnavailable", err)
 	}
 	b.stop()
 	short, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel()
-	if err := pub.Publish(short, msg); !errors.Is(err, outbox.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
+	if err := pub.Publish(short, msg); !errors.Is(err, postgres.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
 		t.Errorf("Publish to a stopped server = %v, want ErrBrokerUnavailable and not ErrRejected", err)
 	}
 }
@@ -426,7 +427,7 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 // reason that may pass (a database that is briefly down), and hands the
 // later ones to the warehouse.
 type flaky struct {
-	warehouse *postgres.Warehouse
+	warehouse *shop.Warehouse
 	mu        sync.Mutex
 	calls     map[string]int // deliveries by key
 	applied   atomic.Int64
@@ -464,14 +465,14 @@ func TestConsumerRetriesWhatMayPassAndTerminatesWhatCannot(t *testing.T) {
 	}
 	defer sub.Unsubscribe()
 	pub := newPublisher(t, connect(t, b.url()))
-	bad := postgres.Message{Message: outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `[1]`}, Key: "bad"}
-	good := postgres.Message{Message: outbox.Message{ID: 2, Type: outbox.OrderPlaced, Payload: `{"orderId":7,"totalCents":2500}`}, Key: "good"}
+	bad := postgres.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `[1]`, Key: "bad"}
+	good := postgres.Message{ID: 2, Type: outbox.OrderPlaced, Payload: `{"orderId":7,"totalCents":2500}`, Key: "good"}
 	for _, m := range []postgres.Message{bad, good} {
 		if err := pub.Publish(ctx, m); err != nil {
 			t.Fatal(err)
 		}
 	}
-	h := &flaky{warehouse: postgres.NewWarehouse(db), calls: map[string]int{}}
+	h := &flaky{warehouse: shop.NewWarehouse(db), calls: map[string]int{}}
 	runConsumer(t, connect(t, b.url()), h)
 
 	select {

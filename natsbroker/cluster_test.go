@@ -20,6 +20,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // cluster is three JetStream servers routed to each other.
@@ -125,7 +126,7 @@ func setUpReplicated(t testing.TB, c *cluster) (jetstream.JetStream, jetstream.S
 // ordered is a Handler that hands each delivery to a warehouse and checks
 // what it applied: each aggregate's seqs in order from 1, and no key twice.
 type ordered struct {
-	warehouse *postgres.Warehouse
+	warehouse *shop.Warehouse
 	mu        sync.Mutex
 	last      map[string]int64
 	seen      map[string]bool
@@ -133,7 +134,7 @@ type ordered struct {
 	wrong     []string
 }
 
-func newOrdered(wh *postgres.Warehouse) *ordered {
+func newOrdered(wh *shop.Warehouse) *ordered {
 	return &ordered{warehouse: wh, last: map[string]int64{}, seen: map[string]bool{}}
 }
 
@@ -179,24 +180,24 @@ func drainThroughAFault(t *testing.T, c *cluster, fault func()) {
 		relay.MaxBackoff = 500 * time.Millisecond
 		goRun(t, relay.Run)
 	}
-	h := newOrdered(postgres.NewWarehouse(db))
+	h := newOrdered(shop.NewWarehouse(db))
 	runConsumer(t, connect(t, c.url()), h)
 
 	const clients, each = 2, 60
-	shop := postgres.NewOrderService(db)
+	service := shop.NewOrderService(db)
 	var placed atomic.Int64
 	half := make(chan struct{})
 	var wg sync.WaitGroup
 	for range clients {
 		wg.Go(func() {
 			for i := range each {
-				id, err := shop.PlaceOrder(ctx, 100)
+				id, err := service.PlaceOrder(ctx, 100)
 				if err != nil {
 					t.Error(err)
 					return
 				}
 				if i%3 == 0 {
-					if err := shop.CancelOrder(ctx, id); err != nil {
+					if err := service.CancelOrder(ctx, id); err != nil {
 						t.Error(err)
 						return
 					}

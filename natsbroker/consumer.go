@@ -11,12 +11,11 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 // Handler applies a message and reports whether it did (false: a duplicate
-// it had applied before). [postgres.Warehouse] is one.
+// it had applied before). The example's shop.Warehouse is one.
 type Handler interface {
 	Handle(ctx context.Context, msg postgres.Message) (applied bool, err error)
 }
@@ -219,7 +218,8 @@ var errNotOutbox = errors.New("not an outbox message")
 func decode(msg jetstream.Msg) (postgres.Message, error) {
 	h := msg.Headers()
 	m := postgres.Message{
-		Message:   outbox.Message{Type: strings.TrimPrefix(msg.Subject(), SubjectPrefix), Payload: string(msg.Data())},
+		Type:      strings.TrimPrefix(msg.Subject(), SubjectPrefix),
+		Payload:   string(msg.Data()),
 		Key:       h.Get(jetstream.MsgIDHeader),
 		Aggregate: h.Get(HeaderAggregate),
 	}

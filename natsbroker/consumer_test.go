@@ -16,19 +16,20 @@ import (
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // deliveries is a Handler that hands each delivery to a warehouse and
 // notes when it came and what the warehouse said, by key.
 type deliveries struct {
-	warehouse *postgres.Warehouse
+	warehouse *shop.Warehouse
 	delay     time.Duration // the fault: a handler this slow
 	mu        sync.Mutex
 	at        map[string][]time.Time
 	errs      map[string][]error
 }
 
-func newDeliveries(wh *postgres.Warehouse) *deliveries {
+func newDeliveries(wh *shop.Warehouse) *deliveries {
 	return &deliveries{warehouse: wh, at: map[string][]time.Time{}, errs: map[string][]error{}}
 }
 
@@ -68,10 +69,10 @@ func TestMessageBeforeItsPredecessorWaitsBoundedly(t *testing.T) {
 	pub := newPublisher(t, connect(t, b.url()))
 	event := func(key, aggregate string, seq int64, typ string) postgres.Message {
 		return postgres.Message{Key: key, Aggregate: aggregate, Seq: seq,
-			Message: outbox.Message{ID: seq, Type: typ, Payload: `{"orderId":8,"totalCents":800}`}}
+			ID: seq, Type: typ, Payload: `{"orderId":8,"totalCents":800}`}
 	}
 	const retry = 300 * time.Millisecond
-	h := newDeliveries(postgres.NewWarehouse(db))
+	h := newDeliveries(shop.NewWarehouse(db))
 	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
 	if err != nil {
 		t.Fatal(err)
@@ -89,8 +90,8 @@ func TestMessageBeforeItsPredecessorWaitsBoundedly(t *testing.T) {
 	goRun(t, c.Run)
 
 	for _, m := range []postgres.Message{
-		event("k8-cancelled", "order/8", 2, postgres.OrderCancelled),
-		event("k9-cancelled", "order/9", 2, postgres.OrderCancelled),
+		event("k8-cancelled", "order/8", 2, shop.OrderCancelled),
+		event("k9-cancelled", "order/9", 2, shop.OrderCancelled),
 	} {
 		if err := pub.Publish(ctx, m); err != nil {
 			t.Fatal(err)
@@ -138,10 +139,10 @@ func TestPrefetchFitsWithinAckWait(t *testing.T) {
 	db := newDatabase(t)
 	b := startBroker(t, nil)
 	js, _ := setUp(t, connect(t, b.url()), 0, 2*time.Second)
-	shop := postgres.NewOrderService(db)
+	service := shop.NewOrderService(db)
 	const orders = 200
 	for range orders {
-		if _, err := shop.PlaceOrder(ctx, 100); err != nil {
+		if _, err := service.PlaceOrder(ctx, 100); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -154,7 +155,7 @@ func TestPrefetchFitsWithinAckWait(t *testing.T) {
 		}
 		sent += n
 	}
-	h := newDeliveries(postgres.NewWarehouse(db))
+	h := newDeliveries(shop.NewWarehouse(db))
 	h.delay = 25 * time.Millisecond
 	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
 	if err != nil {
@@ -204,7 +205,7 @@ func (l *logBuffer) lines(s string) []string {
 // hangOnce is a Handler whose first call hangs until its context ends (a
 // half-open database connection), and whose later calls go to a warehouse.
 type hangOnce struct {
-	warehouse *postgres.Warehouse
+	warehouse *shop.Warehouse
 	calls     atomic.Int32
 }
 
@@ -224,7 +225,7 @@ func TestHandleThatHangsIsCutAtItsDeadline(t *testing.T) {
 	db := newDatabase(t)
 	b := startBroker(t, nil)
 	js, _ := setUp(t, connect(t, b.url()), 0, 2*time.Second)
-	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url()))).PublishPending(ctx); err != nil {
@@ -234,7 +235,7 @@ func TestHandleThatHangsIsCutAtItsDeadline(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := &hangOnce{warehouse: postgres.NewWarehouse(db)}
+	h := &hangOnce{warehouse: shop.NewWarehouse(db)}
 	c := natsbroker.NewConsumer(cons, h)
 	c.RetryDelay = 10 * time.Millisecond
 	goRun(t, c.Run)

@@ -19,6 +19,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // The relay of a service, publishing the outbox to JetStream until the
@@ -89,7 +90,7 @@ func ExampleConsumer() {
 		log.Fatal(err)
 	}
 
-	warehouse := natsbroker.NewConsumer(cons, postgres.NewWarehouse(db))
+	warehouse := natsbroker.NewConsumer(cons, shop.NewWarehouse(db))
 	if err := warehouse.Run(ctx); !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
 	}

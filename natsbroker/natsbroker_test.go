@@ -3,6 +3,7 @@ package natsbroker_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -19,6 +20,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // The tests need a PostgreSQL server, named by OUTBOX_POSTGRES_URL as
@@ -42,7 +44,7 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// newDatabase creates a database with the outbox's tables for t alone,
+// newDatabase creates a database with the outbox's and the example's tables for t alone,
 // dropped when t ends, and opens it.
 func newDatabase(t testing.TB) *sql.DB {
 	t.Helper()
@@ -61,7 +63,7 @@ func newDatabase(t testing.TB) *sql.DB {
 		}
 	})
 	db := openDB(t, name)
-	if err := postgres.Migrate(ctx, db); err != nil {
+	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
 		t.Fatal(err)
 	}
 	return db

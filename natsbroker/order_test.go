@@ -14,9 +14,9 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // A stream whose MaxMsgSize refuses row 2 of 4. The relay that keeps the
@@ -38,9 +38,9 @@ func TestRefusedRowNeverHasLaterRowsStoredAheadOfItsOrder(t *testing.T) {
 			db := newDatabase(t)
 			b := startBroker(t, nil)
 			_, stream := createStream(t, b.url(), func(cfg *jetstream.StreamConfig) { cfg.MaxMsgSize = 1 << 10 })
-			shop := postgres.NewOrderService(db)
+			service := shop.NewOrderService(db)
 			for _, total := range []int64{100, 200, 300, 400} {
-				if _, err := shop.PlaceOrder(ctx, total); err != nil {
+				if _, err := service.PlaceOrder(ctx, total); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -84,13 +84,13 @@ func TestMissingStreamIsAnUnavailableBrokerAndParksNothing(t *testing.T) {
 	if err := js.DeleteStream(ctx, natsbroker.Stream); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
 	}
 	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
 	relay.ParkAfter = 1
 	for range 2 {
-		if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, outbox.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
+		if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, postgres.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
 			t.Fatalf("pass with no stream = %d, %v; want 0 and ErrBrokerUnavailable, not ErrRejected", n, err)
 		}
 	}
@@ -120,7 +120,7 @@ func TestTypeThatMakesNoSubjectIsARejection(t *testing.T) {
 			if _, err := db.Exec(`INSERT INTO outbox (type, payload) VALUES ('Order Placed', '{}')`); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
+			if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 				t.Fatal(err)
 			}
 			relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
@@ -157,7 +157,7 @@ func TestShutdownSendsAgainWhatWasInFlight(t *testing.T) {
 			proxy := newAckDropper(t, strings.TrimPrefix(b.url(), "nats://"))
 			pub := newPublisher(t, connect(t, proxy.url()))
 			for range 5 {
-				if _, err := postgres.NewOrderService(db).PlaceOrder(ctx, 100); err != nil {
+				if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 100); err != nil {
 					t.Fatal(err)
 				}
 			}

@@ -10,7 +10,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
@@ -39,7 +38,7 @@ import (
 //     the subject (a broker not yet provisioned, or misconfigured: the
 //     message is not at fault, and parking it would lose its place), no
 //     ack before the context ended, may pass: errors wrapping
-//     [outbox.ErrBrokerUnavailable].
+//     [postgres.ErrBrokerUnavailable].
 //     After such an error the stream may hold the message all the same (the
 //     ack lost on its way back); the relay publishes it again, and the
 //     duplicate window drops the copy.
@@ -124,7 +123,7 @@ func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (
 // out, holding its rows all that time.
 func (p *Publisher) connected(msg postgres.Message) error {
 	if nc := p.js.Conn(); !nc.IsConnected() {
-		return fmt.Errorf("message %s: connection to the server is %v: %w", msg.Key, nc.Status(), outbox.ErrBrokerUnavailable)
+		return fmt.Errorf("message %s: connection to the server is %v: %w", msg.Key, nc.Status(), postgres.ErrBrokerUnavailable)
 	}
 	return nil
 }
@@ -141,7 +140,7 @@ func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error)
 	switch {
 	case ctx.Err() != nil:
 		return fmt.Errorf("message %s to %s: no ack before the context ended, so whether the stream stored it is unknown: %w: %w",
-			msg.Key, subject, outbox.ErrBrokerUnavailable, err)
+			msg.Key, subject, postgres.ErrBrokerUnavailable, err)
 	case errors.Is(err, nats.ErrMaxPayload), errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum):
 		return fmt.Errorf("message %s to %s: %d bytes: %w: %w", msg.Key, subject, len(msg.Payload), postgres.ErrRejected, err)
 	case errors.Is(err, nats.ErrBadSubject):
@@ -152,10 +151,10 @@ func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error)
 		// Either way the broker is at fault, not the message.
 		if _, lookup := p.js.StreamNameBySubject(ctx, subject); errors.Is(lookup, jetstream.ErrStreamNotFound) {
 			return fmt.Errorf("message %s: no stream takes subject %s, so the broker is not provisioned as the relay needs: %w",
-				msg.Key, subject, outbox.ErrBrokerUnavailable)
+				msg.Key, subject, postgres.ErrBrokerUnavailable)
 		}
 	}
-	return fmt.Errorf("message %s to %s: %w: %w", msg.Key, subject, outbox.ErrBrokerUnavailable, err)
+	return fmt.Errorf("message %s to %s: %w: %w", msg.Key, subject, postgres.ErrBrokerUnavailable, err)
 }
 
 // natsMsg is msg as JetStream carries it.

@@ -8,9 +8,9 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // The consumer's retention follows the stream's: with a stream that keeps
@@ -26,9 +26,9 @@ func TestReplayAfterCleanupAppliesNothingTwice(t *testing.T) {
 	js, _ := createStream(t, b.url(), func(cfg *jetstream.StreamConfig) {
 		cfg.Duplicates, cfg.MaxAge = time.Second, 3*time.Second
 	})
-	warehouse := postgres.NewWarehouse(db)
+	warehouse := shop.NewWarehouse(db)
 	// A message without an aggregate, so that only its key can tell a copy.
-	msg := postgres.Message{Key: "k-stored", Message: outbox.Message{ID: 1, Type: "CustomerRegistered", Payload: `{}`}}
+	msg := postgres.Message{Key: "k-stored", ID: 1, Type: "CustomerRegistered", Payload: `{}`}
 	if err := natsbroker.NewPublisher(js).Publish(ctx, msg); err != nil {
 		t.Fatal(err)
 	}
@@ -56,10 +56,10 @@ func TestReplayAfterCleanupAppliesNothingTwice(t *testing.T) {
 		INSERT INTO processed_messages (message_key, processed_at) VALUES ('k-gone', now() - interval '1 hour')`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := natsbroker.ForgetProcessed(ctx, js, natsbroker.Stream, warehouse, time.Second, 0); !errors.Is(err, natsbroker.ErrRetentionTooShort) {
+	if _, err := natsbroker.ForgetProcessed(ctx, js, natsbroker.Stream, db, time.Second, 0); !errors.Is(err, natsbroker.ErrRetentionTooShort) {
 		t.Fatalf("ForgetProcessed with 1 s against a stream of 3 s = %v, want ErrRetentionTooShort", err)
 	}
-	if n, err := natsbroker.ForgetProcessed(ctx, js, natsbroker.Stream, warehouse, 3*time.Second, 0); n != 1 || err != nil {
+	if n, err := natsbroker.ForgetProcessed(ctx, js, natsbroker.Stream, db, 3*time.Second, 0); n != 1 || err != nil {
 		t.Fatalf("ForgetProcessed with 3 s = %d, %v; want 1 (k-gone), <nil>", n, err)
 	}
 	if n := replay("replay"); n != 0 {

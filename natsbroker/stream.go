@@ -1,7 +1,9 @@
 // Package natsbroker is the outbox's broker side on NATS JetStream: a
 // [Publisher] through which a [postgres.OutboxRelay] publishes, the stream it
-// publishes to, and a [Consumer] that feeds the messages to a
-// [postgres.Warehouse]. cmd/shop wires them into a shop that can be run.
+// publishes to, and a [Consumer] that feeds the messages to a [Handler],
+// such as one built on [postgres.ApplyOnce]. It imports the outbox package
+// only; cmd/shop wires it to the example (the postgres/shop package's
+// shop and warehouse) into a shop that can be run.
 //
 // Delivery stays at least once, end to end. JetStream drops a message whose
 // Nats-Msg-Id it has stored within the stream's duplicate window, which
@@ -12,6 +14,7 @@ package natsbroker
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"slices"
@@ -84,7 +87,8 @@ func StreamConfig(window time.Duration) jetstream.StreamConfig {
 // retention shorter than the stream keeps its messages.
 var ErrRetentionTooShort = errors.New("natsbroker: consumer would forget keys of messages the stream still holds")
 
-// ForgetProcessed is [postgres.Warehouse.ForgetProcessed] under the rule
+// ForgetProcessed is [postgres.ForgetProcessed] on the consumer's database
+// db under the rule
 // that ties it to the stream: a consumer forgets a key only once the stream
 // can no longer deliver its message. A message is stored before it is
 // processed, so a key is never older than its message; with a retention at
@@ -96,7 +100,7 @@ var ErrRetentionTooShort = errors.New("natsbroker: consumer would forget keys of
 // for ever (MaxAge zero). The warehouse's own rule still holds beside it: a
 // retention longer than the longest delay before a relay sends a message
 // again.
-func ForgetProcessed(ctx context.Context, js jetstream.JetStream, stream string, w *postgres.Warehouse, retention time.Duration, batchSize int) (int64, error) {
+func ForgetProcessed(ctx context.Context, js jetstream.JetStream, stream string, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
 	s, err := js.Stream(ctx, stream)
 	if err != nil {
 		return 0, fmt.Errorf("forget processed messages: stream %s: %w", stream, err)
@@ -108,7 +112,7 @@ func ForgetProcessed(ctx context.Context, js jetstream.JetStream, stream string,
 	case retention < maxAge:
 		return 0, fmt.Errorf("%w: retention %v, but stream %s keeps messages %v", ErrRetentionTooShort, retention, stream, maxAge)
 	}
-	return w.ForgetProcessed(ctx, retention, batchSize)
+	return postgres.ForgetProcessed(ctx, db, retention, batchSize)
 }
 
 // ConsumerConfig is a durable pull consumer, named name, of the whole stream,

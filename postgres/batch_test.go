@@ -7,7 +7,6 @@ import (
 	"slices"
 	"testing"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
@@ -51,11 +50,11 @@ func TestBatchPublisherMarksExactlyTheAcceptedPrefix(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	place(t, db, 100, 200, 300, 400, 500)
-	broker := &batchBroker{replies: []batchReply{{2, fmt.Errorf("ack of 3 lost: %w", outbox.ErrBrokerUnavailable)}}}
+	broker := &batchBroker{replies: []batchReply{{2, fmt.Errorf("ack of 3 lost: %w", postgres.ErrBrokerUnavailable)}}}
 	relay := postgres.NewOutboxRelay(db, broker)
 	relay.PerAggregate = true
 	n, err := relay.PublishPending(ctx)
-	if n != 2 || !errors.Is(err, outbox.ErrBrokerUnavailable) {
+	if n != 2 || !errors.Is(err, postgres.ErrBrokerUnavailable) {
 		t.Fatalf("pass = %d, %v; want 2 and the broker's error", n, err)
 	}
 	wantSent(t, db, true, true, false, false, false)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // `make bench-postgres` runs these on a throwaway server in interleaved
@@ -31,9 +32,9 @@ func BenchmarkPlaceOrder(b *testing.B) {
 		name       string
 		placeOrder func(context.Context, int64) (int64, error)
 	}{
-		{"write=outbox", postgres.NewOrderService(db).PlaceOrder},
-		{"write=direct", postgres.NewDirectOrderService(db, discard{}).PlaceOrder},
-		{"write=outbox-without-notify", postgres.NewOrderService(quiet).PlaceOrder},
+		{"write=outbox", shop.NewOrderService(db).PlaceOrder},
+		{"write=direct", shop.NewDirectOrderService(db, discard{}).PlaceOrder},
+		{"write=outbox-without-notify", shop.NewOrderService(quiet).PlaceOrder},
 	}
 	for _, s := range services {
 		b.Run(s.name, func(b *testing.B) {
@@ -159,11 +160,11 @@ func BenchmarkLatency(b *testing.B) {
 				runCtx, stop := context.WithCancel(ctx)
 				done := make(chan error, 1)
 				go func() { done <- relay.Run(runCtx) }()
-				shop := postgres.NewOrderService(db)
+				service := shop.NewOrderService(db)
 				var delays []time.Duration
 				for range tc.orders {
 					time.Sleep(time.Duration(random.Int64N(int64(tc.pause))))
-					if _, err := shop.PlaceOrder(ctx, 2500); err != nil {
+					if _, err := service.PlaceOrder(ctx, 2500); err != nil {
 						b.Fatal(err)
 					}
 					committed := time.Now()

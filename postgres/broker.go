@@ -3,27 +3,26 @@ package postgres
 import (
 	"context"
 	"errors"
-	"fmt"
-
-	"example.com/patterns/enterprise/outbox"
 )
 
-// Message is an outbox row as this package's relay publishes it: the root
-// package's [outbox.Message], whose ID is the row's id, and the row's key.
+// Message is an outbox row as the relay publishes it and a consumer
+// receives it. It is this package's own type, not the root teaching
+// package's Message that it extends (with the key and the aggregate), so
+// that a team imports the outbox without the lesson.
 type Message struct {
-	outbox.Message
+	ID      int64  // the row's id: unique in one database, in the order rows were inserted
+	Type    string // the event type, such as "UserRegistered"; see [ErrInvalidEventType]
+	Payload string // the event as JSON, byte for byte as InsertOutbox encoded it
 
 	// Key names the message where consumers meet: a UUID the row was given at
 	// insert, unique across producers, and kept by every copy a re-send makes.
 	// ID is unique only within one database's sequence, and not even there
 	// once the sequence is reset, so consumers drop duplicates by Key, and a
 	// broker that deduplicates (JetStream's Nats-Msg-Id) should be given Key
-	// too. It
-	// is empty for a message published without an outbox, by
-	// DirectOrderService.
+	// too. It is empty for a message published without an outbox.
 	Key string
 
-	// Aggregate names what the message is about, such as "order/17", and
+	// Aggregate names what the message is about, such as "account/17", and
 	// Seq is its number among that aggregate's messages, from 1: a consumer
 	// that has applied Seq n of an aggregate applies n+1 next, and can tell
 	// a message that arrives before its predecessor. Empty and zero for a
@@ -36,14 +35,20 @@ type Message struct {
 // message for ever: a payload over its limit, a destination that does not
 // exist. Publishing it again cannot succeed, so a relay may park it
 // ([OutboxRelay.ParkAfter]). Every other error, such as
-// [outbox.ErrBrokerUnavailable], is taken as one that may pass: a broker that
+// [ErrBrokerUnavailable], is taken as one that may pass: a broker that
 // is down, however long, never has a message parked.
 var ErrRejected = errors.New("postgres: message rejected by the broker")
 
-// MessageBroker is the producer side of a message broker, as this package's
-// relay and [DirectOrderService] use it: the root package's
-// [outbox.MessageBroker] with a context, so that a relay can stop a publish
-// that hangs instead of holding its claim, and its transaction, for as long
+// ErrBrokerUnavailable is what a [MessageBroker] wraps to say that it could
+// not reach the broker, or gave up waiting for its answer: the message may
+// go through on a later try, and so may every message after it. A relay
+// pass stops at it, with [OutboxRelay.PerAggregate] too, which passes over
+// only the aggregate of a message refused in any other way.
+var ErrBrokerUnavailable = errors.New("postgres: message broker unavailable")
+
+// MessageBroker is the producer side of a message broker, as the relay uses
+// it: the root teaching package's MessageBroker with a context, so that a
+// relay can stop a publish that hangs instead of holding its claim, and its transaction, for as long
 // as the broker takes.
 //
 // Publish hands msg to the broker and returns once the broker has accepted
@@ -75,37 +80,4 @@ type MessageBroker interface {
 type BatchPublisher interface {
 	MessageBroker
 	PublishBatch(ctx context.Context, msgs []Message) (accepted int, err error)
-}
-
-// AdaptBroker returns a [MessageBroker] that publishes through b, a broker
-// whose Publish takes no context, such as [outbox.InMemoryBroker].
-//
-// Such a broker gets msg.Message: the Key is not passed on. And it cannot be
-// stopped. If ctx ends before b.Publish returns, the
-// adapter returns ctx's error at once and leaves the call running in a
-// goroutine of its own until b returns; whether b accepted the message is
-// then unknown, so a relay leaves it unsent and it goes again. A broker that
-// hangs for ever therefore keeps one goroutine per relay pass that met it.
-// Give a real broker a Publish that takes the context instead.
-func AdaptBroker(b outbox.MessageBroker) MessageBroker {
-	return adapted{b}
-}
-
-type adapted struct{ b outbox.MessageBroker }
-
-func (a adapted) Publish(ctx context.Context, msg Message) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	if ctx.Done() == nil { // a context that never ends: no need to watch it
-		return a.b.Publish(msg.Message)
-	}
-	done := make(chan error, 1) // buffered: the call may finish after we stopped waiting
-	go func() { done <- a.b.Publish(msg.Message) }()
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-		return fmt.Errorf("broker did not answer before the context ended, so whether it accepted the message is unknown: %w", ctx.Err())
-	}
 }

@@ -9,6 +9,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"os/user"
@@ -22,6 +23,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // Orders placed with synchronous_commit = off are visible, and their rows
@@ -38,7 +40,7 @@ func TestAsyncCommitProducersGetNoEventForAnOrderACrashErased(t *testing.T) {
 	srv := startOwnServer(t, "-c", "synchronous_commit=off", "-c", "wal_writer_delay=10000",
 		"-c", "bgwriter_lru_maxpages=0", "-c", "autovacuum=off")
 	db := srv.open(t)
-	if err := postgres.Migrate(ctx, db); err != nil {
+	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
 		t.Fatal(err)
 	}
 	// The schema is made durable, and the log starts a new segment, so that
@@ -47,9 +49,9 @@ func TestAsyncCommitProducersGetNoEventForAnOrderACrashErased(t *testing.T) {
 	if _, err := db.Exec(`CHECKPOINT; SELECT pg_switch_wal()`); err != nil {
 		t.Fatal(err)
 	}
-	shop := postgres.NewOrderService(db)
+	service := shop.NewOrderService(db)
 	for range orders {
-		if _, err := shop.PlaceOrder(ctx, 2500); err != nil {
+		if _, err := service.PlaceOrder(ctx, 2500); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -20,6 +20,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // A service's relay: Run until the process is told to stop, then return
@@ -33,7 +34,7 @@ func ExampleOutboxRelay_Run() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 
-	broker := postgres.AdaptBroker(&outbox.InMemoryBroker{}) // a real broker client in a service
+	broker := shop.AdaptBroker(&outbox.InMemoryBroker{}) // a real broker client in a service
 	relay := postgres.NewOutboxRelay(db, broker)
 	relay.ParkAfter = 5 // set a message aside after 5 rejections
 	relay.Logger = slog.Default()
@@ -99,7 +100,7 @@ func ExampleDeleteSent() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	m, err := postgres.NewWarehouse(db).ForgetProcessed(ctx, 30*24*time.Hour, 0)
+	m, err := shop.NewWarehouse(db).ForgetProcessed(ctx, 30*24*time.Hour, 0)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -114,18 +115,18 @@ func ExampleOrderService_PlaceOrderWithKey() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	shop := postgres.NewOrderService(db)
+	service := shop.NewOrderService(db)
 	http.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
 		total, err := strconv.ParseInt(r.FormValue("totalCents"), 10, 64)
 		if err != nil {
 			http.Error(w, "totalCents must be a number of cents", http.StatusBadRequest)
 			return
 		}
-		id, err := shop.PlaceOrderWithKey(r.Context(), r.Header.Get("Idempotency-Key"), total)
+		id, err := service.PlaceOrderWithKey(r.Context(), r.Header.Get("Idempotency-Key"), total)
 		switch {
-		case errors.Is(err, outbox.ErrInvalidTotal), errors.Is(err, postgres.ErrInvalidIdempotencyKey):
+		case errors.Is(err, outbox.ErrInvalidTotal), errors.Is(err, shop.ErrInvalidIdempotencyKey):
 			http.Error(w, err.Error(), http.StatusUnprocessableEntity)
-		case errors.Is(err, postgres.ErrIdempotencyKeyReused):
+		case errors.Is(err, shop.ErrIdempotencyKeyReused):
 			http.Error(w, err.Error(), http.StatusConflict)
 		case errors.Is(err, postgres.ErrCommitUnknown):
 			http.Error(w, "unknown outcome: retry with the same Idempotency-Key", http.StatusServiceUnavailable)

@@ -2,7 +2,6 @@ package postgres
 
 import (
 	"context"
-	"database/sql"
 	"strconv"
 	"strings"
 	"time"
@@ -10,14 +9,6 @@ import (
 
 // This file is compiled only into the package's tests. It lets them reach
 // one unexported seam without adding API that callers could see.
-
-// InsertOrder is insertOrder with no idempotency key: the orders insert
-// without checkTotal in front of it, so that a test can meet the table's
-// CHECK.
-func InsertOrder(ctx context.Context, tx *sql.Tx, totalCents int64) (int64, error) {
-	order, _, err := insertOrder(ctx, tx, sql.NullString{}, totalCents)
-	return order.ID, err
-}
 
 // ClaimQuery is the relay's claim with its batch size and the default
 // budget's limits written in, for EXPLAIN.

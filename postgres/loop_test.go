@@ -237,13 +237,13 @@ func TestBrokerThatReturnsLateStillGetsItsAcceptedMessagesMarked(t *testing.T) {
 		if m.ID == 2 {
 			<-ctx.Done()
 			time.Sleep(budget / 2) // the fault: a broker slow to give up
-			return outbox.ErrBrokerUnavailable
+			return postgres.ErrBrokerUnavailable
 		}
 		return nil
 	})
 	relay := postgres.NewOutboxRelay(db, late)
 	relay.PassTimeout = budget
-	if n, err := relay.PublishPending(ctx); n != 1 || !errors.Is(err, outbox.ErrBrokerUnavailable) {
+	if n, err := relay.PublishPending(ctx); n != 1 || !errors.Is(err, postgres.ErrBrokerUnavailable) {
 		t.Fatalf("pass = %d, %v; want 1 marked and the broker's error", n, err)
 	}
 	wantSent(t, db, true, false)
@@ -258,7 +258,7 @@ func TestBrokerThatReturnsLateStillGetsItsAcceptedMessagesMarked(t *testing.T) {
 		if m.ID == 2 {
 			<-ctx.Done()
 			time.Sleep(2 * budget) // the fault: past the transaction's own deadline
-			return outbox.ErrBrokerUnavailable
+			return postgres.ErrBrokerUnavailable
 		}
 		return nil
 	})
@@ -456,7 +456,7 @@ func TestRowThatKeepsFailingIsLoggedOnceAndCounted(t *testing.T) {
 	db := newDatabase(t)
 	insertPending(t, db, 2)
 	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
-		return fmt.Errorf("connection refused: %w", outbox.ErrBrokerUnavailable)
+		return fmt.Errorf("connection refused: %w", postgres.ErrBrokerUnavailable)
 	})
 	relay := postgres.NewOutboxRelay(db, broker)
 	relay.PollOnly = true

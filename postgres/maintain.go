@@ -13,7 +13,7 @@ import (
 // it parked and put them back.
 
 // DefaultCleanupBatch is how many rows [DeleteSent] and
-// [Warehouse.ForgetProcessed] delete in one transaction when their
+// [ForgetProcessed] delete in one transaction when their
 // batchSize is zero or less.
 const DefaultCleanupBatch = 1000
 
@@ -52,8 +52,8 @@ WHERE sent_at IS NULL AND parked_at IS NULL`
 
 // ReadLag measures the outbox of db in one query, for a gauge.
 //
-// Alert on Oldest, not on Unsent. A burst of orders makes Unsent large while
-// the relays keep up, and a quiet shop whose broker is down makes it small
+// Alert on Oldest, not on Unsent. A burst of writes makes Unsent large while
+// the relays keep up, and a quiet service whose broker is down makes it small
 // while nothing is delivered; but when delivery stops, for any reason (the
 // broker down, every relay dead, a message that blocks the rest), Oldest
 // grows without bound, and while it works Oldest stays below a relay's poll
@@ -91,7 +91,7 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`
 // retention ago, at most batchSize rows a transaction (zero or less means
 // [DefaultCleanupBatch]), each batch its own short transaction, until none is
 // left, and returns how many it deleted. It never deletes a row that is not
-// sent, and is safe to run beside relays, order placement and another
+// sent, and is safe to run beside relays, producers and another
 // DeleteSent. A negative retention is refused.
 //
 // Deleting a row does not free its id: the identity's sequence hands out

@@ -17,6 +17,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // ReadLag counts the rows still to publish and the parked ones, and ages
@@ -138,9 +139,9 @@ func TestCleanupBesideRelaysAndPlacementLosesNothing(t *testing.T) {
 	var wg sync.WaitGroup
 	for range clients {
 		wg.Go(func() {
-			shop := postgres.NewOrderService(db)
+			service := shop.NewOrderService(db)
 			for range perClient {
-				if _, err := shop.PlaceOrder(ctx, 100); err != nil {
+				if _, err := service.PlaceOrder(ctx, 100); err != nil {
 					t.Error(err)
 					return
 				}
@@ -159,7 +160,7 @@ func TestCleanupBesideRelaysAndPlacementLosesNothing(t *testing.T) {
 		t.Error("the cleanup deleted nothing, so it did not run beside the relays")
 	}
 
-	warehouse := postgres.NewWarehouse(db)
+	warehouse := shop.NewWarehouse(db)
 	for _, m := range broker.Published() {
 		if _, err := warehouse.Handle(ctx, m); err != nil {
 			t.Fatal(err)
@@ -181,10 +182,10 @@ func TestCleanupBesideRelaysAndPlacementLosesNothing(t *testing.T) {
 func TestForgetProcessedForgetsOnlyOldKeys(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	warehouse := postgres.NewWarehouse(db)
+	warehouse := shop.NewWarehouse(db)
 	msg := func(key string, order int64) postgres.Message {
-		return postgres.Message{Key: key, Message: outbox.Message{ID: order, Type: outbox.OrderPlaced,
-			Payload: fmt.Sprintf(`{"orderId":%d,"totalCents":100}`, order)}}
+		return postgres.Message{Key: key, ID: order, Type: outbox.OrderPlaced,
+			Payload: fmt.Sprintf(`{"orderId":%d,"totalCents":100}`, order)}
 	}
 	for i, key := range []string{"old-1", "old-2", "new-3"} {
 		if ok, err := warehouse.Handle(ctx, msg(key, int64(i+1))); !ok || err != nil {
@@ -218,7 +219,7 @@ func TestForgetProcessedForgetsOnlyClosedPositions(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	place(t, db, 100, 200)
-	if err := postgres.NewOrderService(db).CancelOrder(ctx, 1); err != nil {
+	if err := shop.NewOrderService(db).CancelOrder(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
 	recorded := &recorder{}
@@ -229,7 +230,7 @@ func TestForgetProcessedForgetsOnlyClosedPositions(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	warehouse := postgres.NewWarehouse(db)
+	warehouse := shop.NewWarehouse(db)
 	for _, m := range recorded.Published() {
 		if ok, err := warehouse.Handle(ctx, m); !ok || err != nil {
 			t.Fatalf("Handle(%d) = %v, %v", m.ID, ok, err)
@@ -256,7 +257,7 @@ func TestForgetProcessedForgetsOnlyClosedPositions(t *testing.T) {
 	if !slices.Equal(positions, []string{"order/2 1"}) {
 		t.Errorf("positions left: %v, want [order/2 1]: the open order's position kept", positions)
 	}
-	if err := postgres.NewOrderService(db).CancelOrder(ctx, 2); err != nil {
+	if err := shop.NewOrderService(db).CancelOrder(ctx, 2); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := relay.PublishPending(ctx); err != nil {
@@ -337,7 +338,7 @@ func TestOnlyRejectionsParkAndOnlyWhenAskedTo(t *testing.T) {
 		err       error
 		parkAfter int
 	}{
-		{"broker down, ParkAfter 1", outbox.ErrBrokerUnavailable, 1},
+		{"broker down, ParkAfter 1", postgres.ErrBrokerUnavailable, 1},
 		{"rejected, ParkAfter 0", postgres.ErrRejected, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -395,7 +396,7 @@ func TestTwoProducersWithTheSameIDsThroughOneWarehouse(t *testing.T) {
 	if got := broker.IDs(); !slices.Equal(got, []int64{1, 2, 1, 2}) {
 		t.Fatalf("published ids %v, want [1 2 1 2]", got)
 	}
-	warehouse := postgres.NewWarehouse(newDatabase(t))
+	warehouse := shop.NewWarehouse(newDatabase(t))
 	var applied []bool
 	for _, m := range broker.Published() {
 		ok, err := warehouse.Handle(ctx, m)

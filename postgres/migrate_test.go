@@ -18,6 +18,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // Migrate records every migration, 1 to SchemaVersion without a gap, and
@@ -79,7 +80,7 @@ func TestMigrateFromTheSchemaBeforeMigrationsLosesNoRow(t *testing.T) {
 	placed.Store(3)
 	stop := make(chan struct{})
 	var producers sync.WaitGroup
-	shop := postgres.NewOrderService(db)
+	service := shop.NewOrderService(db)
 	for range 4 {
 		producers.Go(func() {
 			for {
@@ -88,7 +89,7 @@ func TestMigrateFromTheSchemaBeforeMigrationsLosesNoRow(t *testing.T) {
 					return
 				default:
 				}
-				if _, err := shop.PlaceOrder(ctx, 500); err != nil {
+				if _, err := service.PlaceOrder(ctx, 500); err != nil {
 					t.Error(err)
 					return
 				}
@@ -166,7 +167,7 @@ func TestMigrationThatMeetsALockGivesUpWhole(t *testing.T) {
 func atTheSchemaBeforeMigrations(t *testing.T) *sql.DB {
 	t.Helper()
 	db := open(t, newBlankDatabase(t), "")
-	old, err := os.ReadFile("migrations/0001_schema.sql")
+	old, err := os.ReadFile("testdata/schema-before-migrations.sql")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // errFlaky is a refusal that may pass: neither unavailable nor rejected.
@@ -63,11 +64,11 @@ func TestCancellationNeverOvertakesItsOrder(t *testing.T) {
 	var wg sync.WaitGroup
 	for range clients {
 		wg.Go(func() {
-			shop := postgres.NewOrderService(db)
+			service := shop.NewOrderService(db)
 			for range perClient {
-				id, err := shop.PlaceOrder(ctx, 100)
+				id, err := service.PlaceOrder(ctx, 100)
 				if err == nil {
-					err = shop.CancelOrder(ctx, id)
+					err = service.CancelOrder(ctx, id)
 				}
 				if err != nil {
 					t.Error(err)
@@ -96,7 +97,7 @@ func TestCancellationNeverOvertakesItsOrder(t *testing.T) {
 			if _, ok := placedAt[order]; !ok {
 				placedAt[order] = i
 			}
-		case postgres.OrderCancelled:
+		case shop.OrderCancelled:
 			if _, ok := placedAt[order]; !ok {
 				overtaken = append(overtaken, m.Aggregate)
 			}
@@ -106,7 +107,7 @@ func TestCancellationNeverOvertakesItsOrder(t *testing.T) {
 		t.Errorf("%d orders' OrderCancelled reached the broker before their OrderPlaced: %v", len(overtaken), overtaken[:min(5, len(overtaken))])
 	}
 
-	warehouse := postgres.NewWarehouse(db)
+	warehouse := shop.NewWarehouse(db)
 	for _, m := range accepted.Published() {
 		if _, err := warehouse.Handle(ctx, m); err != nil {
 			t.Fatal(err)
@@ -159,7 +160,7 @@ func cancelWithoutLock(t *testing.T, tx *sql.Tx, orderID int64) int64 {
 	if err := tx.QueryRowContext(ctx, `SELECT events FROM orders WHERE id = $1`, orderID).Scan(&events); err != nil {
 		t.Fatal(err)
 	}
-	id, err := postgres.InsertOutboxFor(ctx, tx, postgres.OrderAggregate(orderID), events+1, postgres.OrderCancelled,
+	id, err := postgres.InsertOutboxFor(ctx, tx, shop.OrderAggregate(orderID), events+1, shop.OrderCancelled,
 		outbox.Order{ID: orderID, TotalCents: 100})
 	if err != nil {
 		t.Fatal(err)
@@ -176,7 +177,7 @@ func cancelWithoutLock(t *testing.T, tx *sql.Tx, orderID int64) int64 {
 func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	id, err := postgres.NewOrderService(db).PlaceOrder(ctx, 100) // row 1, seq 1
+	id, err := shop.NewOrderService(db).PlaceOrder(ctx, 100) // row 1, seq 1
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +208,7 @@ func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 	if !slices.Equal(broker.IDs(), []int64{1, 3, 2}) || msgs[1].Seq != msgs[2].Seq {
 		t.Errorf("published ids %v, want [1 3 2], the last two with one seq", broker.IDs())
 	}
-	warehouse := postgres.NewWarehouse(newDatabase(t))
+	warehouse := shop.NewWarehouse(newDatabase(t))
 	var applied []bool
 	for _, m := range msgs {
 		ok, err := warehouse.Handle(ctx, m)
@@ -222,15 +223,15 @@ func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 
 	// With the lock: two CancelOrder at once, one event.
 	db2 := newDatabase(t)
-	shop := postgres.NewOrderService(db2)
-	id2, err := shop.PlaceOrder(ctx, 100)
+	service := shop.NewOrderService(db2)
+	id2, err := service.PlaceOrder(ctx, 100)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var wg sync.WaitGroup
 	results := make([]error, 2)
 	for i := range results {
-		wg.Go(func() { results[i] = shop.CancelOrder(ctx, id2) })
+		wg.Go(func() { results[i] = service.CancelOrder(ctx, id2) })
 	}
 	wg.Wait()
 	cancelled := 0
@@ -238,7 +239,7 @@ func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 		switch {
 		case err == nil:
 			cancelled++
-		case !errors.Is(err, postgres.ErrOrderCancelled):
+		case !errors.Is(err, shop.ErrOrderCancelled):
 			t.Errorf("CancelOrder = %v, want nil or ErrOrderCancelled", err)
 		}
 	}
@@ -261,12 +262,12 @@ func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 func TestWarehouseAppliesAnAggregateInSeqOrder(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	warehouse := postgres.NewWarehouse(db)
+	warehouse := shop.NewWarehouse(db)
 	order := outbox.Order{ID: 7, TotalCents: 700}
-	placed := postgres.Message{Key: "k-placed", Aggregate: postgres.OrderAggregate(7), Seq: 1,
-		Message: outbox.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `{"orderId":7,"totalCents":700}`}}
-	cancelled := postgres.Message{Key: "k-cancelled", Aggregate: postgres.OrderAggregate(7), Seq: 2,
-		Message: outbox.Message{ID: 2, Type: postgres.OrderCancelled, Payload: `{"orderId":7,"totalCents":700}`}}
+	placed := postgres.Message{Key: "k-placed", Aggregate: shop.OrderAggregate(7), Seq: 1,
+		ID: 1, Type: outbox.OrderPlaced, Payload: `{"orderId":7,"totalCents":700}`}
+	cancelled := postgres.Message{Key: "k-cancelled", Aggregate: shop.OrderAggregate(7), Seq: 2,
+		ID: 2, Type: shop.OrderCancelled, Payload: `{"orderId":7,"totalCents":700}`}
 
 	if ok, err := warehouse.Handle(ctx, cancelled); ok || !errors.Is(err, postgres.ErrOutOfOrder) {
 		t.Fatalf("the cancellation first = %v, %v; want refused with ErrOutOfOrder", ok, err)
@@ -304,18 +305,18 @@ func TestWarehouseAppliesAnAggregateInSeqOrder(t *testing.T) {
 func TestCancelOrderRefusesWhatItCannotCancel(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	shop := postgres.NewOrderService(db)
-	if err := shop.CancelOrder(ctx, 99); !errors.Is(err, postgres.ErrOrderNotFound) {
+	service := shop.NewOrderService(db)
+	if err := service.CancelOrder(ctx, 99); !errors.Is(err, shop.ErrOrderNotFound) {
 		t.Errorf("CancelOrder of no order = %v, want ErrOrderNotFound", err)
 	}
-	id, err := shop.PlaceOrder(ctx, 100)
+	id, err := service.PlaceOrder(ctx, 100)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := shop.CancelOrder(ctx, id); err != nil {
+	if err := service.CancelOrder(ctx, id); err != nil {
 		t.Fatal(err)
 	}
-	if err := shop.CancelOrder(ctx, id); !errors.Is(err, postgres.ErrOrderCancelled) {
+	if err := service.CancelOrder(ctx, id); !errors.Is(err, shop.ErrOrderCancelled) {
 		t.Errorf("CancelOrder twice = %v, want ErrOrderCancelled", err)
 	}
 	wantSent(t, db, false, false) // OrderPlaced and one OrderCancelled

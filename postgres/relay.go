@@ -10,8 +10,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"example.com/patterns/enterprise/outbox"
 )
 
 // DefaultBatchSize is how many rows a relay pass claims when
@@ -156,7 +154,7 @@ RETURNING attempts`
 const FailingAfter = 5
 
 // OutboxRelay moves messages from the outbox table to the broker. It knows
-// nothing about orders: it publishes rows.
+// nothing of the producers' tables: it publishes rows.
 //
 // Each pass is one READ COMMITTED transaction that claims a batch of unsent
 // rows with SELECT ... FOR UPDATE SKIP LOCKED and stays open while it
@@ -185,8 +183,8 @@ const FailingAfter = 5
 // producer that commits with synchronous_commit = off (or local, or
 // remote_write, with a standby) makes its rows visible before its commit is
 // flushed to the write-ahead log, and a crash in that moment erases the
-// order and its row; a relay that had published the row's event would have
-// told the warehouse of an order that never was. So after its claim a pass
+// change and its row; a relay that had published the row's event would have
+// told the consumers of a change that never was. So after its claim a pass
 // makes sure, within its budget, that the server has flushed its log past
 // every commit the claim could see (pg_current_wal_flush_lsn against the
 // pg_current_wal_insert_lsn, read as the claim began). Where everything is
@@ -197,7 +195,7 @@ const FailingAfter = 5
 // it publishes: a pass may need two connections at once. With synchronous
 // standbys that commit also waits for them. What it cannot see is an
 // asynchronous standby: after a failover to an
-// asynchronous standby the new primary may lack orders whose events were
+// asynchronous standby the new primary may lack changes whose events were
 // published, with this relay and with the dual write alike (see the
 // README).
 //
@@ -284,8 +282,7 @@ type OutboxRelay struct {
 // to broker, [DefaultBatchSize] rows a pass. A pass takes one connection of
 // db's pool for its transaction and, while it makes the server flush its
 // log, a second one; Run holds one more for listening. A pool limited below
-// that makes passes wait for a connection until their budget ends. Wrap a broker whose Publish
-// takes no context, such as [outbox.InMemoryBroker], with [AdaptBroker].
+// that makes passes wait for a connection until their budget ends.
 func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 	return &OutboxRelay{db: db, broker: broker}
 }
@@ -302,7 +299,7 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 // At the first message the broker refuses, PublishPending stops publishing,
 // still marks and commits the messages before it, and returns the broker's
 // error wrapped with the message id, so that errors.Is(err,
-// [outbox.ErrBrokerUnavailable]) works. That message and all after it stay
+// [ErrBrokerUnavailable]) works. That message and all after it stay
 // unsent for the next pass. The pass writes the failure to the row
 // (attempts, rejections, last_error) in its own transaction, which commits
 // even when nothing was sent; a row rejected ParkAfter times is parked
@@ -437,7 +434,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 				i++
 				continue // set aside: the rows after it go on
 			}
-			if r.PerAggregate && !errors.Is(err, outbox.ErrBrokerUnavailable) {
+			if r.PerAggregate && !errors.Is(err, ErrBrokerUnavailable) {
 				// It holds back its aggregate alone, and this pass holds no
 				// other row of that aggregate.
 				refused = append(refused, fmt.Errorf("publish message %d: %w", msg.ID, err))
@@ -556,9 +553,9 @@ func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) 
 	n, err := bp.PublishBatch(ctx, batch)
 	switch {
 	case n < 0 || n > len(msgs): // a broker that misreports is taken for one that is down
-		return 0, fmt.Errorf("broker says it accepted %d of %d messages: %w", n, len(msgs), outbox.ErrBrokerUnavailable)
+		return 0, fmt.Errorf("broker says it accepted %d of %d messages: %w", n, len(msgs), ErrBrokerUnavailable)
 	case n < len(msgs) && err == nil:
-		err = fmt.Errorf("broker accepted %d of %d messages and gave no error for the next: %w", n, len(msgs), outbox.ErrBrokerUnavailable)
+		err = fmt.Errorf("broker accepted %d of %d messages and gave no error for the next: %w", n, len(msgs), ErrBrokerUnavailable)
 	case n == len(msgs):
 		err = nil
 	}

@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
@@ -125,7 +124,7 @@ func TestRunBacksOffWithJitterAndStartsAgainAfterASuccess(t *testing.T) {
 	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		switch calls.Add(1) {
 		case 1, 2, 3, 5: // row 1 three times, then row 2 once after row 1 went
-			return outbox.ErrBrokerUnavailable
+			return postgres.ErrBrokerUnavailable
 		}
 		return inner.Publish(ctx, m)
 	})

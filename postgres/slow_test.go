@@ -20,6 +20,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // generous is how long a test waits for something that takes milliseconds,
@@ -45,7 +46,7 @@ func TestHungBrokerCannotHoldAPassBeyondItsBudget(t *testing.T) {
 			<-ctx.Done() // a broker that never answers, until the relay gives up
 			return fmt.Errorf("no answer: %w", ctx.Err())
 		}
-		return broker.Publish(m.Message)
+		return publish(broker, m)
 	})
 	relay := postgres.NewOutboxRelay(open(t, name, "hung-relay"), hangAt2)
 	relay.PassTimeout = time.Second
@@ -80,7 +81,7 @@ func TestHungBrokerCannotHoldAPassBeyondItsBudget(t *testing.T) {
 		t.Errorf("the relay's session after the pass: state %q, backend_xid %v, backend_xmin %v; want idle with neither (vacuum free)", state, xid, xmin)
 	}
 
-	if n, err := postgres.NewOutboxRelay(db, postgres.AdaptBroker(broker)).PublishPending(ctx); n != 2 || err != nil {
+	if n, err := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker)).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("another relay's pass right after = %d, %v; want 2, <nil>", n, err)
 	}
 	wantIDs(t, broker, 1, 2, 3)
@@ -95,7 +96,7 @@ func TestAdaptedBrokerThatHangsDoesNotHoldThePass(t *testing.T) {
 	release := make(chan struct{})
 	defer close(release)
 	hung := outboxBrokerFunc(func(outbox.Message) error { <-release; return nil })
-	relay := postgres.NewOutboxRelay(db, postgres.AdaptBroker(hung))
+	relay := postgres.NewOutboxRelay(db, shop.AdaptBroker(hung))
 	relay.PassTimeout = 500 * time.Millisecond
 
 	done := make(chan error, 1)
@@ -190,7 +191,7 @@ func TestShutdownMidPassMarksWhatTheBrokerAccepted(t *testing.T) {
 			defer cancel()
 			broker := &outbox.InMemoryBroker{}
 			cancelAt3 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
-				err := broker.Publish(m.Message)
+				err := publish(broker, m)
 				if m.ID == 3 {
 					cancel() // the process is told to stop
 					if tc.inFlight {
@@ -207,7 +208,7 @@ func TestShutdownMidPassMarksWhatTheBrokerAccepted(t *testing.T) {
 			}
 			wantSent(t, db, tc.marked...)
 
-			relay := postgres.NewOutboxRelay(db, postgres.AdaptBroker(broker))
+			relay := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker))
 			for {
 				n, err := relay.PublishPending(context.Background())
 				if err != nil {
@@ -250,7 +251,7 @@ func TestVanishedRelayFreesItsRowsAtThePassLimit(t *testing.T) {
 	frozenAt := time.Now()
 
 	broker := &outbox.InMemoryBroker{}
-	rescuer := postgres.NewOutboxRelay(db, postgres.AdaptBroker(broker))
+	rescuer := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker))
 	for deadline := time.Now().Add(generous); len(broker.Published()) < 3; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("the vanished relay's rows were not free after %v; published %v", generous, ids(broker))
@@ -341,13 +342,13 @@ func TestRowCommittedDuringAPassStaysUnsent(t *testing.T) {
 				return err
 			}
 		}
-		return broker.Publish(m.Message)
+		return publish(broker, m)
 	})
 	if n, err := postgres.NewOutboxRelay(db, commitA).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("pass = %d, %v; want 2 (rows 1 and 3), <nil>", n, err)
 	}
 	wantSent(t, db, true, false, true)
-	if n, err := postgres.NewOutboxRelay(db, postgres.AdaptBroker(broker)).PublishPending(ctx); n != 1 || err != nil {
+	if n, err := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker)).PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("next pass = %d, %v; want 1, <nil>", n, err)
 	}
 	wantIDs(t, broker, 1, 3, 2)
@@ -373,7 +374,7 @@ func TestRelayPublishesInIDOrderWhateverTheHeapOrder(t *testing.T) {
 		t.Fatalf("the first row in the heap is %d (%v), want 11 for the test to mean anything", first, err)
 	}
 	broker := &outbox.InMemoryBroker{}
-	if _, err := postgres.NewOutboxRelay(db, postgres.AdaptBroker(broker)).PublishPending(ctx); err != nil {
+	if _, err := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker)).PublishPending(ctx); err != nil {
 		t.Fatal(err)
 	}
 	var want []int64
@@ -449,14 +450,14 @@ func TestRetryAfterAnUnknownCommitPlacesOneOrder(t *testing.T) {
 	p := startProxy(t)
 	p.cutNextCommit()
 
-	_, err := postgres.NewOrderService(p.open(t, name, "shop")).PlaceOrderWithKey(ctx, "req-1", 2500)
+	_, err := shop.NewOrderService(p.open(t, name, "shop")).PlaceOrderWithKey(ctx, "req-1", 2500)
 	if !errors.Is(err, postgres.ErrCommitUnknown) {
 		t.Fatalf("PlaceOrderWithKey with the COMMIT's answer lost = %v, want ErrCommitUnknown", err)
 	}
 	t.Logf("the lost commit: %v", err)
 	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 2500}) // it did commit
 
-	id, err := postgres.NewOrderService(db).PlaceOrderWithKey(ctx, "req-1", 2500)
+	id, err := shop.NewOrderService(db).PlaceOrderWithKey(ctx, "req-1", 2500)
 	if id != 1 || err != nil {
 		t.Fatalf("the retry = %d, %v; want 1 (the first order), <nil>", id, err)
 	}
@@ -469,12 +470,12 @@ func TestRetryAfterAnUnknownCommitPlacesOneOrder(t *testing.T) {
 func TestIdempotencyKeyPlacesOneOrder(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	shop := postgres.NewOrderService(db)
+	service := shop.NewOrderService(db)
 	var wg sync.WaitGroup
 	got := make([]int64, 8)
 	for i := range got {
 		wg.Go(func() {
-			id, err := shop.PlaceOrderWithKey(ctx, "req-7", 700)
+			id, err := service.PlaceOrderWithKey(ctx, "req-7", 700)
 			if err != nil {
 				t.Error(err)
 			}
@@ -488,15 +489,15 @@ func TestIdempotencyKeyPlacesOneOrder(t *testing.T) {
 	if slices.ContainsFunc(got, func(id int64) bool { return id != first }) || first == 0 {
 		t.Errorf("eight requests with one key returned ids %v, want one id eight times", got)
 	}
-	if _, err := shop.PlaceOrderWithKey(ctx, "req-7", 800); !errors.Is(err, postgres.ErrIdempotencyKeyReused) {
+	if _, err := service.PlaceOrderWithKey(ctx, "req-7", 800); !errors.Is(err, shop.ErrIdempotencyKeyReused) {
 		t.Errorf("the key again for another total = %v, want ErrIdempotencyKeyReused", err)
 	}
-	for _, key := range []string{"", string(make([]byte, postgres.MaxIdempotencyKeyLen+1)), "a\x00b", "\xff"} {
-		if id, err := shop.PlaceOrderWithKey(ctx, key, 100); id != 0 || !errors.Is(err, postgres.ErrInvalidIdempotencyKey) {
+	for _, key := range []string{"", string(make([]byte, shop.MaxIdempotencyKeyLen+1)), "a\x00b", "\xff"} {
+		if id, err := service.PlaceOrderWithKey(ctx, key, 100); id != 0 || !errors.Is(err, shop.ErrInvalidIdempotencyKey) {
 			t.Errorf("PlaceOrderWithKey(%q) = %d, %v; want 0, ErrInvalidIdempotencyKey", key, id, err)
 		}
 	}
-	if _, err := shop.PlaceOrderWithKey(ctx, "req-8", 0); !errors.Is(err, outbox.ErrInvalidTotal) {
+	if _, err := service.PlaceOrderWithKey(ctx, "req-8", 0); !errors.Is(err, outbox.ErrInvalidTotal) {
 		t.Errorf("a zero total with a key = %v, want ErrInvalidTotal", err)
 	}
 	wantOrders(t, db, outbox.Order{ID: first, TotalCents: 700})
@@ -519,7 +520,7 @@ func slowBroker(broker *outbox.InMemoryBroker, d time.Duration) postgres.Message
 		defer t.Stop()
 		select {
 		case <-t.C:
-			return broker.Publish(m.Message)
+			return publish(broker, m)
 		case <-ctx.Done():
 			return ctx.Err()
 		}

@@ -15,6 +15,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // maxOrderBody is the largest POST /orders body read.
@@ -24,7 +25,7 @@ const maxOrderBody = 1 << 10
 // not answer gets a 503 within it, not a client waiting for ever.
 const requestTimeout = 5 * time.Second
 
-// orderPlacer is what POST /orders needs of [postgres.OrderService].
+// orderPlacer is what POST /orders needs of [shop.OrderService].
 type orderPlacer interface {
 	PlaceOrder(ctx context.Context, totalCents int64) (int64, error)
 	PlaceOrderWithKey(ctx context.Context, key string, totalCents int64) (int64, error)
@@ -81,9 +82,9 @@ func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer
 			id, err = orders.PlaceOrder(ctx, *body.TotalCents)
 		}
 		switch {
-		case errors.Is(err, postgres.ErrInvalidIdempotencyKey):
+		case errors.Is(err, shop.ErrInvalidIdempotencyKey):
 			writeJSON(w, http.StatusBadRequest, problem(err.Error()))
-		case errors.Is(err, outbox.ErrInvalidTotal), errors.Is(err, postgres.ErrIdempotencyKeyReused):
+		case errors.Is(err, outbox.ErrInvalidTotal), errors.Is(err, shop.ErrIdempotencyKeyReused):
 			writeJSON(w, http.StatusUnprocessableEntity, problem(err.Error()))
 		case errors.Is(err, postgres.ErrCommitUnknown):
 			retry := "send the same request again with the same Idempotency-Key: it places the order at most once"

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // badInputChangesNothing sends the shop every kind of bad input and checks
@@ -46,7 +47,7 @@ func badInputChangesNothing(t *testing.T, db *sql.DB, base string) {
 		{``, "", 400, bad},                                    // nothing
 		{`{"totalCents":1` + strings.Repeat(" ", 2000) + `}`, "", 413, `{"error":"body over 1024 bytes"}`},
 		{`{"totalCents":1}`, strings.Repeat("k", 256), 400,
-			`{"error":"postgres: invalid idempotency key: \"` + strings.Repeat("k", 256) + `\""}`},
+			`{"error":"shop: invalid idempotency key: \"` + strings.Repeat("k", 256) + `\""}`},
 	} {
 		req := newRequest(t, "POST", base+"/orders", tc.body)
 		if tc.key != "" {
@@ -220,7 +221,7 @@ func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
 	if err := db.QueryRow(`SELECT count(*) FROM pg_tables WHERE schemaname = 'public'`).Scan(&tables); err != nil || tables != 0 {
 		t.Errorf("tables after serve refused: %d, %v; want 0", tables, err)
 	}
-	if err := postgres.Migrate(ctx, db); err != nil {
+	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
 		t.Fatal(err)
 	}
 	if err := serveOnce(t.TempDir()); err == nil || !strings.Contains(err.Error(), "run shop migrate first") {

@@ -46,6 +46,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 func main() {
@@ -132,11 +133,14 @@ func streamConfig(nodes int) jetstream.StreamConfig {
 	return cfg
 }
 
-// migrate is the step before serve: it brings the database's schema to
-// postgres.SchemaVersion, and creates (or updates) the stream and the
+// migrate is the step before serve: it brings the database's outbox tables
+// to postgres.SchemaVersion and the shop's to shop.SchemaVersion, and creates (or updates) the stream and the
 // warehouse's durable consumer on the broker whose store is in store.
 func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Writer) error {
 	if err := postgres.Migrate(ctx, db); err != nil {
+		return err
+	}
+	if err := shop.Migrate(ctx, db); err != nil {
 		return err
 	}
 	broker, err := startBroker(store, nodes)
@@ -161,8 +165,8 @@ func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Wr
 	if _, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", 0)); err != nil {
 		return fmt.Errorf("provision consumer warehouse: %w", err)
 	}
-	fmt.Fprintf(out, "shop: database at schema version %d, stream %s (replicas: %d) and consumer warehouse provisioned\n",
-		postgres.SchemaVersion, cfg.Name, cfg.Replicas)
+	fmt.Fprintf(out, "shop: database at outbox schema version %d and shop schema version %d, stream %s (replicas: %d) and consumer warehouse provisioned\n",
+		postgres.SchemaVersion, shop.SchemaVersion, cfg.Name, cfg.Replicas)
 	return nil
 }
 
@@ -205,7 +209,7 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	logger := slog.New(slog.NewTextHandler(out, nil))
-	if err := postgres.CheckSchema(ctx, db); err != nil {
+	if err := errors.Join(postgres.CheckSchema(ctx, db), shop.CheckSchema(ctx, db)); err != nil {
 		return err
 	}
 
@@ -239,9 +243,9 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 	relay.ParkAfter = 5
 	relay.MaxBackoff = 2 * time.Second
 	relay.Logger = logger
-	warehouse := natsbroker.NewConsumer(cons, postgres.NewWarehouse(dbs.warehouse))
+	warehouse := natsbroker.NewConsumer(cons, shop.NewWarehouse(dbs.warehouse))
 	warehouse.Logger = logger
-	srv := newServer(newHandler(db, postgres.NewOrderService(db), broker, cons))
+	srv := newServer(newHandler(db, shop.NewOrderService(db), broker, cons))
 
 	var wg sync.WaitGroup
 	errs := make(chan error, 3)

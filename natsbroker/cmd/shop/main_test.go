@@ -105,7 +105,7 @@ func TestShopOverHTTP(t *testing.T) {
 	call(t, "POST", base+"/outbox/parked/x/unpark", "", 400, `{"error":"outbox row id must be a whole number"}`)
 	waitFor(t, "the row parked again", func() bool { return strings.HasPrefix(get(t, base+"/outbox/parked"), listed) })
 
-	postWithKey(t, base+"/orders", "order-3", `{"totalCents":800}`, 422, `{"error":"postgres: idempotency key already used for another order: key \"order-3\" placed order 3 of 700 cents, not 800"}`)
+	postWithKey(t, base+"/orders", "order-3", `{"totalCents":800}`, 422, `{"error":"shop: idempotency key already used for another order: key \"order-3\" placed order 3 of 700 cents, not 800"}`)
 
 	cancel()
 	if err := <-served; err != nil {

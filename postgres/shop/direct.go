@@ -1,4 +1,4 @@
-package postgres
+package shop
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"fmt"
 
 	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 // DirectOrderService places orders the naive way, to show why that is wrong:
@@ -20,13 +21,13 @@ import (
 // no broker.
 type DirectOrderService struct {
 	db     *sql.DB
-	broker MessageBroker
+	broker postgres.MessageBroker
 }
 
 // NewDirectOrderService returns a DirectOrderService that saves orders in db
 // and publishes their events to broker (wrap one whose Publish takes no
 // context with [AdaptBroker]).
-func NewDirectOrderService(db *sql.DB, broker MessageBroker) *DirectOrderService {
+func NewDirectOrderService(db *sql.DB, broker postgres.MessageBroker) *DirectOrderService {
 	return &DirectOrderService{db: db, broker: broker}
 }
 
@@ -43,7 +44,7 @@ func (s *DirectOrderService) PlaceOrder(ctx context.Context, totalCents int64) (
 		return 0, err
 	}
 	var order outbox.Order
-	err := Transaction(ctx, s.db, func(tx *sql.Tx) error {
+	err := postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
 		var err error
 		order, _, err = insertOrder(ctx, tx, sql.NullString{}, totalCents)
 		return err
@@ -58,7 +59,7 @@ func (s *DirectOrderService) PlaceOrder(ctx context.Context, totalCents int64) (
 	if err != nil {
 		return order.ID, err // an Order is two integers: this cannot happen
 	}
-	if err := s.broker.Publish(ctx, Message{Message: outbox.Message{Type: outbox.OrderPlaced, Payload: string(payload)}}); err != nil {
+	if err := s.broker.Publish(ctx, postgres.Message{Type: outbox.OrderPlaced, Payload: string(payload)}); err != nil {
 		return order.ID, fmt.Errorf("order %d saved, but %s not published: %w", order.ID, outbox.OrderPlaced, err)
 	}
 	return order.ID, nil

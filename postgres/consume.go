@@ -1,0 +1,164 @@
+package postgres
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// ErrOutOfOrder is returned, wrapped, by [ApplyOnce] for a message that
+// arrives before its predecessor in its aggregate: it is not applied, and
+// applies once the predecessor has been.
+var ErrOutOfOrder = errors.New("postgres: message arrived before its predecessor")
+
+// ErrMalformedMessage is what a consumer's apply function wraps for a
+// message whose payload it cannot read as its type's: delivered again, it
+// fails again, so a consumer should drop it (and keep it for a person to
+// look at) instead of asking for it again.
+var ErrMalformedMessage = errors.New("postgres: message payload cannot be read")
+
+// ErrNoMessageKey is returned by [ApplyOnce] for a message whose Key is
+// empty, such as one published without an outbox: with no key there is no
+// way to tell a duplicate from a new message.
+var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates cannot be dropped")
+
+// ApplyOnce is the consumer's side of the outbox: it runs apply(tx) for msg
+// in a READ COMMITTED transaction on db, unless a message with msg's key was
+// applied before, and reports whether apply ran and committed. Delivery is
+// at least once, so every consumer needs it; apply writes the message's
+// effect in tx, and the effect and the key's record in processed_messages
+// commit together or not at all.
+//
+// The key, not the id, because a consumer that hears two producers, or one
+// whose sequence was reset, sees the same id on different messages. A
+// message with no key is refused with [ErrNoMessageKey].
+//
+// A message of an aggregate must carry the Seq after the last one applied
+// for that aggregate (kept in aggregate_positions): one that skips ahead is
+// refused with [ErrOutOfOrder], to be delivered again later; one at or
+// below it was applied before (a copy that came after its key was
+// forgotten, or a replay of the stream) and is a duplicate, whatever its
+// key says. last says that msg is its aggregate's last event, so that
+// [ForgetProcessed] may later forget the aggregate's position.
+//
+// An error from apply rolls everything back and is returned unchanged: wrap
+// [ErrMalformedMessage] for a payload that can never apply. Two deliveries
+// of one message at the same time apply it once: the second waits for the
+// first's transaction and comes back as a duplicate, not as an error. The
+// tables are the outbox migrations' ([Migrate]); in a real system they live
+// in the consumer's database.
+func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply func(tx *sql.Tx) error) (applied bool, err error) {
+	if msg.Key == "" {
+		return false, ErrNoMessageKey
+	}
+	err = Transaction(ctx, db, func(tx *sql.Tx) error {
+		// Under READ COMMITTED a second delivery waits here for the first
+		// one's transaction, then finds the key and inserts nothing.
+		res, err := tx.ExecContext(ctx,
+			`INSERT INTO processed_messages (message_key) VALUES ($1) ON CONFLICT DO NOTHING`, msg.Key)
+		if err != nil {
+			return fmt.Errorf("record message %s: %w", msg.Key, err)
+		}
+		if n, err := res.RowsAffected(); err != nil || n == 0 {
+			return err // n == 0: applied before, a duplicate
+		}
+		if msg.Aggregate != "" {
+			if err := advance(ctx, tx, msg, last); err != nil {
+				return err
+			}
+		}
+		if err := apply(tx); err != nil {
+			return err
+		}
+		applied = true
+		return nil
+	})
+	if errors.Is(err, errStale) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return applied, nil
+}
+
+// errStale is what advance returns for a message at or below its
+// aggregate's position: ApplyOnce rolls back and reports a duplicate.
+var errStale = errors.New("postgres: message at or below its aggregate's position")
+
+// advance moves the aggregate's position from msg.Seq-1 to msg.Seq, under
+// the position's row lock, or refuses msg with ErrOutOfOrder.
+func advance(ctx context.Context, tx *sql.Tx, msg Message, last bool) error {
+	if _, err := tx.ExecContext(ctx,
+		`INSERT INTO aggregate_positions (aggregate, seq) VALUES ($1, 0) ON CONFLICT DO NOTHING`, msg.Aggregate); err != nil {
+		return fmt.Errorf("message %s: %w", msg.Key, err)
+	}
+	var seq int64
+	if err := tx.QueryRowContext(ctx,
+		`SELECT seq FROM aggregate_positions WHERE aggregate = $1 FOR UPDATE`, msg.Aggregate).Scan(&seq); err != nil {
+		return fmt.Errorf("message %s: %w", msg.Key, err)
+	}
+	if msg.Seq <= seq {
+		return errStale // applied before: a copy whose key was forgotten, or a replay
+	}
+	if msg.Seq != seq+1 {
+		return fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",
+			msg.Key, msg.Aggregate, msg.Seq, seq, ErrOutOfOrder)
+	}
+	if _, err := tx.ExecContext(ctx,
+		`UPDATE aggregate_positions SET seq = $2, applied_at = clock_timestamp(), closed = $3 WHERE aggregate = $1`,
+		msg.Aggregate, msg.Seq, last); err != nil {
+		return fmt.Errorf("message %s: %w", msg.Key, err)
+	}
+	return nil
+}
+
+// ForgetProcessed deletes the keys of messages that [ApplyOnce] applied
+// longer than retention ago, and the positions of the aggregates whose last
+// event it applied longer than retention ago, at most batchSize rows a
+// transaction (zero or less means [DefaultCleanupBatch]), and returns how
+// many keys and positions it deleted. It is safe to run beside ApplyOnce.
+// The position of an aggregate that is still open is kept, however old:
+// forgotten, the aggregate's next event would find no predecessor and be
+// refused as out of order for ever.
+//
+// The rule: forget a key only once no copy of its message can still arrive.
+// A copy comes as late as the longest delay before a relay sends again (a
+// broker down for hours, a parked message put back) plus the broker's own
+// redelivery delay; a retention shorter than that applies a late duplicate
+// as a new message. Keep it generous: a key is a few dozen bytes.
+func ForgetProcessed(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
+	keys, err := deleteInBatches(ctx, db, forgetProcessed, retention, batchSize)
+	if err != nil {
+		return keys, err
+	}
+	positions, err := deleteInBatches(ctx, db, forgetClosedPositions, retention, batchSize)
+	return keys + positions, err
+}
+
+// forgetProcessed deletes up to $2 keys older than $1 microseconds.
+const forgetProcessed = `
+WITH gone AS (
+    DELETE FROM processed_messages
+    WHERE message_key IN (
+        SELECT message_key FROM processed_messages
+        WHERE processed_at < clock_timestamp() - $1 * interval '1 microsecond'
+        ORDER BY processed_at
+        LIMIT $2)
+    RETURNING 1)
+SELECT count(*) FROM gone`
+
+// forgetClosedPositions deletes up to $2 positions of closed aggregates
+// last moved more than $1 microseconds ago.
+const forgetClosedPositions = `
+WITH gone AS (
+    DELETE FROM aggregate_positions
+    WHERE aggregate IN (
+        SELECT aggregate FROM aggregate_positions
+        WHERE closed AND applied_at < clock_timestamp() - $1 * interval '1 microsecond'
+        ORDER BY applied_at
+        LIMIT $2)
+    RETURNING 1)
+SELECT count(*) FROM gone`

@@ -1,0 +1,40 @@
+package shop
+
+// The tests of the shop and the warehouse run with the outbox's, in the
+// postgres package's tests, which drive the relay with them; this one needs
+// insertOrder, which only the package can reach.
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/internal/pgtest"
+)
+
+// A writer inside the package that skips checkTotal meets the orders
+// table's CHECK, and gets the root package's error for it, with the
+// server's below; nothing is written.
+func TestInsertOrderTurnsTheTablesCheckIntoErrInvalidTotal(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.Open(t, pgtest.NewBlankDatabase(t), "")
+	if err := Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		_, _, err := insertOrder(ctx, tx, sql.NullString{}, 0)
+		return err
+	})
+	if pgErr := (*pgconn.PgError)(nil); !errors.Is(err, outbox.ErrInvalidTotal) || !errors.As(err, &pgErr) || pgErr.Code != "23514" {
+		t.Errorf("insertOrder of a zero total = %v, want ErrInvalidTotal wrapping the check_violation", err)
+	}
+	var orders int
+	if err := db.QueryRow(`SELECT count(*) FROM orders`).Scan(&orders); err != nil || orders != 0 {
+		t.Errorf("orders holds %d rows (%v), want 0", orders, err)
+	}
+}

@@ -1,0 +1,72 @@
+package shop
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"example.com/patterns/enterprise/outbox"
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// Warehouse is the consumer of OrderPlaced and OrderCancelled: it reserves
+// stock for each order it hears of and releases it when the order is
+// cancelled. If a cancellation were applied before its order, the order's
+// stock would stay reserved for good, so the warehouse applies an order's
+// messages in their Seq order only, and delivery is at least once, so it
+// applies each message once: [postgres.ApplyOnce] does both, in the
+// transaction that writes the reservation.
+//
+// In a real system the warehouse keeps its tables in its own database; here
+// they share the server with the shop so that a test can see both sides.
+//
+// A Warehouse is safe for concurrent use by multiple goroutines: two
+// deliveries of one message at the same time apply it once, the second
+// coming back as a duplicate, not as an error. Create one with
+// [NewWarehouse]: the zero value has no database.
+type Warehouse struct {
+	db *sql.DB
+}
+
+// NewWarehouse returns a Warehouse that keeps its reservations in db.
+func NewWarehouse(db *sql.DB) *Warehouse {
+	return &Warehouse{db: db}
+}
+
+// Handle applies msg unless it was applied before, and reports whether it
+// did: OrderPlaced reserves the order's stock, OrderCancelled releases it,
+// and a message of another type is recorded and has no effect. It refuses,
+// changing nothing, what [postgres.ApplyOnce] refuses (a message with no
+// key, one that arrives before its predecessor) and a payload that is not
+// an order, with an error wrapping [postgres.ErrMalformedMessage] and the
+// decoding error.
+func (w *Warehouse) Handle(ctx context.Context, msg postgres.Message) (applied bool, err error) {
+	// OrderCancelled is an order's last event: CancelOrder refuses an order
+	// that is cancelled already. Its position may then be forgotten.
+	last := msg.Type == OrderCancelled
+	return postgres.ApplyOnce(ctx, w.db, msg, last, func(tx *sql.Tx) error {
+		if msg.Type != outbox.OrderPlaced && msg.Type != OrderCancelled {
+			return nil
+		}
+		var order outbox.Order
+		if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
+			return fmt.Errorf("message %s: decode %s payload: %w: %w", msg.Key, msg.Type, postgres.ErrMalformedMessage, err)
+		}
+		effect := `INSERT INTO reservations (order_id, total_cents) VALUES ($1, $2)`
+		if msg.Type == OrderCancelled {
+			effect = `DELETE FROM reservations WHERE order_id = $1 AND $2::bigint IS NOT NULL`
+		}
+		if _, err := tx.ExecContext(ctx, effect, order.ID, order.TotalCents); err != nil {
+			return fmt.Errorf("message %s: %s: %w", msg.Key, msg.Type, err)
+		}
+		return nil
+	})
+}
+
+// ForgetProcessed is [postgres.ForgetProcessed] on the warehouse's
+// database: it forgets the keys and closed positions older than retention.
+func (w *Warehouse) ForgetProcessed(ctx context.Context, retention time.Duration, batchSize int) (int64, error) {
+	return postgres.ForgetProcessed(ctx, w.db, retention, batchSize)
+}
