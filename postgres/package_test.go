@@ -23,7 +23,7 @@ const module = "example.com/patterns/enterprise/outbox/postgres"
 func TestOutboxImportsNeitherTheLessonNorTheExample(t *testing.T) {
 	forbidden := map[string]bool{
 		"example.com/patterns/enterprise/outbox": true, // the lesson
-		module + "/shop":                          true, // the example
+		module + "/shop":                         true, // the example
 	}
 	seen := map[string]bool{}
 	var walk func(path string)
