@@ -4,6 +4,9 @@ package postgres_test
 // documentation shows, checked from its source.
 
 import (
+	"database/sql"
+	"database/sql/driver"
+	"errors"
 	"go/ast"
 	"go/doc"
 	"go/parser"
@@ -14,6 +17,10 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
+
+	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 const module = "example.com/patterns/enterprise/outbox/postgres"
@@ -145,4 +152,38 @@ func imports(t *testing.T, dir string) []string {
 		}
 	}
 	return paths
+}
+
+// fakeDriver is a database/sql driver that is not pgx's.
+type fakeDriver struct{}
+
+func (fakeDriver) Open(string) (driver.Conn, error) {
+	return nil, errors.New("fake driver: no connection")
+}
+
+// NewOutboxRelay refuses, at construction, a pool of another driver, with
+// a panic that names it; pgx's pool it takes.
+func TestNewOutboxRelayRefusesAnotherDriver(t *testing.T) {
+	sql.Register("outbox-fake", fakeDriver{})
+	other, err := sql.Open("outbox-fake", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	func() {
+		defer func() {
+			msg, _ := recover().(string)
+			if !strings.Contains(msg, "pgx's stdlib driver") || !strings.Contains(msg, "postgres_test.fakeDriver") {
+				t.Errorf("NewOutboxRelay on another driver panicked with %q, want one naming pgx's driver and the one it got", msg)
+			}
+			t.Logf("it said: %s", msg)
+		}()
+		postgres.NewOutboxRelay(other, nil)
+	}()
+	pgx, err := sql.Open("pgx", "host=/nonexistent")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pgx.Close()
+	postgres.NewOutboxRelay(pgx, nil) // does not panic: no connection is made
 }

@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // DefaultBatchSize is how many rows a relay pass claims when
@@ -283,7 +285,17 @@ type OutboxRelay struct {
 // db's pool for its transaction and, while it makes the server flush its
 // log, a second one; Run holds one more for listening. A pool limited below
 // that makes passes wait for a connection until their budget ends.
+//
+// db must be opened with pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib,
+// by stdlib.OpenDB or sql.Open("pgx", …)): the mark sends the accepted ids
+// as a []int64, which pgx alone turns into a PostgreSQL array, and Run
+// listens on pgx's own connection. NewOutboxRelay panics, naming the driver
+// it got, on any other: a wiring mistake found at start-up, not a relay
+// that fails at its first mark or never hears a commit.
 func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
+	if _, ok := db.Driver().(*stdlib.Driver); !ok {
+		panic(fmt.Sprintf("postgres: NewOutboxRelay needs a *sql.DB opened with pgx's stdlib driver, not %T", db.Driver()))
+	}
 	return &OutboxRelay{db: db, broker: broker}
 }
 
