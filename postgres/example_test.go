@@ -10,10 +10,8 @@ import (
 	"errors"
 	"log"
 	"log/slog"
-	"net/http"
 	"os"
 	"os/signal"
-	"strconv"
 	"time"
 
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver for database/sql
@@ -100,41 +98,51 @@ func ExampleDeleteSent() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	m, err := shop.NewWarehouse(db).ForgetProcessed(ctx, 30*24*time.Hour, 0)
+	m, err := postgres.ForgetProcessed(ctx, db, 30*24*time.Hour, 0)
 	if err != nil {
 		log.Fatal(err)
 	}
 	log.Printf("deleted %d sent outbox rows and %d processed keys", n, m)
 }
 
-// An HTTP handler that makes POST /orders safe to retry: the client's
-// Idempotency-Key names the request, and a retry after a lost response, or
-// after a commit of unknown outcome, returns the first order.
-func ExampleOrderService_PlaceOrderWithKey() {
+// A team's own change and its event, in one transaction: the row of the
+// team's table and the outbox row commit together or not at all. Any
+// Executor does (*sql.Tx here; sqlc's DBTX, or a Tx of a library built on
+// database/sql).
+func ExampleInsertOutbox() {
 	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
 	if err != nil {
 		log.Fatal(err)
 	}
-	service := shop.NewOrderService(db)
-	http.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
-		total, err := strconv.ParseInt(r.FormValue("totalCents"), 10, 64)
-		if err != nil {
-			http.Error(w, "totalCents must be a number of cents", http.StatusBadRequest)
-			return
+	ctx := context.Background()
+	err = postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		var id int64
+		if err := tx.QueryRowContext(ctx, `INSERT INTO customers (name) VALUES ($1) RETURNING id`, "Ada").Scan(&id); err != nil {
+			return err
 		}
-		id, err := service.PlaceOrderWithKey(r.Context(), r.Header.Get("Idempotency-Key"), total)
-		switch {
-		case errors.Is(err, outbox.ErrInvalidTotal), errors.Is(err, shop.ErrInvalidIdempotencyKey):
-			http.Error(w, err.Error(), http.StatusUnprocessableEntity)
-		case errors.Is(err, shop.ErrIdempotencyKeyReused):
-			http.Error(w, err.Error(), http.StatusConflict)
-		case errors.Is(err, postgres.ErrCommitUnknown):
-			http.Error(w, "unknown outcome: retry with the same Idempotency-Key", http.StatusServiceUnavailable)
-		case err != nil:
-			http.Error(w, "try again", http.StatusServiceUnavailable)
-		default:
-			w.Header().Set("Location", "/orders/"+strconv.FormatInt(id, 10))
-			w.WriteHeader(http.StatusCreated)
-		}
+		_, err := postgres.InsertOutbox(ctx, tx, "CustomerRegistered", map[string]any{"customerId": id})
+		return err
 	})
+	if errors.Is(err, postgres.ErrCommitUnknown) {
+		log.Print("unknown whether the customer was registered: look before trying again")
+	} else if err != nil {
+		log.Fatal(err)
+	}
+}
+
+// A consumer's handler: the effect and the key's record commit together, so
+// a message delivered twice is applied once.
+func ExampleApplyOnce() {
+	db, err := sql.Open("pgx", os.Getenv("CONSUMER_DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	handle := func(ctx context.Context, msg postgres.Message) (bool, error) {
+		return postgres.ApplyOnce(ctx, db, msg, false, func(tx *sql.Tx) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO welcome_mails (payload) VALUES ($1)`, msg.Payload)
+			return err
+		})
+	}
+	applied, err := handle(context.Background(), postgres.Message{Key: "5f0c…", Type: "CustomerRegistered", Payload: `{"customerId":7}`})
+	log.Print(applied, err)
 }
