@@ -101,10 +101,10 @@ bench-postgres:
 		./bench-postgres.test -test.run "^$$" -test.bench "^Benchmark(PlaceOrder|Deliver|DeliverOrdered)$$" -test.benchmem -test.benchtime 2000x || exit 1; \
 	done' | tee bench-postgres.txt
 	@rm -f bench-postgres.test
-	$(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(direct outbox)' bench-postgres.txt
-	$(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(outbox-without-notify outbox)' bench-postgres.txt
-	$(BENCHSTAT) -filter .name:Deliver -col '/batch@(1 100)' bench-postgres.txt
-	$(BENCHSTAT) -filter .name:DeliverOrdered -col '/order@(table aggregate)' bench-postgres.txt
+	{ $(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(direct outbox)' bench-postgres.txt && \
+	  $(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(outbox-without-notify outbox)' bench-postgres.txt && \
+	  $(BENCHSTAT) -filter .name:Deliver -col '/batch@(1 100)' bench-postgres.txt && \
+	  $(BENCHSTAT) -filter .name:DeliverOrdered -col '/order@(table aggregate)' bench-postgres.txt; } | tee bench-postgres.stat.txt
 
 # The postgres README's figures that are measurements rather than benchmarks:
 # the delay from commit to broker (woken by NOTIFY, and polling every second),
@@ -116,7 +116,7 @@ measure-postgres:
 	cd postgres && $(GO) test -c -o ../measure-postgres.test .
 	OUTBOX_POSTGRES_OPTS='-c autovacuum_naptime=1s' postgres/with-server.sh \
 		./measure-postgres.test -test.run '^$$' -test.bench 'Latency|Drain|ClaimOverSentRows' -test.benchtime 1x -test.v \
-		| grep -E '^(Benchmark|    bench_test)' | tee measure-postgres.txt
+		| grep -E '^(cpu:|Benchmark|    bench_test)' | tee measure-postgres.txt
 	@rm -f measure-postgres.test
 	@! grep -E '^(--- )?FAIL' measure-postgres.txt
 
@@ -157,9 +157,9 @@ measure-natsbroker:
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \
 		./measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 5000x || exit 1; done; \
 		./measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkLatency$$" -test.benchtime 1x -test.v' \
-		| grep -E '^(Benchmark|    bench_test|--- FAIL|FAIL)' | tee measure-natsbroker.txt
+		| grep -E '^(cpu:|Benchmark|    bench_test|--- FAIL|FAIL)' | tee measure-natsbroker.txt
 	@rm -f measure-natsbroker.test
 	@! grep -E '^(--- )?FAIL' measure-natsbroker.txt
-	$(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' measure-natsbroker.txt
-	$(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' measure-natsbroker.txt
-	$(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' measure-natsbroker.txt
+	{ $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' measure-natsbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' measure-natsbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' measure-natsbroker.txt; } | tee measure-natsbroker.stat.txt

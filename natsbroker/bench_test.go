@@ -112,9 +112,13 @@ func BenchmarkLatency(b *testing.B) {
 	applied := make(chan time.Time, orders)
 	runConsumer(b, connect(b, br.url()), timed{shop.NewWarehouse(db), applied})
 	service := shop.NewOrderService(db)
-	seed := time.Now().UnixNano()
-	b.Logf("seed %d", seed)
-	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	const seed = 18
+	var pgVersion string
+	if err := db.QueryRow(`SHOW server_version`).Scan(&pgVersion); err != nil {
+		b.Fatal(err)
+	}
+	b.Logf("seed %d, PostgreSQL %s, nats-server %s", seed, pgVersion, server.VERSION)
+	rng := rand.New(rand.NewPCG(seed, 0))
 
 	b.ResetTimer()
 	var delays []time.Duration

@@ -868,6 +868,95 @@ func TestInsertOutboxInATeamsOwnTransaction(t *testing.T) {
 	}
 }
 
+// The shop's PlaceOrderIn writes the order and its event in a team's own
+// transaction, beside the team's own write: all of it rolls back together,
+// or commits together; a bad total writes nothing.
+func TestPlaceOrderInATeamsOwnTransaction(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	if _, err := db.Exec(`CREATE TABLE audit (note text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	service := shop.NewOrderService(db)
+	for _, commit := range []bool{false, true} {
+		tx := begin(t, db)
+		q := teamTx{tx}
+		if _, err := q.ExecContext(ctx, `INSERT INTO audit VALUES ('order placed')`); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := service.PlaceOrderIn(ctx, q, 0); !errors.Is(err, outbox.ErrInvalidTotal) {
+			t.Errorf("PlaceOrderIn(0) = %v, want ErrInvalidTotal", err)
+		}
+		if _, err := service.PlaceOrderIn(ctx, q, 2500); err != nil {
+			t.Fatal(err)
+		}
+		var err error
+		if commit {
+			err = tx.Commit()
+		} else {
+			err = tx.Rollback()
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		var audits, orders, rows int
+		if err := db.QueryRow(`SELECT (SELECT count(*) FROM audit), (SELECT count(*) FROM orders), (SELECT count(*) FROM outbox)`).Scan(&audits, &orders, &rows); err != nil {
+			t.Fatal(err)
+		}
+		if want := map[bool]int{false: 0, true: 1}[commit]; audits != want || orders != want || rows != want {
+			t.Errorf("committed %v: %d audit rows, %d orders, %d outbox rows; want %d of each", commit, audits, orders, rows, want)
+		}
+	}
+}
+
+// ApplyOnce on a team's own table: an effect that fails records nothing and
+// comes back as it was, the same message then applies, and a copy of it
+// changes nothing.
+func TestApplyOnceOnATeamsOwnTable(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	if _, err := db.Exec(`CREATE TABLE welcome_mails (customer bigint PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	msg := postgres.Message{ID: 1, Key: "9b1e1d3c-0000-4000-8000-000000000001", Type: "CustomerRegistered", Payload: `{"customerId":7}`}
+	mailFails := errors.New("mail server down")
+	apply := func(fail bool) func(tx *sql.Tx) error {
+		return func(tx *sql.Tx) error {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO welcome_mails VALUES (7)`); err != nil {
+				return err
+			}
+			if fail {
+				return mailFails
+			}
+			return nil
+		}
+	}
+	if applied, err := postgres.ApplyOnce(ctx, db, msg, false, apply(true)); applied || !errors.Is(err, mailFails) {
+		t.Errorf("ApplyOnce with a failing effect = %v, %v; want false and the effect's error", applied, err)
+	}
+	var mails, keys int
+	count := func() {
+		t.Helper()
+		if err := db.QueryRow(`SELECT (SELECT count(*) FROM welcome_mails), (SELECT count(*) FROM processed_messages)`).Scan(&mails, &keys); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if count(); mails != 0 || keys != 0 {
+		t.Errorf("after a failed effect: %d mails, %d keys; want none", mails, keys)
+	}
+	for i, want := range []bool{true, false} {
+		if applied, err := postgres.ApplyOnce(ctx, db, msg, false, apply(false)); applied != want || err != nil {
+			t.Errorf("delivery %d: ApplyOnce = %v, %v; want %v, <nil>", i+1, applied, err, want)
+		}
+	}
+	if count(); mails != 1 || keys != 1 {
+		t.Errorf("after two deliveries: %d mails, %d keys; want 1 and 1", mails, keys)
+	}
+	if _, err := postgres.ApplyOnce(ctx, db, postgres.Message{ID: 2, Type: "CustomerRegistered"}, false, apply(false)); !errors.Is(err, postgres.ErrNoMessageKey) {
+		t.Errorf("ApplyOnce of a message with no key = %v, want ErrNoMessageKey", err)
+	}
+}
+
 // publish hands m to the lesson's broker b, as shop.AdaptBroker does.
 func publish(b *outbox.InMemoryBroker, m postgres.Message) error {
 	return shop.AdaptBroker(b).Publish(context.Background(), m)

@@ -105,19 +105,40 @@ func (s *OrderService) place(ctx context.Context, key sql.NullString, totalCents
 	if err := checkTotal(totalCents); err != nil {
 		return 0, err
 	}
-	var order outbox.Order
+	var id int64
 	err := postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
-		var placed bool
 		var err error
-		if order, placed, err = insertOrder(ctx, tx, key, totalCents); err != nil || !placed {
-			return err // !placed: the key's order exists, and so does its event
-		}
-		// The order's row is new, so no one else sees it, let alone locks
-		// it, before this commits: its first event needs no lock.
-		_, err = postgres.InsertOutboxFor(ctx, tx, OrderAggregate(order.ID), 1, outbox.OrderPlaced, order)
+		id, err = placeIn(ctx, tx, key, totalCents)
 		return err
 	})
 	if err != nil {
+		return 0, err
+	}
+	return id, nil
+}
+
+// PlaceOrderIn is PlaceOrder inside the caller's transaction tx, any
+// [postgres.Executor] (a *sql.Tx, sqlc's DBTX): it writes the order and its
+// OrderPlaced row in tx and returns the order's id, and both are kept only
+// if tx commits. It refuses a total of zero or less as PlaceOrder does,
+// before any statement. Committing is the caller's, and so is an unknown
+// outcome of that commit.
+func (s *OrderService) PlaceOrderIn(ctx context.Context, tx postgres.Executor, totalCents int64) (int64, error) {
+	if err := checkTotal(totalCents); err != nil {
+		return 0, err
+	}
+	return placeIn(ctx, tx, sql.NullString{}, totalCents)
+}
+
+// placeIn writes the order and, if it is new, its event, in tx.
+func placeIn(ctx context.Context, tx postgres.Executor, key sql.NullString, totalCents int64) (int64, error) {
+	order, placed, err := insertOrder(ctx, tx, key, totalCents)
+	if err != nil || !placed {
+		return order.ID, err // !placed: the key's order exists, and so does its event
+	}
+	// The order's row is new, so no one else sees it, let alone locks it,
+	// before this commits: its first event needs no lock.
+	if _, err := postgres.InsertOutboxFor(ctx, tx, OrderAggregate(order.ID), 1, outbox.OrderPlaced, order); err != nil {
 		return 0, err
 	}
 	return order.ID, nil
@@ -173,7 +194,7 @@ func checkTotal(totalCents int64) error {
 // returns that order with placed false, or ErrIdempotencyKeyReused if its
 // total differs. The orders table's CHECK, for a caller that skipped
 // checkTotal, comes back as outbox.ErrInvalidTotal.
-func insertOrder(ctx context.Context, tx *sql.Tx, key sql.NullString, totalCents int64) (order outbox.Order, placed bool, err error) {
+func insertOrder(ctx context.Context, tx postgres.Executor, key sql.NullString, totalCents int64) (order outbox.Order, placed bool, err error) {
 	order = outbox.Order{TotalCents: totalCents}
 	// ON CONFLICT waits for a transaction that holds the same key to end;
 	// under READ COMMITTED the SELECT after it then sees that order.
