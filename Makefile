@@ -9,14 +9,16 @@
 #   make lint                                staticcheck (fetched through the Go module proxy), all three modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
-#   make measure-postgres                    the postgres README's latency, drain and cleanup figures (about 70 s)
+#   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make natsbroker                          the natsbroker/ module's tests: JetStream embedded, a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
-#   make measure-natsbroker                  the natsbroker README's drain (one server, synced, a cluster of 3) and latency figures
+#   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
-# test, make postgres, make natsbroker and make lint.
+# test, make postgres, make natsbroker and make lint; make postgres runs the
+# test that every figure in the documents is one a target printed into
+# postgres/figures/ or natsbroker/figures/.
 
 PATTERN  := patterns/enterprise/outbox
 T        ?= $(PATTERN)
@@ -94,31 +96,32 @@ postgres:
 	$(call module-tests,postgres)
 
 # Eight interleaved rounds of the postgres/ module's benchmarks on a throwaway
-# server, into bench-postgres.txt, then the ratios the postgres README quotes.
+# server, into postgres/figures/bench-postgres.txt, then benchstat's ratios, into
+# bench-postgres.stat.txt beside it: what postgres/REFERENCE.md quotes.
 bench-postgres:
 	cd postgres && $(GO) test -c -o ../bench-postgres.test .
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6 7 8; do \
 		./bench-postgres.test -test.run "^$$" -test.bench "^Benchmark(PlaceOrder|Deliver|DeliverOrdered)$$" -test.benchmem -test.benchtime 2000x || exit 1; \
-	done' | tee bench-postgres.txt
+	done' | tee postgres/figures/bench-postgres.txt
 	@rm -f bench-postgres.test
-	{ $(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(direct outbox)' bench-postgres.txt && \
-	  $(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(outbox-without-notify outbox)' bench-postgres.txt && \
-	  $(BENCHSTAT) -filter .name:Deliver -col '/batch@(1 100)' bench-postgres.txt && \
-	  $(BENCHSTAT) -filter .name:DeliverOrdered -col '/order@(table aggregate)' bench-postgres.txt; } | tee bench-postgres.stat.txt
+	{ $(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(direct outbox)' postgres/figures/bench-postgres.txt && \
+	  $(BENCHSTAT) -filter .name:PlaceOrder -col '/write@(outbox-without-notify outbox)' postgres/figures/bench-postgres.txt && \
+	  $(BENCHSTAT) -filter .name:Deliver -col '/batch@(1 100)' postgres/figures/bench-postgres.txt && \
+	  $(BENCHSTAT) -filter .name:DeliverOrdered -col '/order@(table aggregate)' postgres/figures/bench-postgres.txt; } | tee postgres/figures/bench-postgres.stat.txt
 
-# The postgres README's figures that are measurements rather than benchmarks:
+# postgres/REFERENCE.md's figures that are measurements rather than benchmarks:
 # the delay from commit to broker (woken by NOTIFY, and polling every second),
 # a drain of 200,000 rows (marked, and deleted), and an empty pass over
 # 200,000 sent rows before and after cleanup and vacuum. Each runs once, on a
 # throwaway server whose autovacuum looks every second (autovacuum_naptime,
-# 1 min by default), into measure-postgres.txt.
+# 1 min by default), into postgres/figures/measure-postgres.txt.
 measure-postgres:
 	cd postgres && $(GO) test -c -o ../measure-postgres.test .
 	OUTBOX_POSTGRES_OPTS='-c autovacuum_naptime=1s' postgres/with-server.sh \
 		./measure-postgres.test -test.run '^$$' -test.bench 'Latency|Drain|ClaimOverSentRows' -test.benchtime 1x -test.v \
-		| grep -E '^(cpu:|Benchmark|    bench_test)' | tee measure-postgres.txt
+		| grep -E '^(cpu:|Benchmark|    bench_test)' | tee postgres/figures/measure-postgres.txt
 	@rm -f measure-postgres.test
-	@! grep -E '^(--- )?FAIL' measure-postgres.txt
+	@! grep -E '^(--- )?FAIL' postgres/figures/measure-postgres.txt
 
 # The natsbroker/ module: the outbox end to end through NATS JetStream, which
 # its tests embed (each with its store in a temporary folder).
@@ -146,7 +149,8 @@ shop:
 		"$$dir/shop" migrate -store "$$store" -nodes $(SHOP_NODES) && \
 		"$$dir/shop" serve -store "$$store" -nodes $(SHOP_NODES) -addr $(SHOP_ADDR)'
 
-# The natsbroker README's figures, into measure-natsbroker.txt: the relay's
+# The natsbroker figures, into natsbroker/figures/measure-natsbroker.txt (and
+# benchstat's ratios into measure-natsbroker.stat.txt beside it): the relay's
 # drain rate to JetStream, waiting for each ack against the asynchronous
 # batch, through one server, one that syncs to disk before each ack
 # (sync_interval: always) and a replicated cluster of three (six interleaved
@@ -157,9 +161,9 @@ measure-natsbroker:
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \
 		./measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 5000x || exit 1; done; \
 		./measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkLatency$$" -test.benchtime 1x -test.v' \
-		| grep -E '^(cpu:|Benchmark|    bench_test|--- FAIL|FAIL)' | tee measure-natsbroker.txt
+		| grep -E '^(cpu:|Benchmark|    bench_test|--- FAIL|FAIL)' | tee natsbroker/figures/measure-natsbroker.txt
 	@rm -f measure-natsbroker.test
-	@! grep -E '^(--- )?FAIL' measure-natsbroker.txt
-	{ $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' measure-natsbroker.txt && \
-	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' measure-natsbroker.txt && \
-	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' measure-natsbroker.txt; } | tee measure-natsbroker.stat.txt
+	@! grep -E '^(--- )?FAIL' natsbroker/figures/measure-natsbroker.txt
+	{ $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' natsbroker/figures/measure-natsbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' natsbroker/figures/measure-natsbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' natsbroker/figures/measure-natsbroker.txt; } | tee natsbroker/figures/measure-natsbroker.stat.txt

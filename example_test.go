@@ -302,8 +302,9 @@ func ExampleOutboxRelay_PublishPending() {
 // and -run selected Example or Example_crashPoints, it runs those again with
 // their standard output sent to standard error, so that `go test -run
 // Example` shows what they print: go test prints nothing of a passing
-// example's output, and, run in the package's folder without a package
-// argument, it shows the test binary's standard error.
+// example's output, and it shows the test binary's standard error when run
+// in the package's folder without a package argument, or with -v; with a
+// package argument and no -v it keeps a passing package's output to itself.
 func TestMain(m *testing.M) {
 	code := m.Run()
 	if code == 0 {

@@ -14,7 +14,7 @@ import (
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
-// The benchmarks behind the figures in README.md; make measure-natsbroker
+// The benchmarks behind the figures in REFERENCE.md; make measure-natsbroker
 // runs them on a throwaway PostgreSQL with an embedded JetStream whose
 // store is on disk.
 

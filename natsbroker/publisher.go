@@ -25,7 +25,7 @@ import (
 // message. What an ack promises is the stream's and the server's to choose:
 // with one replica, the server wrote the message (on disk only with
 // sync_interval: always); with three, two of the servers hold it. The
-// README has what each survives.
+// README has what each survives, and REFERENCE.md what each costs.
 //
 // What the server says comes back as the relay needs it:
 //   - an acknowledgement, including one that says the stream had the

@@ -121,8 +121,8 @@ type discard struct{}
 func (discard) Publish(context.Context, postgres.Message) error { return nil }
 
 // The measurements below are benchmarks that run once (make
-// measure-postgres runs them with -benchtime 1x) and report what the
-// postgres README quotes: the delay from commit to broker, a long drain, and
+// measure-postgres runs them with -benchtime 1x) and report what
+// REFERENCE.md quotes: the delay from commit to broker, a long drain, and
 // the claim's cost on an outbox that kept its sent rows.
 
 // BenchmarkLatency measures the time from PlaceOrder's return (the commit)

@@ -196,10 +196,9 @@ const FailingAfter = 5
 // of a one-record transaction on a second connection of its pool, before
 // it publishes: a pass may need two connections at once. With synchronous
 // standbys that commit also waits for them. What it cannot see is an
-// asynchronous standby: after a failover to an
-// asynchronous standby the new primary may lack changes whose events were
-// published, with this relay and with the dual write alike (see the
-// README).
+// asynchronous standby: after a failover to one, the new primary may lack
+// changes whose events were published, with this relay and with the dual
+// write alike.
 //
 // What several relays give up is one global order: each publishes its own
 // batch in id order, but batches of different relays interleave
@@ -261,7 +260,7 @@ type OutboxRelay struct {
 	// an order a consumer can rely on. Its price: an aggregate's next event
 	// waits for a pass after the one before it was marked, and each claimed
 	// row costs one index lookup more (BenchmarkDeliverOrdered measures the
-	// drain rate with and without it; the README quotes it).
+	// drain rate with and without it; REFERENCE.md quotes it).
 	PerAggregate bool
 
 	// PollInterval, MaxBackoff, PollOnly and Logger configure Run: how long

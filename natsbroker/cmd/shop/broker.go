@@ -25,8 +25,8 @@ import (
 //
 // What an ack means is chosen here. A single server has no other copy, so
 // it syncs its store to disk before each ack (sync_interval: always): an
-// acknowledged message survives a power cut of its machine, at the cost the
-// README measures. A cluster's stream has a replica on each node, and a
+// acknowledged message survives a power cut of its machine, at the cost
+// natsbroker/REFERENCE.md measures. A cluster's stream has a replica on each node, and a
 // node acks once a quorum holds the message, each in its memory and page
 // cache, synced every two minutes (the default): an acknowledged message
 // survives the loss of any one node of three, not a power cut of all of
