@@ -10,6 +10,11 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"example.com/patterns/enterprise/outbox/postgres"
 )
@@ -101,6 +106,21 @@ type Consumer struct {
 
 	// Logger, if not nil, is told of each message terminated.
 	Logger *slog.Logger
+
+	// TracerProvider and MeterProvider are where the consumer reports (nil:
+	// otel's global ones). Each message is a consumer span, "process
+	// <subject>", a child of the relay's publish span whose context the
+	// message carries in its traceparent header, so that the trace of the
+	// request that wrote the row goes on to its Handle: one message, one
+	// parent, hence a child rather than a link. The meter counts
+	// messaging.client.consumed.messages by outbox.result: applied,
+	// duplicate, retry, out_of_order or terminated. They are read when Run
+	// starts.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+
+	tracer   trace.Tracer
+	consumed metric.Int64Counter
 }
 
 // NewConsumer returns a Consumer that feeds the messages of c, a consumer
@@ -139,6 +159,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	// server every half of it: a pull parked on a server that died is given
 	// up, and made again to whichever server leads the consumer now, within
 	// about pullExpiry, not the client's default 30 s.
+	c.instrument()
 	it, err := c.consumer.Messages(jetstream.PullMaxMessages(prefetch), jetstream.PullExpiry(pullExpiry))
 	if err != nil {
 		return fmt.Errorf("consume: %w", err)
@@ -168,16 +189,35 @@ func (c *Consumer) Run(ctx context.Context) error {
 
 // handle handles msg, within deadline, and returns an error only when it
 // could not tell JetStream what became of it.
-func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration, maxOutOfOrder int) error {
+func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration, maxOutOfOrder int) (ackErr error) {
 	m, err := decode(msg)
+	sctx, span := c.tracer.Start(postgres.ContextWithTrace(ctx, m.TraceContext), "process "+msg.Subject(),
+		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
+			attribute.String("messaging.system", "nats"),
+			attribute.String("messaging.operation.name", "process"),
+			attribute.String("messaging.operation.type", "process"),
+			attribute.String("messaging.destination.name", msg.Subject()),
+			attribute.String("messaging.message.id", m.Key)))
+	var applied bool
+	result := "retry"
+	defer func() {
+		c.consumed.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("outbox.result", result)))
+		span.SetAttributes(attribute.String("outbox.result", result))
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
 	if err == nil {
-		hctx, cancel := context.WithTimeout(ctx, deadline)
-		_, err = c.handler.Handle(hctx, m)
+		hctx, cancel := context.WithTimeout(sctx, deadline)
+		applied, err = c.handler.Handle(hctx, m)
 		cancel()
 	}
 	if errors.Is(err, postgres.ErrOutOfOrder) {
+		result = "out_of_order"
 		if meta, merr := msg.Metadata(); merr == nil && meta.NumDelivered >= uint64(maxOutOfOrder) {
 			err = fmt.Errorf("%w after %d deliveries: its predecessor may never come", err, meta.NumDelivered)
+			result = "terminated"
 			return c.terminate(msg, m, err)
 		}
 	}
@@ -185,13 +225,37 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 	case ctx.Err() != nil:
 		return ctx.Err()
 	case err == nil:
+		result = map[bool]string{true: "applied", false: "duplicate"}[applied]
 		return ack(msg.Ack(), "ack", msg)
 	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, errNotOutbox):
+		result = "terminated"
 		return c.terminate(msg, m, err)
 	default:
 		return ack(msg.NakWithDelay(orDefault(c.RetryDelay, DefaultRetryDelay)), "ask again for", msg)
 	}
 }
+
+// instrument makes the consumer's tracer and counter from its providers.
+func (c *Consumer) instrument() {
+	tp, mp := c.TracerProvider, c.MeterProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	c.tracer = tp.Tracer(instrumentationName)
+	var err error
+	c.consumed, err = mp.Meter(instrumentationName).Int64Counter("messaging.client.consumed.messages",
+		metric.WithUnit("{message}"),
+		metric.WithDescription("Messages the consumer handled, by outbox.result: applied, duplicate, retry, out_of_order or terminated."))
+	if err != nil {
+		otel.Handle(err) // a no-op counter then; the consumer runs on
+	}
+}
+
+// instrumentationName names this package's tracer and meter.
+const instrumentationName = "example.com/patterns/enterprise/outbox/natsbroker"
 
 // terminate tells JetStream never to deliver msg again, with err as the
 // reason, and logs it.
@@ -222,6 +286,14 @@ func decode(msg jetstream.Msg) (postgres.Message, error) {
 		Payload:   string(msg.Data()),
 		Key:       h.Get(jetstream.MsgIDHeader),
 		Aggregate: h.Get(HeaderAggregate),
+	}
+	for _, k := range []string{"traceparent", "tracestate"} { // as the relay's span put them
+		if v := h.Get(k); v != "" {
+			if m.TraceContext == nil {
+				m.TraceContext = map[string]string{}
+			}
+			m.TraceContext[k] = v
+		}
 	}
 	var err error
 	if m.ID, err = strconv.ParseInt(h.Get(HeaderID), 10, 64); err != nil {

@@ -169,5 +169,8 @@ func natsMsg(msg postgres.Message) *nats.Msg {
 		m.Header.Set(HeaderAggregate, msg.Aggregate)
 		m.Header.Set(HeaderSeq, strconv.FormatInt(msg.Seq, 10))
 	}
+	for k, v := range msg.TraceContext { // traceparent, tracestate: W3C's names
+		m.Header.Set(k, v)
+	}
 	return m
 }

@@ -29,6 +29,15 @@ type Message struct {
 	// message that needs no order.
 	Aggregate string
 	Seq       int64
+
+	// TraceContext is the W3C trace context (traceparent, and tracestate
+	// if any) that the message carries to its consumers: the relay's
+	// publish span, in the trace of the transaction that wrote the row, or
+	// that transaction's own context when the relay records no spans. A
+	// broker passes it on in its headers; a consumer starts its span from
+	// it with [ContextWithTrace]. Nil when the row was written outside any
+	// trace and the relay records none.
+	TraceContext map[string]string
 }
 
 // ErrRejected is what a [MessageBroker] wraps to say that it refused a

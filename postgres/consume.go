@@ -6,6 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // ErrOutOfOrder is returned, wrapped, by [ApplyOnce] for a message that
@@ -43,6 +47,10 @@ var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates ca
 // key says. last says that msg is its aggregate's last event, so that
 // [ForgetProcessed] may later forget the aggregate's position.
 //
+// ApplyOnce is a span, "apply <type>", of otel's global tracer provider, in
+// the trace ctx carries: a consumer starts ctx from the message's
+// TraceContext ([ContextWithTrace]) so that it joins the producer's trace.
+//
 // An error from apply rolls everything back and is returned unchanged: wrap
 // [ErrMalformedMessage] for a payload that can never apply. Two deliveries
 // of one message at the same time apply it once: the second waits for the
@@ -53,6 +61,15 @@ func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply fu
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
 	}
+	ctx, span := tracer().Start(ctx, "apply "+msg.Type, trace.WithAttributes(
+		attribute.String("messaging.message.id", msg.Key), attribute.Int64("outbox.id", msg.ID)))
+	defer func() {
+		span.SetAttributes(attribute.Bool("outbox.applied", applied))
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
 	err = Transaction(ctx, db, func(tx *sql.Tx) error {
 		// Under READ COMMITTED a second delivery waits here for the first
 		// one's transaction, then finds the key and inserts nothing.

@@ -128,7 +128,9 @@ const MaxEventTypeLen = 200
 // InsertOutbox adds an unsent message of the given type to the outbox table,
 // with payload encoded as JSON, inside tx (the caller's transaction, any
 // [Executor]), and returns the new row's id. The row is written, and seen
-// by the relay, only if tx commits. A type no broker can route is refused with [ErrInvalidEventType] before any
+// by the relay, only if tx commits. The row keeps the W3C trace context of
+// ctx's span, if it has one, for the relay's publish to join its trace. A
+// type no broker can route is refused with [ErrInvalidEventType] before any
 // statement is sent.
 func InsertOutbox(ctx context.Context, tx Executor, eventType string, payload any) (int64, error) {
 	return insertOutbox(ctx, tx, sql.NullString{}, 0, eventType, payload)
@@ -155,14 +157,26 @@ func insertOutbox(ctx context.Context, tx Executor, aggregate sql.NullString, se
 		return 0, fmt.Errorf("encode %s payload: %w", eventType, err)
 	}
 	var id int64
-	err = tx.QueryRowContext(ctx,
-		`INSERT INTO outbox (type, payload, aggregate, seq) VALUES ($1, $2, $3, NULLIF($4, 0)) RETURNING id`,
-		eventType, string(data), aggregate, seq).Scan(&id)
+	// Without a trace the row's trace_context is NULL, its default: the
+	// statement then names only the columns of migration 1, and writes on
+	// a database that migration 3 has not reached yet.
+	if trace := storedTraceContext(ctx); trace.Valid {
+		err = tx.QueryRowContext(ctx, insertTracedRow, eventType, string(data), aggregate, seq, trace).Scan(&id)
+	} else {
+		err = tx.QueryRowContext(ctx, insertRow, eventType, string(data), aggregate, seq).Scan(&id)
+	}
 	if err != nil {
 		return 0, fmt.Errorf("insert into outbox: %w", err)
 	}
 	return id, nil
 }
+
+// insertRow and insertTracedRow write an outbox row, the second with the
+// trace context of the transaction that writes it.
+const (
+	insertRow       = `INSERT INTO outbox (type, payload, aggregate, seq) VALUES ($1, $2, $3, NULLIF($4, 0)) RETURNING id`
+	insertTracedRow = `INSERT INTO outbox (type, payload, aggregate, seq, trace_context) VALUES ($1, $2, $3, NULLIF($4, 0), $5) RETURNING id`
+)
 
 // routable reports whether t is words of letters, digits, '_' and '-'
 // joined by single dots, at most MaxEventTypeLen bytes.

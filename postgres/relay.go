@@ -9,9 +9,13 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/stdlib"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // DefaultBatchSize is how many rows a relay pass claims when
@@ -104,7 +108,7 @@ COMMIT`
 // all.
 const claimRows = `
 SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
-       ` + walPositions + `
+       COALESCE(trace_context::text, ''), ` + walPositions + `
 FROM outbox
 WHERE sent_at IS NULL AND parked_at IS NULL
   AND ` + passLimits + `
@@ -124,7 +128,7 @@ FOR UPDATE SKIP LOCKED`
 // claim, measured on 1,000 rows without statistics).
 const claimFirstOfEachAggregate = `
 SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
-       ` + walPositions + `
+       COALESCE(trace_context::text, ''), ` + walPositions + `
 FROM outbox o
 WHERE sent_at IS NULL AND parked_at IS NULL
   AND (aggregate IS NULL
@@ -272,11 +276,28 @@ type OutboxRelay struct {
 	PollOnly     bool
 	Logger       *slog.Logger
 
+	// TracerProvider and MeterProvider are where the relay reports (nil:
+	// otel's global ones, no-ops until the application sets them). Each
+	// pass that claimed rows is a span, "outbox relay pass" (an empty one
+	// makes none), and each publish a producer span,
+	// "send <type>", in the trace of the transaction that wrote the row
+	// (InsertOutbox stored it), linked to the pass; the broker gets the
+	// publish's trace context in Message.TraceContext. The meter records
+	// outbox.relay.pass.duration (seconds; its count is the passes) and
+	// messaging.client.sent.messages (with error.type unavailable, rejected
+	// or budget for the failed ones). They are read at the first pass:
+	// set them before.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+
 	// wait is how Run waits, listenWait how its listener waits before it
 	// listens again, and mark the statement that marks: seams for the tests
 	// and benchmarks; nil and "" are sleep and markSent.
 	wait, listenWait func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool
 	mark             string
+
+	telemetryOnce sync.Once
+	tel           *relayTelemetry
 }
 
 // NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
@@ -367,6 +388,9 @@ type passResult struct {
 func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	batch := orDefault(r.BatchSize, DefaultBatchSize)
 	budget := orDefault(r.PassTimeout, DefaultPassTimeout)
+	tel, start := r.telemetry(), time.Now()
+	var span trace.Span // started once the claim found rows: an empty pass makes no trace
+	defer func() { tel.endPass(ctx, span, start, res, err) }()
 	defer func() { res.fatal = err != nil && cannotPass(err) }()
 
 	// Publishing stops at the budget or when the caller's ctx ends. The
@@ -393,6 +417,10 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		return res, err
 	}
 	res.claimed, res.full = len(msgs), len(msgs) == batch
+	if len(msgs) > 0 {
+		// The publishes' context carries the pass's span, their link.
+		pubCtx, span = tel.tracer.Start(pubCtx, "outbox relay pass", trace.WithTimestamp(start))
+	}
 	if len(msgs) > 0 && !wal.flushed {
 		if err := r.flush(pubCtx, tx, wal.inserted); err != nil {
 			if ctx.Err() != nil {
@@ -550,25 +578,42 @@ func cannotPass(err error) bool {
 // Over the whole table it would: so without PerAggregate the relay waits
 // for each message's ack before it sends the next.
 func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) {
+	tel := r.telemetry()
 	bp, ok := r.broker.(BatchPublisher)
 	if !ok || !r.PerAggregate {
-		if err := r.broker.Publish(ctx, msgs[0].Message); err != nil {
+		msg, span := tel.startSend(ctx, msgs[0].Message)
+		err := r.broker.Publish(ctx, msg)
+		tel.endSend(ctx, span, err)
+		if err != nil {
 			return 0, err
 		}
 		return 1, nil
 	}
 	batch := make([]Message, len(msgs))
+	spans := make([]trace.Span, len(msgs))
 	for i, m := range msgs {
-		batch[i] = m.Message
+		batch[i], spans[i] = tel.startSend(ctx, m.Message)
 	}
 	n, err := bp.PublishBatch(ctx, batch)
 	switch {
 	case n < 0 || n > len(msgs): // a broker that misreports is taken for one that is down
-		return 0, fmt.Errorf("broker says it accepted %d of %d messages: %w", n, len(msgs), ErrBrokerUnavailable)
+		err = fmt.Errorf("broker says it accepted %d of %d messages: %w", n, len(msgs), ErrBrokerUnavailable)
+		n = 0
 	case n < len(msgs) && err == nil:
 		err = fmt.Errorf("broker accepted %d of %d messages and gave no error for the next: %w", n, len(msgs), ErrBrokerUnavailable)
 	case n == len(msgs):
 		err = nil
+	}
+	for i, span := range spans {
+		switch {
+		case i < n:
+			tel.endSend(ctx, span, nil)
+		case i == n:
+			tel.endSend(ctx, span, err)
+		default: // sent after the first failure: goes again, whatever the broker did with it
+			span.SetAttributes(attribute.Bool("outbox.acknowledged", false))
+			span.End()
+		}
 	}
 	return n, err
 }
@@ -626,10 +671,12 @@ func claim(ctx context.Context, tx *sql.Tx, query string, batch int, limit, idle
 	var msgs []claimed
 	for rows.Next() {
 		var m claimed
+		var traceContext string
 		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq, &m.rejections,
-			&wal.flushed, &wal.inserted); err != nil { // the same in every row
+			&traceContext, &wal.flushed, &wal.inserted); err != nil { // the WAL's the same in every row
 			return nil, wal, fmt.Errorf("claim outbox rows: %w", err)
 		}
+		m.TraceContext = parseTraceContext(traceContext)
 		msgs = append(msgs, m)
 	}
 	if err := rows.Err(); err != nil {

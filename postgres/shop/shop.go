@@ -22,6 +22,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/codes"
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
@@ -73,7 +75,8 @@ const MaxIdempotencyKeyLen = 255
 
 // PlaceOrder inserts an order of totalCents into orders and an OrderPlaced
 // message for it into outbox, in one transaction, and returns the order's id.
-// Its result depends only on the database.
+// Its result depends only on the database. It is a span, "PlaceOrder", of
+// otel's global tracer provider, whose context the outbox row keeps.
 //
 // A total of zero or less is refused with an error wrapping
 // [outbox.ErrInvalidTotal], and nothing is written. An error wrapping
@@ -101,12 +104,13 @@ func (s *OrderService) PlaceOrderWithKey(ctx context.Context, key string, totalC
 	return s.place(ctx, sql.NullString{String: key, Valid: true}, totalCents)
 }
 
-func (s *OrderService) place(ctx context.Context, key sql.NullString, totalCents int64) (int64, error) {
+func (s *OrderService) place(ctx context.Context, key sql.NullString, totalCents int64) (id int64, err error) {
 	if err := checkTotal(totalCents); err != nil {
 		return 0, err
 	}
-	var id int64
-	err := postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
+	ctx, end := startSpan(ctx, "PlaceOrder")
+	defer func() { end(err) }()
+	err = postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
 		var err error
 		id, err = placeIn(ctx, tx, key, totalCents)
 		return err
@@ -115,6 +119,18 @@ func (s *OrderService) place(ctx context.Context, key sql.NullString, totalCents
 		return 0, err
 	}
 	return id, nil
+}
+
+// startSpan starts a span of otel's global tracer provider, in which the
+// transaction's outbox row stores its trace context; end ends it with err.
+func startSpan(ctx context.Context, name string) (context.Context, func(err error)) {
+	ctx, span := otel.Tracer("example.com/patterns/enterprise/outbox/postgres/shop").Start(ctx, name)
+	return ctx, func(err error) {
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}
 }
 
 // PlaceOrderIn is PlaceOrder inside the caller's transaction tx, any
@@ -154,7 +170,9 @@ func placeIn(ctx context.Context, tx postgres.Executor, key sql.NullString, tota
 // error wrapping [ErrOrderNotFound] or [ErrOrderCancelled], and nothing is
 // written. An error wrapping [postgres.ErrCommitUnknown] leaves it unknown whether the
 // order was cancelled; a retry then says ErrOrderCancelled if it was.
-func (s *OrderService) CancelOrder(ctx context.Context, orderID int64) error {
+func (s *OrderService) CancelOrder(ctx context.Context, orderID int64) (err error) {
+	ctx, end := startSpan(ctx, "CancelOrder")
+	defer func() { end(err) }()
 	return postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
 		order := outbox.Order{ID: orderID}
 		var seq int64

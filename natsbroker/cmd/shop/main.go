@@ -62,7 +62,14 @@ func main() {
 	flags.Parse(os.Args[2:])
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cmd, *addr, *store, *nodes, os.Getenv("OUTBOX_POSTGRES_URL")); err != nil {
+	shutdown, err := setUpTracing(ctx, os.Stdout)
+	if err == nil {
+		err = run(ctx, cmd, *addr, *store, *nodes, os.Getenv("OUTBOX_POSTGRES_URL"))
+		flush, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		err = errors.Join(err, shutdown(flush))
+		cancel()
+	}
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "shop:", err)
 		os.Exit(1)
 	}
@@ -204,6 +211,8 @@ func newServer(h http.Handler) *http.Server {
 
 // serve is the application root: it wires the shop, the relay, the broker
 // and the warehouse, serves HTTP on ln until ctx ends, then stops them all.
+// Spans go to otel's global tracer provider (setUpTracing's); metrics to a
+// meter provider of serve's own, at GET /metrics.
 func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes int, out io.Writer) error {
 	db := dbs.shop
 	ctx, cancel := context.WithCancel(ctx)
@@ -237,15 +246,30 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 		return fmt.Errorf("consumer warehouse: %w: run shop migrate first", err)
 	}
 	publisher := natsbroker.NewPublisher(js)
+	m, err := newMetrics()
+	if err != nil {
+		return err
+	}
+	defer m.provider.Shutdown(context.Background())
+	lag, err := postgres.ObserveLag(db, m.provider)
+	if err != nil {
+		return err
+	}
+	defer lag.Unregister()
 
 	relay := postgres.NewOutboxRelay(dbs.relay, publisher)
 	relay.PerAggregate = true // each order's events in order, a pass's batch through PublishBatch
 	relay.ParkAfter = 5
 	relay.MaxBackoff = 2 * time.Second
 	relay.Logger = logger
+	relay.MeterProvider = m.provider
 	warehouse := natsbroker.NewConsumer(cons, shop.NewWarehouse(dbs.warehouse))
 	warehouse.Logger = logger
-	srv := newServer(newHandler(db, shop.NewOrderService(db), broker, cons))
+	warehouse.MeterProvider = m.provider
+	routes := http.NewServeMux()
+	routes.Handle("GET /metrics", m.handler)
+	routes.Handle("/", traced(newHandler(db, shop.NewOrderService(db), broker, cons)))
+	srv := newServer(routes)
 
 	var wg sync.WaitGroup
 	errs := make(chan error, 3)

@@ -1,0 +1,173 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// startShop migrates a database and a broker store of t's own and serves
+// the shop on loopback until t ends; it returns the shop's base URL.
+func startShop(t *testing.T) string {
+	t.Helper()
+	_, dbs := newDatabase(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var out syncBuffer
+	store := t.TempDir()
+	if err := migrate(ctx, dbs.shop, store, 1, &out); err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- serve(ctx, ln, dbs, store, 1, &out) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-served; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	base := "http://" + ln.Addr().String()
+	waitFor(t, "the shop to listen", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
+	return base
+}
+
+// One order placed over HTTP, through the outbox and a real JetStream, to
+// the warehouse, is one trace: the request's span, PlaceOrder's (whose
+// transaction stored its context in the row), the relay's publish of the
+// row, the consumer's processing and ApplyOnce, each the child of the one
+// before; the relay's pass is a trace of its own, linked from the publish.
+// (Caught: InsertOutbox not storing the context, and a Publisher not
+// sending its headers: the publish, or the processing, starts a trace of
+// its own.)
+func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	prev, prevProp := otel.GetTracerProvider(), otel.GetTextMapPropagator()
+	otel.SetTracerProvider(tp)
+	otel.SetTextMapPropagator(propagation.TraceContext{})
+	t.Cleanup(func() { otel.SetTracerProvider(prev); otel.SetTextMapPropagator(prevProp) })
+
+	base := startShop(t)
+	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
+	waitFor(t, "order 1 reserved", func() bool {
+		return get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
+	})
+	want := []string{"POST /orders", "PlaceOrder", "send OrderPlaced", "process outbox.OrderPlaced", "apply OrderPlaced"}
+	byName := map[string]sdktrace.ReadOnlySpan{}
+	var pass sdktrace.ReadOnlySpan
+	waitFor(t, "the consumer's span to end", func() bool {
+		for _, s := range rec.Ended() {
+			if _, seen := byName[s.Name()]; !seen {
+				byName[s.Name()] = s
+			}
+			if s.Name() == "outbox relay pass" && pass == nil {
+				pass = s
+			}
+		}
+		_, ok := byName[want[len(want)-1]]
+		_, processed := byName["process outbox.OrderPlaced"]
+		return ok && processed && pass != nil
+	})
+	var parent trace.SpanContext
+	for i, name := range want {
+		s, ok := byName[name]
+		if !ok {
+			t.Fatalf("no span %q among %d", name, len(rec.Ended()))
+		}
+		t.Logf("%-28s trace %s span %s parent %s", name, s.SpanContext().TraceID(), s.SpanContext().SpanID(), s.Parent().SpanID())
+		if i > 0 && (s.Parent().SpanID() != parent.SpanID() || s.SpanContext().TraceID() != parent.TraceID()) {
+			t.Errorf("span %q has parent %s in trace %s, want %q's span %s in trace %s", name,
+				s.Parent().SpanID(), s.SpanContext().TraceID(), want[i-1], parent.SpanID(), parent.TraceID())
+		}
+		parent = s.SpanContext()
+	}
+	send := byName["send OrderPlaced"]
+	if pass.SpanContext().TraceID() == send.SpanContext().TraceID() {
+		t.Error("the relay's pass is in the request's trace; want a trace of its own")
+	}
+	if links := send.Links(); len(links) != 1 || links[0].SpanContext.SpanID() != pass.SpanContext().SpanID() {
+		t.Errorf("the publish's links = %v, want the pass %s", links, pass.SpanContext().SpanID())
+	}
+	if send.SpanKind() != trace.SpanKindProducer || byName["process outbox.OrderPlaced"].SpanKind() != trace.SpanKindConsumer {
+		t.Errorf("kinds: send %v, process %v; want producer and consumer", send.SpanKind(), byName["process outbox.OrderPlaced"].SpanKind())
+	}
+}
+
+// GET /metrics, while the broker is down and after it is back: the lag
+// gauge rises with the order that waits, the failure counter counts the
+// publishes that found the broker unavailable, and once the broker is back
+// the gauge falls to zero, the message counts as sent and the warehouse's
+// consumer counts it applied.
+func TestMetricsShowTheLagWhileTheBrokerIsDown(t *testing.T) {
+	base := startShop(t)
+	call(t, "POST", base+"/broker/down", "", 200, `{"broker":"down"}`)
+	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":1}`)
+	var down map[string]float64
+	waitFor(t, "the lag and the failures to show", func() bool {
+		down = scrape(t, base)
+		return down["outbox_unsent"] == 1 && down["outbox_oldest_unsent_age_seconds"] > 0.1 &&
+			down[`messaging_client_sent_messages_total{error_type="unavailable"}`] >= 2
+	})
+	t.Logf("broker down: %v", down)
+	call(t, "POST", base+"/broker/up", "", 200, `{"broker":"up"}`)
+	var up map[string]float64
+	waitFor(t, "the lag to fall and the message to be applied", func() bool {
+		up = scrape(t, base)
+		return up["outbox_unsent"] == 0 && up["outbox_oldest_unsent_age_seconds"] == 0 &&
+			up["messaging_client_sent_messages_total"] == 1 &&
+			up[`messaging_client_consumed_messages_total{outbox_result="applied"}`] == 1
+	})
+	t.Logf("broker up: %v", up)
+	if up[`messaging_client_sent_messages_total{error_type="unavailable"}`] < down[`messaging_client_sent_messages_total{error_type="unavailable"}`] {
+		t.Error("the failure counter went down")
+	}
+	if up["outbox_relay_pass_duration_seconds_count"] <= down["outbox_relay_pass_duration_seconds_count"] {
+		t.Error("no pass counted after the broker came back")
+	}
+}
+
+// scrape reads GET /metrics into its samples, each named with the labels
+// that tell them apart here (error_type, outbox_result), the others
+// dropped.
+func scrape(t *testing.T, base string) map[string]float64 {
+	t.Helper()
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	samples := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		name, labels, _ := strings.Cut(line[:i], "{")
+		for _, l := range strings.Split(strings.TrimSuffix(labels, "}"), ",") {
+			if strings.HasPrefix(l, "error_type=") || strings.HasPrefix(l, "outbox_result=") {
+				name += "{" + l + "}"
+			}
+		}
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err != nil {
+			t.Fatalf("metrics line %q: %v", line, err)
+		}
+		samples[name] += v
+	}
+	return samples
+}

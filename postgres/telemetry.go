@@ -1,0 +1,215 @@
+package postgres
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// The outbox reports through the OpenTelemetry API only, as a library
+// should: the application chooses the SDK and its exporters, and without
+// them every call here is a no-op. The trace of a request goes through the
+// table: InsertOutbox stores the W3C trace context of its ctx with the row
+// (the trace_context column), the relay's publish of the row is a span in
+// that trace, and the broker carries the publish's context to the consumer.
+
+// InstrumentationName names this package's tracer and meter.
+const InstrumentationName = "example.com/patterns/enterprise/outbox/postgres"
+
+// w3c is the propagator of the stored trace context: always W3C Trace
+// Context, whatever the application's global propagator, so that a row
+// written by one service is read the same way by a relay of another.
+var w3c = propagation.TraceContext{}
+
+// storedTraceContext is the trace context of ctx's span as InsertOutbox
+// writes it to the row: a JSON object of the W3C headers, or NULL when ctx
+// carries no span.
+func storedTraceContext(ctx context.Context) sql.NullString {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return sql.NullString{}
+	}
+	carrier := propagation.MapCarrier{}
+	w3c.Inject(ctx, carrier)
+	b, err := json.Marshal(carrier)
+	if err != nil { // a map of strings always encodes
+		return sql.NullString{}
+	}
+	return sql.NullString{String: string(b), Valid: true}
+}
+
+// parseTraceContext reads a row's trace_context; a value that is not an
+// object of strings is taken as none, so that a bad row cannot stop a pass.
+func parseTraceContext(s string) map[string]string {
+	if s == "" {
+		return nil
+	}
+	var m map[string]string
+	if json.Unmarshal([]byte(s), &m) != nil {
+		return nil
+	}
+	return m
+}
+
+// ContextWithTrace returns ctx with the remote span that carrier holds (the
+// W3C headers traceparent and tracestate, such as Message.TraceContext), for
+// a consumer to start its span as that span's child. A carrier with none
+// returns ctx unchanged.
+func ContextWithTrace(ctx context.Context, carrier map[string]string) context.Context {
+	if len(carrier) == 0 {
+		return ctx
+	}
+	return w3c.Extract(ctx, propagation.MapCarrier(carrier))
+}
+
+// relayTelemetry is what a relay reports through, made once per relay.
+type relayTelemetry struct {
+	tracer       trace.Tracer
+	passDuration metric.Float64Histogram
+	sent         metric.Int64Counter
+}
+
+func (r *OutboxRelay) telemetry() *relayTelemetry {
+	r.telemetryOnce.Do(func() {
+		tp, mp := r.TracerProvider, r.MeterProvider
+		if tp == nil {
+			tp = otel.GetTracerProvider()
+		}
+		if mp == nil {
+			mp = otel.GetMeterProvider()
+		}
+		meter := mp.Meter(InstrumentationName)
+		t := &relayTelemetry{tracer: tp.Tracer(InstrumentationName)}
+		var err1, err2 error
+		t.passDuration, err1 = meter.Float64Histogram("outbox.relay.pass.duration", metric.WithUnit("s"),
+			metric.WithDescription("How long a relay pass took, from its BEGIN to its COMMIT; its count is the passes made."))
+		t.sent, err2 = meter.Int64Counter("messaging.client.sent.messages", metric.WithUnit("{message}"),
+			metric.WithDescription("Messages the relay handed to the broker: accepted, or failed with error.type unavailable, rejected or budget."))
+		if err := errors.Join(err1, err2); err != nil {
+			otel.Handle(err) // the instruments are then no-ops; the relay runs on
+		}
+		r.tel = t
+	})
+	return r.tel
+}
+
+// errorType is the error.type of a failed publish: unavailable (it may
+// pass), rejected (never), or budget (the pass's budget, or its caller's
+// context, ended first).
+func errorType(pubCtx context.Context, err error) string {
+	switch {
+	case pubCtx.Err() != nil:
+		return "budget"
+	case errors.Is(err, ErrRejected):
+		return "rejected"
+	default:
+		return "unavailable"
+	}
+}
+
+// startSend starts the span of one message's publish: a producer span in
+// the trace of the transaction that wrote the row, linked to the pass, or
+// in the pass's trace for a row written outside any trace. It returns msg
+// carrying the span's context, for the broker to pass on.
+func (t *relayTelemetry) startSend(passCtx context.Context, msg Message) (Message, trace.Span) {
+	parent := passCtx
+	var opts []trace.SpanStartOption
+	if len(msg.TraceContext) > 0 {
+		parent = ContextWithTrace(context.Background(), msg.TraceContext)
+		opts = append(opts, trace.WithLinks(trace.LinkFromContext(passCtx)))
+	}
+	opts = append(opts, trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
+		attribute.String("messaging.operation.name", "send"),
+		attribute.String("messaging.operation.type", "send"),
+		attribute.String("messaging.message.id", msg.Key),
+		attribute.Int64("outbox.id", msg.ID),
+	))
+	ctx, span := t.tracer.Start(parent, "send "+msg.Type, opts...)
+	if span.SpanContext().IsValid() {
+		carrier := propagation.MapCarrier{}
+		w3c.Inject(ctx, carrier)
+		msg.TraceContext = carrier
+	}
+	return msg, span
+}
+
+// endSend ends a publish's span and counts it; pubCtx is the publish's
+// context, ended if the pass's budget or its caller's context did.
+func (t *relayTelemetry) endSend(pubCtx context.Context, span trace.Span, err error) {
+	ctx := context.WithoutCancel(pubCtx)
+	if err == nil {
+		t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send")))
+		span.End()
+		return
+	}
+	kind := errorType(pubCtx, err)
+	t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), attribute.String("error.type", kind)))
+	span.SetAttributes(attribute.String("error.type", kind))
+	span.SetStatus(codes.Error, err.Error())
+	span.End()
+}
+
+// endPass records the pass's duration and ends its span, if it has one.
+func (t *relayTelemetry) endPass(ctx context.Context, span trace.Span, start time.Time, res passResult, err error) {
+	t.passDuration.Record(context.WithoutCancel(ctx), time.Since(start).Seconds())
+	if span == nil {
+		return
+	}
+	span.SetAttributes(attribute.Int("outbox.claimed", res.claimed), attribute.Int("outbox.published", res.published),
+		attribute.Int("outbox.marked", res.marked))
+	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
+}
+
+// ObserveLag reports [ReadLag]'s figures of db as four observable gauges of
+// the meter provider mp (nil means otel's global one), each read by one
+// query per collection: outbox.oldest_unsent.age in seconds, the one to
+// alert on, and outbox.unsent, outbox.parked and outbox.failing in
+// messages. Unregister the returned Registration to stop. A collection
+// whose query fails reports nothing, and the error goes to otel's error
+// handler.
+func ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error) {
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	meter := mp.Meter(InstrumentationName)
+	age, err1 := meter.Float64ObservableGauge("outbox.oldest_unsent.age", metric.WithUnit("s"),
+		metric.WithDescription("How long the oldest unsent, unparked outbox row has waited; 0 when none waits."))
+	unsent, err2 := meter.Int64ObservableGauge("outbox.unsent", metric.WithUnit("{message}"),
+		metric.WithDescription("Outbox rows waiting to be published: not sent, not parked."))
+	parked, err3 := meter.Int64ObservableGauge("outbox.parked", metric.WithUnit("{message}"),
+		metric.WithDescription("Outbox rows parked after too many rejections."))
+	failing, err4 := meter.Int64ObservableGauge("outbox.failing", metric.WithUnit("{message}"),
+		metric.WithDescription("Unsent rows that failed FailingAfter publishes or more."))
+	if err := errors.Join(err1, err2, err3, err4); err != nil {
+		return nil, fmt.Errorf("outbox lag gauges: %w", err)
+	}
+	return meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
+		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		lag, err := ReadLag(ctx, db)
+		if err != nil {
+			return err
+		}
+		o.ObserveFloat64(age, lag.Oldest.Seconds())
+		o.ObserveInt64(unsent, lag.Unsent)
+		o.ObserveInt64(parked, lag.Parked)
+		o.ObserveInt64(failing, lag.Failing)
+		return nil
+	}, age, unsent, parked, failing)
+}
+
+// tracer is the package's tracer from otel's global provider, for the
+// functions that have no relay to configure: ApplyOnce.
+func tracer() trace.Tracer { return otel.GetTracerProvider().Tracer(InstrumentationName) }
