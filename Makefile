@@ -153,17 +153,19 @@ shop:
 # benchstat's ratios into measure-natsbroker.stat.txt beside it): the relay's
 # drain rate to JetStream, waiting for each ack against the asynchronous
 # batch, through one server, one that syncs to disk before each ack
-# (sync_interval: always) and a replicated cluster of three (six interleaved
-# rounds, then the ratios), and the delay from an order's commit to its
-# reservation, end to end (once: 300 orders).
+# (sync_interval: always) and a replicated cluster of three, and the cost
+# of tracing on the relay's drain (six interleaved rounds, then the ratios),
+# and the delay from an order's commit to its reservation, end to end (once:
+# 300 orders).
 measure-natsbroker:
 	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \
-		./measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 5000x || exit 1; done; \
+		./measure-natsbroker.test -test.run "^$$" -test.bench "^Benchmark(Drain|RelayTracing)$$" -test.benchtime 5000x || exit 1; done; \
 		./measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkLatency$$" -test.benchtime 1x -test.v' \
 		| grep -E '^(cpu:|Benchmark|    bench_test|--- FAIL|FAIL)' | tee natsbroker/figures/measure-natsbroker.txt
 	@rm -f measure-natsbroker.test
 	@! grep -E '^(--- )?FAIL' natsbroker/figures/measure-natsbroker.txt
 	{ $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' natsbroker/figures/measure-natsbroker.txt && \
-	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' natsbroker/figures/measure-natsbroker.txt; } | tee natsbroker/figures/measure-natsbroker.stat.txt
+	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' natsbroker/figures/measure-natsbroker.txt && \
+	  $(BENCHSTAT) -filter .name:RelayTracing -col '/trace@(none stored sdk)' natsbroker/figures/measure-natsbroker.txt; } | tee natsbroker/figures/measure-natsbroker.stat.txt

@@ -157,11 +157,12 @@ func insertOutbox(ctx context.Context, tx Executor, aggregate sql.NullString, se
 		return 0, fmt.Errorf("encode %s payload: %w", eventType, err)
 	}
 	var id int64
-	// Without a trace the row's trace_context is NULL, its default: the
+	// Without a trace the row's trace columns are NULL, their default: the
 	// statement then names only the columns of migration 1, and writes on
 	// a database that migration 3 has not reached yet.
-	if trace := storedTraceContext(ctx); trace.Valid {
-		err = tx.QueryRowContext(ctx, insertTracedRow, eventType, string(data), aggregate, seq, trace).Scan(&id)
+	if parent, state := storedTraceContext(ctx); parent != "" {
+		err = tx.QueryRowContext(ctx, insertTracedRow, eventType, string(data), aggregate, seq,
+			parent, sql.NullString{String: state, Valid: state != ""}).Scan(&id)
 	} else {
 		err = tx.QueryRowContext(ctx, insertRow, eventType, string(data), aggregate, seq).Scan(&id)
 	}
@@ -175,7 +176,7 @@ func insertOutbox(ctx context.Context, tx Executor, aggregate sql.NullString, se
 // trace context of the transaction that writes it.
 const (
 	insertRow       = `INSERT INTO outbox (type, payload, aggregate, seq) VALUES ($1, $2, $3, NULLIF($4, 0)) RETURNING id`
-	insertTracedRow = `INSERT INTO outbox (type, payload, aggregate, seq, trace_context) VALUES ($1, $2, $3, NULLIF($4, 0), $5) RETURNING id`
+	insertTracedRow = `INSERT INTO outbox (type, payload, aggregate, seq, traceparent, tracestate) VALUES ($1, $2, $3, NULLIF($4, 0), $5, $6) RETURNING id`
 )
 
 // routable reports whether t is words of letters, digits, '_' and '-'

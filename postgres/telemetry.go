@@ -3,7 +3,6 @@ package postgres
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -32,32 +31,27 @@ const InstrumentationName = "example.com/patterns/enterprise/outbox/postgres"
 var w3c = propagation.TraceContext{}
 
 // storedTraceContext is the trace context of ctx's span as InsertOutbox
-// writes it to the row: a JSON object of the W3C headers, or NULL when ctx
-// carries no span.
-func storedTraceContext(ctx context.Context) sql.NullString {
+// writes it to the row: its traceparent and tracestate headers, or nothing
+// when ctx carries no span.
+func storedTraceContext(ctx context.Context) (traceparent, tracestate string) {
 	if !trace.SpanContextFromContext(ctx).IsValid() {
-		return sql.NullString{}
+		return "", ""
 	}
 	carrier := propagation.MapCarrier{}
 	w3c.Inject(ctx, carrier)
-	b, err := json.Marshal(carrier)
-	if err != nil { // a map of strings always encodes
-		return sql.NullString{}
-	}
-	return sql.NullString{String: string(b), Valid: true}
+	return carrier["traceparent"], carrier["tracestate"]
 }
 
-// parseTraceContext reads a row's trace_context; a value that is not an
-// object of strings is taken as none, so that a bad row cannot stop a pass.
-func parseTraceContext(s string) map[string]string {
-	if s == "" {
+// claimedTraceContext is a claimed row's trace context as Message carries
+// it, nil when the row has none.
+func claimedTraceContext(traceparent, tracestate string) map[string]string {
+	if traceparent == "" {
 		return nil
 	}
-	var m map[string]string
-	if json.Unmarshal([]byte(s), &m) != nil {
-		return nil
+	if tracestate == "" {
+		return map[string]string{"traceparent": traceparent}
 	}
-	return m
+	return map[string]string{"traceparent": traceparent, "tracestate": tracestate}
 }
 
 // ContextWithTrace returns ctx with the remote span that carrier holds (the
@@ -134,7 +128,7 @@ func (t *relayTelemetry) startSend(passCtx context.Context, msg Message) (Messag
 		attribute.Int64("outbox.id", msg.ID),
 	))
 	ctx, span := t.tracer.Start(parent, "send "+msg.Type, opts...)
-	if span.SpanContext().IsValid() {
+	if span.IsRecording() { // else the span is the stored context, passed on as it is
 		carrier := propagation.MapCarrier{}
 		w3c.Inject(ctx, carrier)
 		msg.TraceContext = carrier
