@@ -7,6 +7,7 @@ package natsbroker_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/url"
 	"strings"
@@ -110,7 +111,18 @@ func setUpReplicated(t testing.TB, c *cluster) (jetstream.JetStream, jetstream.S
 	}
 	cfg := natsbroker.StreamConfig(0)
 	cfg.Replicas = 3
-	stream, err := js.CreateOrUpdateStream(ctx, cfg)
+	// A meta leader that was just elected may not yet count every node as
+	// online: it then refuses a stream of three replicas ("no suitable
+	// peers for placement", 10005) until it hears from them.
+	var stream jetstream.Stream
+	var apiErr *jetstream.APIError
+	waitFor(t, "the cluster to place a stream of three replicas", func() bool {
+		stream, err = js.CreateOrUpdateStream(ctx, cfg)
+		if errors.As(err, &apiErr) && apiErr.ErrorCode == clusterNoPeers {
+			return false
+		}
+		return true
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -122,6 +134,10 @@ func setUpReplicated(t testing.TB, c *cluster) (jetstream.JetStream, jetstream.S
 	}
 	return js, stream
 }
+
+// clusterNoPeers is JetStream's error code for a stream it cannot place on
+// enough servers (nats-server's JSClusterNoPeersErrF).
+const clusterNoPeers jetstream.ErrorCode = 10005
 
 // ordered is a Handler that hands each delivery to a warehouse and checks
 // what it applied: each aggregate's seqs in order from 1, and no key twice.
