@@ -115,6 +115,12 @@ func errorType(pubCtx context.Context, err error) string {
 // in the pass's trace for a row written outside any trace. It returns msg
 // carrying the span's context, for the broker to pass on.
 func (t *relayTelemetry) startSend(passCtx context.Context, msg Message) (Message, trace.Span) {
+	if !trace.SpanContextFromContext(passCtx).IsValid() {
+		// A tracer that gave the pass, a root, no span context makes no
+		// spans at all (the API's no-op): the stored context goes on as it
+		// is, at no cost.
+		return msg, trace.SpanFromContext(context.Background())
+	}
 	parent := passCtx
 	var opts []trace.SpanStartOption
 	if len(msg.TraceContext) > 0 {
