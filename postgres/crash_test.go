@@ -10,6 +10,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"os/user"
@@ -134,23 +135,37 @@ func startOwnServer(t *testing.T, opts ...string) *ownServer {
 // server's options.
 func (s *ownServer) ctl(t *testing.T, args ...string) {
 	t.Helper()
+	if err := s.tryCtl(args...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// tryCtl is ctl, returning its failure.
+func (s *ownServer) tryCtl(args ...string) error {
 	full := []string{"-D", filepath.Join(s.dir, "data"), "-w", "-t", "60"}
 	if args[len(args)-1] == "start" {
 		o := "-k " + s.dir + " -c listen_addresses='' -c fsync=off -c full_page_writes=off " + strings.Join(s.opts, " ")
 		full = append(full, "-l", filepath.Join(s.dir, "server.log"), "-o", o)
 	}
-	s.run(t, "pg_ctl", append(full, args...)...)
+	return s.tryRun("pg_ctl", append(full, args...)...)
 }
 
 func (s *ownServer) run(t *testing.T, prog string, args ...string) {
 	t.Helper()
+	if err := s.tryRun(prog, args...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (s *ownServer) tryRun(prog string, args ...string) error {
 	argv := append(append(append([]string{}, s.as...), filepath.Join(s.bindir, prog)), args...)
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Dir = s.dir // the postgres user may not enter the test's folder
 	if out, err := cmd.CombinedOutput(); err != nil {
 		log, _ := os.ReadFile(filepath.Join(s.dir, "server.log"))
-		t.Fatalf("%s %v: %v\n%s\n%s", prog, args, err, out, log)
+		return fmt.Errorf("%s %v: %v\n%s\n%s", prog, args, err, out, log)
 	}
+	return nil
 }
 
 // open opens the server's postgres database, closed when t ends.

@@ -8,6 +8,8 @@
 # operating-system crash can corrupt the whole cluster, not only lose recent
 # commits: for a throwaway server only. OUTBOX_POSTGRES_OPTS adds options of
 # the postgres command (make measure-postgres: -c autovacuum_naptime=1s).
+# wal_level is logical, for the log relay's replication slots (LogRelay); the
+# default, replica, refuses to create one.
 # Runs COMMAND with OUTBOX_POSTGRES_URL naming
 # that server, then stops the server and removes the folder, whether COMMAND
 # passed, failed or was interrupted. Exits with COMMAND's status.
@@ -81,7 +83,7 @@ elif ! server "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-
 	exit 1
 fi
 if ! server "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-	-o "-k $dir -c listen_addresses='' -c fsync=$fsync -c full_page_writes=$fsync ${OUTBOX_POSTGRES_OPTS:-}" start >/dev/null; then
+	-o "-k $dir -c listen_addresses='' -c fsync=$fsync -c full_page_writes=$fsync -c wal_level=logical ${OUTBOX_POSTGRES_OPTS:-}" start >/dev/null; then
 	cat "$dir/server.log" >&2
 	exit 1
 fi

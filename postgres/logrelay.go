@@ -1,0 +1,386 @@
+package postgres
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+)
+
+// DefaultSlot and DefaultPublication name what a [LogRelay] reads when its
+// Slot and Publication are empty: the replication slot that [CreateLogSlot]
+// makes, and the publication of the outbox's inserts that migration 4
+// creates.
+const (
+	DefaultSlot        = "outbox"
+	DefaultPublication = "outbox_inserts"
+)
+
+// ErrNoSlot is returned, wrapped, by [LogRelay.Run] when its replication
+// slot does not exist: create it with [CreateLogSlot] before the producers
+// write rows it must see.
+var ErrNoSlot = errors.New("postgres: the log relay's replication slot does not exist")
+
+// ErrSlotLost is returned, wrapped, by [LogRelay.Run] when the server has
+// invalidated the relay's replication slot: the slot fell further behind
+// than max_slot_wal_keep_size allows and the server removed log it had not
+// yet read, so the inserts in that log can no longer be streamed. The rows
+// are still in the table: drop the slot, create it again, and publish the
+// rows written since the last delivered one with a polling [OutboxRelay]
+// (consumers drop what was delivered twice, by key) before the log relay
+// takes over again.
+var ErrSlotLost = errors.New("postgres: the log relay's replication slot was invalidated")
+
+// LogRelay is the other relay: instead of polling the table it reads the
+// outbox's inserts from PostgreSQL's log, by logical decoding (the pgoutput
+// plugin, through a publication of the outbox's inserts), and publishes each
+// committed transaction's rows in commit order. A row that committed after a
+// higher id is published after it, as it committed, so the trap of the
+// polling relay (ids are not commit order) cannot happen. It never updates a
+// row: no mark, no dead index entry, no vacuum debt; sent_at stays NULL, so
+// the table is then a record of what was written, cleaned up by age.
+//
+// Its place in the log is the slot's: the server keeps every record from
+// the slot's position on, and sends again, after a reconnect or a restart,
+// every transaction that committed after it. The relay moves the position
+// (a standby status update) only past a transaction whose every row the
+// broker accepted, so what a crash or a broker failure sends again is the
+// transactions after the last one confirmed, at least once, with the same
+// keys; consumers drop the copies. It holds no transaction on the server,
+// but its slot holds log: as long as the relay is behind or gone, the server
+// keeps the log it has not read, bounded only by max_slot_wal_keep_size (an
+// invalidated slot is [ErrSlotLost]). Watch pg_replication_slots. A slot has
+// one reader: one LogRelay per slot runs at a time (a second one waits, as
+// Run retries, until the first is gone); and PostgreSQL 15 does not carry a
+// slot over to a standby, so after a failover it must be created again.
+//
+// A LogRelay needs the server's wal_level = logical, a role with the
+// REPLICATION attribute, and a connection string for a replication
+// connection, which database/sql cannot make. Create one with
+// [NewLogRelay]; do not change its fields while Run runs.
+type LogRelay struct {
+	// Slot and Publication name the replication slot and the publication;
+	// empty means DefaultSlot and DefaultPublication.
+	Slot, Publication string
+
+	// PublishTimeout bounds each publish; zero or less means
+	// DefaultPassTimeout. A publish that runs out fails as any other.
+	PublishTimeout time.Duration
+
+	// StatusInterval is how often, at most, the relay tells the server how
+	// far it has delivered while the stream is idle; zero or less means 10
+	// s, half the server's default wal_sender_timeout.
+	StatusInterval time.Duration
+
+	// MaxBackoff is the longest Run waits before it connects again after a
+	// failure; zero or less means DefaultMaxBackoff.
+	MaxBackoff time.Duration
+
+	// Logger, if not nil, is told of each failed session.
+	Logger *slog.Logger
+
+	connString string
+	broker     MessageBroker
+	wait       func(ctx context.Context, d time.Duration) bool // a seam for the tests
+}
+
+// NewLogRelay returns a LogRelay that reads the log of the database that
+// connString names (a libpq connection string or URL, as pgx parses it;
+// the relay adds replication=database) and publishes to broker.
+func NewLogRelay(connString string, broker MessageBroker) *LogRelay {
+	return &LogRelay{connString: connString, broker: broker}
+}
+
+// CreateLogSlot creates the replication slot slot (DefaultSlot if empty)
+// of the database db is open on, with the pgoutput plugin, unless it exists.
+// Create it as a provisioning step, before the producers write the rows the
+// log relay must publish: the slot sees only what commits after it exists.
+// It needs wal_level = logical, and says so.
+func CreateLogSlot(ctx context.Context, db *sql.DB, slot string) error {
+	if slot == "" {
+		slot = DefaultSlot
+	}
+	_, err := db.ExecContext(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')
+		WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)`, slot)
+	if err != nil {
+		return fmt.Errorf("create replication slot %s (it needs wal_level = logical): %w", slot, err)
+	}
+	return nil
+}
+
+// Run streams the outbox's inserts and publishes them until ctx ends, then
+// returns ctx's error. After a failure (the connection lost, the broker
+// refusing or not answering) it connects again after a backoff, like
+// [OutboxRelay.Run]'s, and the server sends again every transaction after
+// the last one confirmed. It returns, with the error, when no retry can
+// mend it: the slot does not exist ([ErrNoSlot]), was invalidated
+// ([ErrSlotLost]), or the role may not replicate.
+func (r *LogRelay) Run(ctx context.Context) error {
+	maxBackoff := orDefault(r.MaxBackoff, DefaultMaxBackoff)
+	wait := r.wait
+	if wait == nil {
+		wait = func(ctx context.Context, d time.Duration) bool {
+			t := time.NewTimer(d)
+			defer t.Stop()
+			select {
+			case <-t.C:
+				return true
+			case <-ctx.Done():
+				return false
+			}
+		}
+	}
+	failures := 0
+	for {
+		delivered, err := r.session(ctx)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost) || sqlState(err) == "42501" || sqlState(err) == "28000" {
+			if r.Logger != nil {
+				r.Logger.Error("outbox: log relay stopped", "err", err)
+			}
+			return err
+		}
+		if delivered > 0 {
+			failures = 0
+		}
+		failures++
+		d := backoff(failures, maxBackoff, rand.Float64)
+		if r.Logger != nil {
+			r.Logger.Error("outbox: log relay session failed", "err", err, "delivered", delivered, "retry_in", d)
+		}
+		if !wait(ctx, d) {
+			return ctx.Err()
+		}
+	}
+}
+
+// session streams from the slot's position on one replication connection
+// until it fails, and reports how many messages it delivered.
+func (r *LogRelay) session(ctx context.Context) (delivered int, err error) {
+	cfg, err := pgconn.ParseConfig(r.connString)
+	if err != nil {
+		return 0, fmt.Errorf("log relay: %w", err)
+	}
+	cfg.RuntimeParams["replication"] = "database"
+	if cfg.RuntimeParams["application_name"] == "" {
+		cfg.RuntimeParams["application_name"] = "outbox-log-relay"
+	}
+	conn, err := pgconn.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return 0, fmt.Errorf("log relay: connect: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+
+	slot, publication := r.Slot, r.Publication
+	if slot == "" {
+		slot = DefaultSlot
+	}
+	if publication == "" {
+		publication = DefaultPublication
+	}
+	// Position 0: from where the slot says the relay confirmed.
+	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + publication + "'"},
+	})
+	switch code := sqlState(err); {
+	case code == "42704": // undefined_object
+		return 0, fmt.Errorf("%w: %s: %w", ErrNoSlot, slot, err)
+	case code == "55000": // object_not_in_prerequisite_state: "can no longer get changes"
+		return 0, fmt.Errorf("%w: %s: %w", ErrSlotLost, slot, err)
+	case err != nil:
+		return 0, fmt.Errorf("log relay: start replication from slot %s: %w", slot, err)
+	}
+
+	s := stream{
+		relay:     r,
+		conn:      conn,
+		relations: map[uint32]*pglogrepl.RelationMessage{},
+		every:     orDefault(r.StatusInterval, 10*time.Second),
+	}
+	err = s.run(ctx)
+	return s.delivered, err
+}
+
+// stream is one session's state: the tables' descriptions the server sent,
+// the transaction being read, and how far the relay has delivered.
+type stream struct {
+	relay     *LogRelay
+	conn      *pgconn.PgConn
+	relations map[uint32]*pglogrepl.RelationMessage
+	txn       []Message
+	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
+	told      time.Time     // when the server was last told confirmed
+	every     time.Duration
+	delivered int
+}
+
+// statusAfterDelivery is how soon after a delivered transaction the server
+// hears of it, at the latest: often enough that a restart sends little
+// again, seldom enough that a burst of small transactions costs few
+// messages.
+const statusAfterDelivery = 100 * time.Millisecond
+
+func (s *stream) run(ctx context.Context) error {
+	for {
+		if time.Since(s.told) >= s.every {
+			if err := s.tell(ctx); err != nil {
+				return err
+			}
+		}
+		rctx, cancel := context.WithDeadline(ctx, s.told.Add(s.every))
+		raw, err := s.conn.ReceiveMessage(rctx)
+		cancel()
+		switch {
+		case err != nil && pgconn.Timeout(err) && ctx.Err() == nil:
+			continue // time to tell the server where the relay is
+		case err != nil:
+			return fmt.Errorf("log relay: receive: %w", err)
+		}
+		switch msg := raw.(type) {
+		case *pgproto3.ErrorResponse:
+			return fmt.Errorf("log relay: %w", pgconn.ErrorResponseToPgError(msg))
+		case *pgproto3.CopyData:
+			if err := s.handle(ctx, msg.Data); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// handle handles one message of the replication stream.
+func (s *stream) handle(ctx context.Context, data []byte) error {
+	if len(data) == 0 {
+		return nil
+	}
+	switch data[0] {
+	case pglogrepl.PrimaryKeepaliveMessageByteID:
+		k, err := pglogrepl.ParsePrimaryKeepaliveMessage(data[1:])
+		if err != nil {
+			return fmt.Errorf("log relay: %w", err)
+		}
+		// Everything the server sent before the keepalive has been read;
+		// with no transaction half read, the relay has delivered all of it,
+		// and the log up to here holds nothing more for it (other tables'
+		// changes, transactions with no outbox row). Confirming it lets the
+		// server free that log.
+		if len(s.txn) == 0 && k.ServerWALEnd > s.confirmed {
+			s.confirmed = k.ServerWALEnd
+		}
+		if k.ReplyRequested {
+			return s.tell(ctx)
+		}
+	case pglogrepl.XLogDataByteID:
+		x, err := pglogrepl.ParseXLogData(data[1:])
+		if err != nil {
+			return fmt.Errorf("log relay: %w", err)
+		}
+		m, err := pglogrepl.Parse(x.WALData)
+		if err != nil {
+			return fmt.Errorf("log relay: decode: %w", err)
+		}
+		switch m := m.(type) {
+		case *pglogrepl.RelationMessage:
+			s.relations[m.RelationID] = m
+		case *pglogrepl.BeginMessage:
+			s.txn = s.txn[:0]
+		case *pglogrepl.InsertMessage:
+			rel, ok := s.relations[m.RelationID]
+			if !ok {
+				return fmt.Errorf("log relay: an insert into relation %d, which the server never described", m.RelationID)
+			}
+			msg, err := decodeRow(rel, m.Tuple)
+			if err != nil {
+				return err
+			}
+			s.txn = append(s.txn, msg)
+		case *pglogrepl.CommitMessage:
+			return s.deliver(ctx, m.TransactionEndLSN)
+		}
+	}
+	return nil
+}
+
+// deliver publishes the committed transaction's rows in their order and,
+// once the broker accepted all of them, confirms its end.
+func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
+	timeout := orDefault(s.relay.PublishTimeout, DefaultPassTimeout)
+	for i, msg := range s.txn {
+		pctx, cancel := context.WithTimeout(ctx, timeout)
+		err := s.relay.broker.Publish(pctx, msg)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("publish message %d, %d of a transaction of %d, which goes again whole: %w",
+				msg.ID, i+1, len(s.txn), err)
+		}
+		s.delivered++
+	}
+	s.txn = s.txn[:0]
+	s.confirmed = end
+	if time.Since(s.told) >= statusAfterDelivery {
+		return s.tell(ctx)
+	}
+	return nil
+}
+
+// tell sends the server the position the relay has delivered up to: the
+// server may forget the log before it, and starts there next time.
+func (s *stream) tell(ctx context.Context) error {
+	s.told = time.Now()
+	if s.confirmed == 0 {
+		return nil // nothing delivered yet: the slot keeps its position
+	}
+	if err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: s.confirmed}); err != nil {
+		return fmt.Errorf("log relay: tell the server its position: %w", err)
+	}
+	return nil
+}
+
+// decodeRow is an inserted outbox row as a Message, from pgoutput's text
+// form of its columns.
+func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (Message, error) {
+	var msg Message
+	if tuple == nil || len(tuple.Columns) != len(rel.Columns) {
+		return msg, fmt.Errorf("log relay: a row of %s.%s that does not match its description", rel.Namespace, rel.RelationName)
+	}
+	var traceparent, tracestate string
+	for i, col := range tuple.Columns {
+		if col.DataType != pglogrepl.TupleDataTypeText {
+			continue // NULL ('n'); an insert sends no unchanged TOAST ('u')
+		}
+		v := string(col.Data)
+		var err error
+		switch rel.Columns[i].Name {
+		case "id":
+			msg.ID, err = strconv.ParseInt(v, 10, 64)
+		case "message_key":
+			msg.Key = v
+		case "type":
+			msg.Type = v
+		case "payload":
+			msg.Payload = v
+		case "aggregate":
+			msg.Aggregate = v
+		case "seq":
+			msg.Seq, err = strconv.ParseInt(v, 10, 64)
+		case "traceparent":
+			traceparent = v
+		case "tracestate":
+			tracestate = v
+		}
+		if err != nil {
+			return msg, fmt.Errorf("log relay: column %s: %w", rel.Columns[i].Name, err)
+		}
+	}
+	msg.TraceContext = claimedTraceContext(traceparent, tracestate)
+	return msg, nil
+}

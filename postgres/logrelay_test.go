@@ -1,0 +1,458 @@
+package postgres_test
+
+// The log relay (LogRelay) on the real server: commit order, a lost
+// connection and a stopped process that resume from the slot, a server
+// killed with SIGKILL, the log a slot holds and its invalidation, and a
+// broker that is down.
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
+)
+
+// logConnString is a connection string to the database name on the shared
+// server, for a replication connection.
+func logConnString(name string) string {
+	return fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", server.Host, server.Port, server.User, name)
+}
+
+// newLogRelay is a database of t's own with the log relay's slot, named
+// after the database and dropped when t ends, and a LogRelay on it.
+func newLogRelay(t *testing.T, broker postgres.MessageBroker) (*sql.DB, *postgres.LogRelay) {
+	t.Helper()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	return db, logRelayOn(t, db, logConnString(name), name, broker)
+}
+
+// logRelayOn creates the slot slot on db, dropped when t ends, and returns
+// a LogRelay reading it through connString.
+func logRelayOn(t *testing.T, db *sql.DB, connString, slot string, broker postgres.MessageBroker) *postgres.LogRelay {
+	t.Helper()
+	if err := postgres.CreateLogSlot(context.Background(), db, slot); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dropSlot(t, db, slot) })
+	relay := postgres.NewLogRelay(connString, broker)
+	relay.Slot = slot
+	relay.MaxBackoff = 200 * time.Millisecond
+	return relay
+}
+
+// dropSlot drops slot once no session reads it.
+func dropSlot(t *testing.T, db *sql.DB, slot string) {
+	waitUntil(t, "slot "+slot+" to be free", func() bool {
+		var active bool
+		err := db.QueryRow(`SELECT active FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&active)
+		return errors.Is(err, sql.ErrNoRows) || err == nil && !active
+	})
+	if _, err := db.Exec(`SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot); err != nil {
+		t.Error(err)
+	}
+}
+
+// runLog runs relay.Run until the returned stop is called, and stop returns
+// what Run returned.
+func runLog(t *testing.T, relay *postgres.LogRelay) (stop func() error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	var once sync.Once
+	var err error
+	stop = func() error {
+		once.Do(func() { cancel(); err = <-done })
+		return err
+	}
+	t.Cleanup(func() { stop() })
+	return stop
+}
+
+// The trap of the polling relay cannot happen: transaction A takes id 1 and
+// commits after B, which took id 2; the log relay publishes 2, then 1, as
+// they committed. (The polling relay, on the same rows once both committed,
+// publishes them in id order: 1, then 2.)
+func TestLogRelayPublishesInCommitOrder(t *testing.T) {
+	ctx := context.Background()
+	broker := &recorder{}
+	db, relay := newLogRelay(t, broker)
+	a := begin(t, db)
+	idA := insertOrderAndRow(t, a, 100)
+	b := begin(t, db)
+	idB := insertOrderAndRow(t, b, 200)
+	if err := b.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	stop := runLog(t, relay)
+	waitUntil(t, "both rows published", func() bool { return len(broker.Published()) == 2 })
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Errorf("Run = %v, want context.Canceled", err)
+	}
+	if got, want := broker.IDs(), []int64{idB, idA}; !slices.Equal(got, want) {
+		t.Errorf("the log relay published %v, want %v: commit order", got, want)
+	}
+	polled := &recorder{}
+	if _, err := postgres.NewOutboxRelay(db, polled).PublishPending(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("log relay (commit order): %v; polling relay (id order): %v", broker.IDs(), polled.IDs())
+	for _, m := range broker.Published() {
+		if m.Key == "" || m.Type != "OrderPlaced" || !strings.Contains(m.Payload, `"totalCents"`) {
+			t.Errorf("published %+v, want the row's key, type and payload", m)
+		}
+	}
+}
+
+// stalling is a recorder whose Publish calls hook before it records, and
+// fails with hook's error.
+type stalling struct {
+	recorder
+	hook   func(n int) error // n: how many it recorded before
+	failMu sync.Mutex
+	failed int
+}
+
+func (s *stalling) Publish(ctx context.Context, m postgres.Message) error {
+	if err := s.hook(len(s.Published())); err != nil {
+		s.failMu.Lock()
+		s.failed++
+		s.failMu.Unlock()
+		return err
+	}
+	return s.recorder.Publish(ctx, m)
+}
+
+// failures is how many publishes failed.
+func (s *stalling) failures() int {
+	s.failMu.Lock()
+	defer s.failMu.Unlock()
+	return s.failed
+}
+
+// committedAt places orders one transaction each and returns, for each row
+// id, a log position at or after its commit.
+func committedAt(t *testing.T, db *sql.DB, n int) map[int64]string {
+	t.Helper()
+	at := map[int64]string{}
+	service := shop.NewOrderService(db)
+	for range n {
+		id, err := service.PlaceOrder(context.Background(), 500)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var lsn string
+		if err := db.QueryRow(`SELECT pg_current_wal_insert_lsn()::text`).Scan(&lsn); err != nil {
+			t.Fatal(err)
+		}
+		at[id] = lsn // the row's id is its order's: each order writes one row
+	}
+	return at
+}
+
+// wantEachOnceButTheTail checks that every row was published, and that no
+// row was published twice whose commit the slot had confirmed (at or before
+// confirmed) when the relay was cut off: what goes again is the unconfirmed
+// tail only.
+func wantEachOnceButTheTail(t *testing.T, db *sql.DB, broker *recorder, at map[int64]string, confirmed string) {
+	t.Helper()
+	seen := map[int64]int{}
+	for _, id := range broker.IDs() {
+		seen[id]++
+	}
+	again := 0
+	for id, lsn := range at {
+		if seen[id] == 0 {
+			t.Errorf("row %d was never published", id)
+		}
+		if seen[id] > 1 {
+			again++
+			var before bool
+			if err := db.QueryRow(`SELECT $1::pg_lsn <= $2::pg_lsn`, lsn, confirmed).Scan(&before); err != nil {
+				t.Fatal(err)
+			}
+			if before {
+				t.Errorf("row %d, committed by %s, was confirmed (%s) and still published again", id, lsn, confirmed)
+			}
+		}
+	}
+	t.Logf("%d rows published, %d of them again (the unconfirmed tail; confirmed up to %s)", len(at), again, confirmed)
+}
+
+// A relay whose replication connection the server terminates in the middle
+// of the stream connects again and resumes from the slot; a relay whose
+// process is stopped (its context cancelled) and started again does the
+// same. Nothing is lost, and what goes twice is only what the slot had not
+// confirmed. (Caught: a relay that confirms each transaction when it reads
+// its commit, before the broker accepted it: the row whose publish failed
+// is never sent again.)
+func TestLogRelayResumesFromTheSlotAfterAKillAndAStop(t *testing.T) {
+	ctx := context.Background()
+	broker := &stalling{}
+	db, relay := newLogRelay(t, broker)
+	var slot string
+	if err := db.QueryRow(`SELECT current_database()`).Scan(&slot); err != nil {
+		t.Fatal(err)
+	}
+	confirmed := func() string {
+		var lsn sql.NullString
+		if err := db.QueryRow(`SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&lsn); err != nil {
+			t.Fatal(err)
+		}
+		return lsn.String
+	}
+	var cut string
+	killed := make(chan struct{})
+	broker.hook = func(n int) error {
+		if n == 9 { // a slow 10th publish: the relay tells the server of the 9th before it, of the 10th after
+			time.Sleep(2 * 100 * time.Millisecond)
+		}
+		if n == 10 && cut == "" { // the 11th publish: the relay's connection goes, and this publish fails
+			cut = confirmed()
+			if _, err := db.Exec(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'outbox-log-relay'
+				AND datname = current_database()`); err != nil {
+				t.Error(err)
+			}
+			close(killed)
+			return fmt.Errorf("broker: connection reset: %w", postgres.ErrBrokerUnavailable)
+		}
+		return nil
+	}
+	at := committedAt(t, db, 20)
+	stop := runLog(t, relay)
+	<-killed
+	waitUntil(t, "all 20 rows published after the kill", func() bool { return allSeen(broker, at) })
+	wantEachOnceButTheTail(t, db, &broker.recorder, at, cut)
+
+	// The process stops, more orders are placed, and a new relay resumes.
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Errorf("Run = %v, want context.Canceled", err)
+	}
+	cut = confirmed()
+	more := committedAt(t, db, 10)
+	first := len(broker.Published())
+	runLog(t, relay)
+	waitUntil(t, "the 10 rows placed while it was stopped", func() bool { return allSeen(broker, more) })
+	after := &recorder{}
+	for _, m := range broker.Published()[first:] {
+		after.Publish(ctx, m)
+	}
+	wantEachOnceButTheTail(t, db, after, more, cut)
+	for id := range at { // nothing confirmed before the stop went again
+		if slices.Contains(after.IDs(), id) {
+			var before bool
+			if err := db.QueryRow(`SELECT $1::pg_lsn <= $2::pg_lsn`, at[id], cut).Scan(&before); err != nil || before {
+				t.Errorf("row %d, confirmed before the stop, was published again after it", id)
+			}
+		}
+	}
+}
+
+// allSeen reports whether the broker got every row of at.
+func allSeen(broker *stalling, at map[int64]string) bool {
+	got := broker.IDs()
+	for id := range at {
+		if !slices.Contains(got, id) {
+			return false
+		}
+	}
+	return true
+}
+
+// A broker that is down: the relay confirms nothing it has not delivered
+// (the slot's position does not move), keeps no transaction open on the
+// server (its session has no backend_xid), and once the broker is back
+// every row goes, in commit order.
+func TestLogRelayConfirmsNothingWhileTheBrokerIsDown(t *testing.T) {
+	var down sync.Mutex
+	isDown := true
+	broker := &stalling{hook: func(int) error {
+		down.Lock()
+		defer down.Unlock()
+		if isDown {
+			return fmt.Errorf("broker: no route to host: %w", postgres.ErrBrokerUnavailable)
+		}
+		return nil
+	}}
+	db, relay := newLogRelay(t, broker)
+	before := slotPosition(t, db)
+	at := committedAt(t, db, 5)
+	runLog(t, relay)
+	waitUntil(t, "the relay to have tried and failed twice", func() bool {
+		var n int
+		db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-log-relay' AND datname = current_database()`).Scan(&n)
+		return n == 1 && broker.failures() >= 2
+	})
+	if got := slotPosition(t, db); got != before {
+		t.Errorf("the slot moved from %s to %s with nothing delivered", before, got)
+	}
+	var xid sql.NullString
+	if err := db.QueryRow(`SELECT backend_xid::text FROM pg_stat_activity WHERE application_name = 'outbox-log-relay' AND datname = current_database()`).Scan(&xid); err != nil && !errors.Is(err, sql.ErrNoRows) {
+		t.Fatal(err)
+	}
+	if xid.Valid {
+		t.Errorf("the relay's session holds transaction %s", xid.String)
+	}
+	down.Lock()
+	isDown = false
+	down.Unlock()
+	waitUntil(t, "the 5 rows once the broker is back", func() bool { return allSeen(broker, at) })
+	if got := broker.IDs(); !slices.IsSorted(got) { // these committed one after the other
+		t.Errorf("published %v, want commit order", got)
+	}
+}
+
+// slotPosition is the confirmed position of the database's one slot.
+func slotPosition(t *testing.T, db *sql.DB) string {
+	t.Helper()
+	var lsn sql.NullString
+	if err := db.QueryRow(`SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE database = current_database()`).Scan(&lsn); err != nil {
+		t.Fatal(err)
+	}
+	return lsn.String
+}
+
+// The server killed with SIGKILL under the relay and started again: the
+// slot and its position survive, the relay connects again on its own, and
+// every order committed before the kill and after the restart is
+// published; none is published that the database does not hold.
+func TestLogRelayAfterTheServerIsKilled(t *testing.T) {
+	ctx := context.Background()
+	srv := startOwnServer(t, "-c wal_level=logical")
+	db := srv.open(t)
+	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
+		t.Fatal(err)
+	}
+	broker := &recorder{}
+	relay := logRelayOn(t, db, "host="+srv.dir+" user=postgres dbname=postgres sslmode=disable", "outbox", broker)
+	at := committedAt(t, db, 10)
+	runLog(t, relay)
+	waitUntil(t, "the first 10 published", func() bool { return len(broker.Published()) >= 10 })
+
+	pidFile, err := os.ReadFile(filepath.Join(srv.dir, "data", "postmaster.pid"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid, err := strconv.Atoi(strings.SplitN(string(pidFile), "\n", 2)[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	// Its backends notice the postmaster's death and exit; the server starts
+	// again once they have. A container whose first process reaps no
+	// orphan keeps the killed postmaster as a zombie, whose pid the lock
+	// file still names, and the server would take it for one that runs:
+	// nothing of it runs, so its lock file goes.
+	waitUntil(t, "the killed server to start again", func() bool {
+		if stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid)); err == nil && strings.Contains(string(stat), ") Z ") {
+			os.Remove(filepath.Join(srv.dir, "data", "postmaster.pid"))
+		}
+		return srv.tryCtl("start") == nil
+	})
+	for id, lsn := range committedAt(t, db, 10) {
+		at[id] = lsn
+	}
+	waitUntil(t, "all 20 published after the restart", func() bool {
+		got := broker.IDs()
+		for id := range at {
+			if !slices.Contains(got, id) {
+				return false
+			}
+		}
+		return true
+	})
+	var rows int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox`).Scan(&rows); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range broker.IDs() {
+		if _, ok := at[id]; !ok {
+			t.Errorf("published row %d, which no committed order wrote", id)
+		}
+	}
+	if rows != len(at) {
+		t.Errorf("the outbox holds %d rows after the restart, want %d", rows, len(at))
+	}
+	t.Logf("%d rows, %d publishes across the kill", rows, len(broker.Published()))
+}
+
+// While the relay is away its slot holds the log it has not read, and the
+// amount grows with every write; with max_slot_wal_keep_size the server
+// invalidates the slot once it holds more, and the relay says so and stops
+// with ErrSlotLost instead of retrying for ever.
+func TestLogRelaySlotHoldsTheLogAndIsLostPastItsLimit(t *testing.T) {
+	ctx := context.Background()
+	srv := startOwnServer(t, "-c wal_level=logical", "-c max_slot_wal_keep_size=1MB")
+	db := srv.open(t)
+	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
+		t.Fatal(err)
+	}
+	broker := &recorder{}
+	relay := logRelayOn(t, db, "host="+srv.dir+" user=postgres dbname=postgres sslmode=disable", "outbox", broker)
+	relay.MaxBackoff = time.Hour // a relay that retried would not return
+	held := func() (bytes int64, status string) {
+		t.Helper()
+		if err := db.QueryRow(`SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
+			FROM pg_replication_slots WHERE slot_name = 'outbox'`).Scan(&bytes, &status); err != nil {
+			t.Fatal(err)
+		}
+		return bytes, status
+	}
+	first, _ := held()
+	committedAt(t, db, 50)
+	second, status := held()
+	if second <= first {
+		t.Errorf("the slot holds %d bytes after 50 orders, %d before: want more", second, first)
+	}
+	t.Logf("the slot holds %d bytes of log before the orders, %d after (%s)", first, second, status)
+	for range 4 { // past the limit: new segments, and a checkpoint that removes the old ones
+		if _, err := db.Exec(`CREATE TABLE IF NOT EXISTS filler (b text); INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 2000);
+			SELECT pg_switch_wal(); CHECKPOINT`); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, status = held(); status != "lost" {
+		t.Fatalf("wal_status = %q after the log passed max_slot_wal_keep_size, want lost", status)
+	}
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, postgres.ErrSlotLost) {
+			t.Errorf("Run on an invalidated slot = %v, want ErrSlotLost", err)
+		}
+		t.Logf("Run said: %v", err)
+	case <-time.After(time.Minute):
+		t.Fatal("Run on an invalidated slot did not return in a minute")
+	}
+	if n := len(broker.Published()); n != 0 {
+		t.Errorf("published %d messages from a lost slot", n)
+	}
+}
+
+// Run on a slot that does not exist stops with ErrNoSlot.
+func TestLogRelayWithoutItsSlotStops(t *testing.T) {
+	name := newDatabaseName(t)
+	relay := postgres.NewLogRelay(logConnString(name), &recorder{})
+	relay.Slot = "no_such_slot"
+	if err := relay.Run(context.Background()); !errors.Is(err, postgres.ErrNoSlot) {
+		t.Errorf("Run = %v, want ErrNoSlot", err)
+	}
+}
