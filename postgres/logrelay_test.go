@@ -223,6 +223,7 @@ func TestLogRelayResumesFromTheSlotAfterAKillAndAStop(t *testing.T) {
 			time.Sleep(2 * 100 * time.Millisecond)
 		}
 		if n == 10 && cut == "" { // the 11th publish: the relay's connection goes, and this publish fails
+			time.Sleep(2 * 100 * time.Millisecond) // for the server to have read what the relay told it
 			cut = confirmed()
 			if _, err := db.Exec(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'outbox-log-relay'
 				AND datname = current_database()`); err != nil {
