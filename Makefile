@@ -10,6 +10,7 @@
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
+#   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
 #   make natsbroker                          the natsbroker/ module's tests: JetStream embedded, a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
@@ -35,7 +36,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres natsbroker shop measure-natsbroker
+.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays natsbroker shop measure-natsbroker
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -122,6 +123,17 @@ measure-postgres:
 		| grep -E '^(cpu:|Benchmark|    bench_test)' | tee postgres/figures/measure-postgres.txt
 	@rm -f measure-postgres.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-postgres.txt
+
+# The two relays side by side, on one throwaway server (wal_level = logical,
+# as with-server.sh sets it): 8 producers for 5 s while the polling relay,
+# then the log relay, delivers; into postgres/figures/measure-relays.txt, for
+# postgres/README.md's comparison.
+measure-relays:
+	cd postgres && $(GO) test -c -o ../measure-relays.test .
+	postgres/with-server.sh ./measure-relays.test -test.run '^$$' -test.bench '^BenchmarkRelays$$' -test.benchtime 1x -test.v \
+		| grep -E '^(cpu:|Benchmark|    relays_bench_test)' | tee postgres/figures/measure-relays.txt
+	@rm -f measure-relays.test
+	@! grep -E '^(--- )?FAIL' postgres/figures/measure-relays.txt
 
 # The natsbroker/ module: the outbox end to end through NATS JetStream, which
 # its tests embed (each with its store in a temporary folder).

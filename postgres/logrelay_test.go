@@ -65,6 +65,26 @@ func dropSlot(t *testing.T, db *sql.DB, slot string) {
 	}
 }
 
+// dropSlotOf is dropSlot for a benchmark.
+func dropSlotOf(b *testing.B, db *sql.DB, slot string) {
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+		var active bool
+		err := db.QueryRow(`SELECT active FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&active)
+		if errors.Is(err, sql.ErrNoRows) {
+			return
+		}
+		if err == nil && !active {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("slot %s still read after a minute", slot)
+		}
+	}
+	if _, err := db.Exec(`SELECT pg_drop_replication_slot($1)`, slot); err != nil {
+		b.Fatal(err)
+	}
+}
+
 // runLog runs relay.Run until the returned stop is called, and stop returns
 // what Run returned.
 func runLog(t *testing.T, relay *postgres.LogRelay) (stop func() error) {
