@@ -8,6 +8,7 @@ package postgres_test
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -348,10 +349,11 @@ func slotPosition(t *testing.T, db *sql.DB) string {
 	return lsn.String
 }
 
-// The server killed with SIGKILL under the relay and started again: the
-// slot and its position survive, the relay connects again on its own, and
-// every order committed before the kill and after the restart is
-// published; none is published that the database does not hold.
+// The server killed with SIGKILL while four producers place orders and the
+// relay streams, and started again: the slot and its position survive, the
+// relay connects again on its own, every order whose PlaceOrder returned
+// (before the kill or after the restart) has its event published, and no
+// event is published for an order the database does not hold.
 func TestLogRelayAfterTheServerIsKilled(t *testing.T) {
 	ctx := context.Background()
 	srv := startOwnServer(t, "-c wal_level=logical")
@@ -361,9 +363,34 @@ func TestLogRelayAfterTheServerIsKilled(t *testing.T) {
 	}
 	broker := &recorder{}
 	relay := logRelayOn(t, db, "host="+srv.dir+" user=postgres dbname=postgres sslmode=disable", "outbox", broker)
-	at := committedAt(t, db, 10)
 	runLog(t, relay)
-	waitUntil(t, "the first 10 published", func() bool { return len(broker.Published()) >= 10 })
+
+	var mu sync.Mutex
+	acknowledged := map[int64]bool{} // the orders whose PlaceOrder returned nil
+	produce := func(stopAtError bool, n int) {
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Go(func() {
+				service := shop.NewOrderService(db)
+				for range n {
+					id, err := service.PlaceOrder(ctx, 500)
+					if err != nil {
+						if !stopAtError {
+							t.Error(err)
+						}
+						return // the kill: this order's outcome is unknown
+					}
+					mu.Lock()
+					acknowledged[id] = true
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Wait()
+	}
+	producing := make(chan struct{})
+	go func() { defer close(producing); produce(true, 1000) }()
+	waitUntil(t, "20 events published under load", func() bool { return len(broker.Published()) >= 20 })
 
 	pidFile, err := os.ReadFile(filepath.Join(srv.dir, "data", "postmaster.pid"))
 	if err != nil {
@@ -376,6 +403,7 @@ func TestLogRelayAfterTheServerIsKilled(t *testing.T) {
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
+	<-producing // each producer stopped at its first error
 	// Its backends notice the postmaster's death and exit; the server starts
 	// again once they have. A container whose first process reaps no
 	// orphan keeps the killed postmaster as a zombie, whose pid the lock
@@ -387,31 +415,48 @@ func TestLogRelayAfterTheServerIsKilled(t *testing.T) {
 		}
 		return srv.tryCtl("start") == nil
 	})
-	for id, lsn := range committedAt(t, db, 10) {
-		at[id] = lsn
-	}
-	waitUntil(t, "all 20 published after the restart", func() bool {
-		got := broker.IDs()
-		for id := range at {
-			if !slices.Contains(got, id) {
-				return false
-			}
-		}
-		return true
-	})
+	before := len(acknowledged)
+	produce(false, 5)
 	var rows int
-	if err := db.QueryRow(`SELECT count(*) FROM outbox`).Scan(&rows); err != nil {
+	if err := db.QueryRow(`SELECT count(*) FROM orders`).Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
-	for _, id := range broker.IDs() {
-		if _, ok := at[id]; !ok {
-			t.Errorf("published row %d, which no committed order wrote", id)
+	waitUntil(t, "every order the database holds published", func() bool {
+		seen := map[int64]bool{}
+		for _, m := range broker.Published() {
+			seen[orderOf(t, m)] = true
+		}
+		return len(seen) >= rows
+	})
+	published := map[int64]bool{}
+	for _, m := range broker.Published() {
+		published[orderOf(t, m)] = true
+	}
+	for id := range acknowledged {
+		if !published[id] {
+			t.Errorf("order %d was acknowledged and its event never published", id)
 		}
 	}
-	if rows != len(at) {
-		t.Errorf("the outbox holds %d rows after the restart, want %d", rows, len(at))
+	for id := range published {
+		var exists bool
+		if err := db.QueryRow(`SELECT EXISTS (SELECT 1 FROM orders WHERE id = $1)`, id).Scan(&exists); err != nil || !exists {
+			t.Errorf("an event for order %d, which the database does not hold (%v)", id, err)
+		}
 	}
-	t.Logf("%d rows, %d publishes across the kill", rows, len(broker.Published()))
+	t.Logf("%d orders acknowledged before the kill, %d after; %d in the database; %d publishes of %d events",
+		before, len(acknowledged)-before, rows, len(broker.Published()), len(published))
+}
+
+// orderOf is the order a message is about.
+func orderOf(t *testing.T, m postgres.Message) int64 {
+	t.Helper()
+	var order struct {
+		ID int64 `json:"orderId"`
+	}
+	if err := json.Unmarshal([]byte(m.Payload), &order); err != nil {
+		t.Fatal(err)
+	}
+	return order.ID
 }
 
 // While the relay is away its slot holds the log it has not read, and the
