@@ -290,6 +290,11 @@ type OutboxRelay struct {
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
 
+	// OnPass, if not nil, is called after each pass, in the pass's
+	// goroutine, with what it did: for a live view of the relay. It must
+	// return quickly.
+	OnPass func(PassReport)
+
 	// wait is how Run waits, listenWait how its listener waits before it
 	// listens again, and mark the statement that marks: seams for the tests
 	// and benchmarks; nil and "" are sleep and markSent.
@@ -371,6 +376,14 @@ func (r *OutboxRelay) PublishPending(ctx context.Context) (int, error) {
 	return res.marked, err
 }
 
+// PassReport is what one relay pass did, as [OutboxRelay.OnPass] is told:
+// the rows it claimed, the messages the broker accepted, those it marked
+// sent and committed (its progress), the rows it parked, and its error.
+type PassReport struct {
+	Claimed, Published, Marked, Parked int
+	Err                                error
+}
+
 // passResult is what a pass did, for Run.
 type passResult struct {
 	published int       // accepted by the broker
@@ -391,6 +404,11 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	tel, start := r.telemetry(), time.Now()
 	var span trace.Span // started once the claim found rows: an empty pass makes no trace
 	defer func() { tel.endPass(ctx, span, start, res, err) }()
+	if r.OnPass != nil {
+		defer func() {
+			r.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Parked: len(res.parked), Err: err})
+		}()
+	}
 	defer func() { res.fatal = err != nil && cannotPass(err) }()
 
 	// Publishing stops at the budget or when the caller's ctx ends. The

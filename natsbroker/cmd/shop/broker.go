@@ -164,6 +164,27 @@ func (b *embeddedBroker) Down() string {
 	return fmt.Sprintf("node %s down, %d of %d up", victim.opts.ServerName, up-1, len(b.nodes))
 }
 
+// State says whether the broker is up: "up", "down", or, in a cluster,
+// how many nodes are.
+func (b *embeddedBroker) State() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	up := 0
+	for _, nd := range b.nodes {
+		if nd.srv != nil {
+			up++
+		}
+	}
+	switch {
+	case up == len(b.nodes):
+		return "up"
+	case up == 0:
+		return "down"
+	default:
+		return fmt.Sprintf("%d of %d up", up, len(b.nodes))
+	}
+}
+
 // Stop stops every node.
 func (b *embeddedBroker) Stop() {
 	b.mu.Lock()

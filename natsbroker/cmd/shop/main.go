@@ -246,6 +246,7 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 		return fmt.Errorf("consumer warehouse: %w: run shop migrate first", err)
 	}
 	publisher := natsbroker.NewPublisher(js)
+	lossy := &lossyPublisher{Publisher: publisher}
 	m, err := newMetrics()
 	if err != nil {
 		return err
@@ -257,23 +258,30 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 	}
 	defer lag.Unregister()
 
-	relay := postgres.NewOutboxRelay(dbs.relay, publisher)
+	relay := postgres.NewOutboxRelay(dbs.relay, lossy)
 	relay.PerAggregate = true // each order's events in order, a pass's batch through PublishBatch
 	relay.ParkAfter = 5
 	relay.MaxBackoff = 2 * time.Second
 	relay.Logger = logger
 	relay.MeterProvider = m.provider
-	warehouse := natsbroker.NewConsumer(cons, shop.NewWarehouse(dbs.warehouse))
+	counted := &countingHandler{Handler: shop.NewWarehouse(dbs.warehouse)}
+	warehouse := natsbroker.NewConsumer(cons, counted)
 	warehouse.Logger = logger
 	warehouse.MeterProvider = m.provider
+	errs := make(chan error, 3)
+	orders := shop.NewOrderService(db)
+	runner := &relayRunner{relay: relay, ctx: ctx, errs: errs}
+	view := &live{db: db, orders: orders, broker: broker, js: js, publisher: publisher, lossy: lossy, warehouse: counted, relay: runner, stopped: ctx.Done()}
+	relay.OnPass = view.onPass
 	routes := http.NewServeMux()
 	routes.Handle("GET /metrics", m.handler)
-	routes.Handle("/", traced(newHandler(db, shop.NewOrderService(db), broker, cons)))
+	view.routes(routes)
+	routes.Handle("/", traced(newHandler(db, orders, broker, cons)))
 	srv := newServer(routes)
 
 	var wg sync.WaitGroup
-	errs := make(chan error, 3)
-	wg.Go(func() { errs <- fmt.Errorf("relay: %w", relay.Run(ctx)) })
+	runner.Start()
+	defer runner.Stop()
 	wg.Go(func() { errs <- fmt.Errorf("warehouse: %w", warehouse.Run(ctx)) })
 	wg.Go(func() { errs <- srv.Serve(ln) })
 	fmt.Fprintf(out, "shop: listening on http://%s, broker on %s; Ctrl-C stops it\n", ln.Addr(), broker.URL())
@@ -287,6 +295,7 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 	shutdown, done := context.WithTimeout(context.Background(), 5*time.Second)
 	defer done()
 	srv.Shutdown(shutdown)
+	runner.Stop()
 	wg.Wait()
 	fmt.Fprintln(out, "shop: stopped")
 	if errors.Is(first, context.Canceled) || errors.Is(first, http.ErrServerClosed) {

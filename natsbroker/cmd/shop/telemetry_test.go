@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"database/sql"
 	"net"
 	"net/http"
 	"strconv"
@@ -17,22 +18,23 @@ import (
 )
 
 // startShop migrates a database and a broker store of t's own and serves
-// the shop on loopback until t ends; it returns the shop's base URL.
-func startShop(t *testing.T) string {
+// the shop on loopback until t ends; it returns the shop's base URL, the
+// database, and what the shop printed.
+func startShop(t *testing.T) (string, *sql.DB, *syncBuffer) {
 	t.Helper()
-	_, dbs := newDatabase(t)
+	db, dbs := newDatabase(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	var out syncBuffer
+	out := &syncBuffer{}
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 1, &out); err != nil {
+	if err := migrate(ctx, dbs.shop, store, 1, out); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 1, &out) }()
+	go func() { served <- serve(ctx, ln, dbs, store, 1, out) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-served; err != nil {
@@ -41,7 +43,7 @@ func startShop(t *testing.T) string {
 	})
 	base := "http://" + ln.Addr().String()
 	waitFor(t, "the shop to listen", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
-	return base
+	return base, db, out
 }
 
 // One order placed over HTTP, through the outbox and a real JetStream, to
@@ -60,7 +62,7 @@ func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
 	otel.SetTextMapPropagator(propagation.TraceContext{})
 	t.Cleanup(func() { otel.SetTracerProvider(prev); otel.SetTextMapPropagator(prevProp) })
 
-	base := startShop(t)
+	base, _, _ := startShop(t)
 	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
 	waitFor(t, "order 1 reserved", func() bool {
 		return get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
@@ -112,7 +114,7 @@ func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
 // the gauge falls to zero, the message counts as sent and the warehouse's
 // consumer counts it applied.
 func TestMetricsShowTheLagWhileTheBrokerIsDown(t *testing.T) {
-	base := startShop(t)
+	base, _, _ := startShop(t)
 	call(t, "POST", base+"/broker/down", "", 200, `{"broker":"down"}`)
 	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":1}`)
 	var down map[string]float64
