@@ -13,11 +13,12 @@
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
 #   make natsbroker                          the natsbroker/ module's tests: JetStream embedded, a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
+#   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
-# test, make postgres, make natsbroker and make lint; make postgres runs the
+# test, make postgres, make natsbroker, make page and make lint; make postgres runs the
 # test that every figure in the documents is one a target printed into
 # postgres/figures/ or natsbroker/figures/.
 
@@ -36,7 +37,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays natsbroker shop measure-natsbroker
+.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays natsbroker shop page measure-natsbroker
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -160,6 +161,17 @@ shop:
 		(cd natsbroker && $(GO) build -o "$$dir/shop" ./cmd/shop) && \
 		"$$dir/shop" migrate -store "$$store" -nodes $(SHOP_NODES) && \
 		"$$dir/shop" serve -store "$$store" -nodes $(SHOP_NODES) -addr $(SHOP_ADDR)'
+
+# The shop's live page in a real browser: headless Chromium (Debian's
+# chromium, installed here where it is missing) driven by chromedp, on a
+# throwaway PostgreSQL, the test built with -tags browser. SCREENSHOT=file
+# writes the page as the scenario left it (natsbroker/page.png in the README).
+page:
+	@command -v chromium >/dev/null || { \
+		echo "make page: Chromium is missing; installing Debian's chromium (apt-get install chromium)"; \
+		apt-get install -y chromium >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y chromium >/dev/null; }; }
+	postgres/with-server.sh bash -c 'cd natsbroker && OUTBOX_SCREENSHOT=$(if $(SCREENSHOT),$(abspath $(SCREENSHOT))) \
+		$(GO) test -tags browser -count=1 -run "^TestPage" -v ./cmd/shop'
 
 # The natsbroker figures, into natsbroker/figures/measure-natsbroker.txt (and
 # benchstat's ratios into measure-natsbroker.stat.txt beside it): the relay's

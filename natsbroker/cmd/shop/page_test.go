@@ -137,7 +137,7 @@ func TestPagePlaysTheArticlesScenario(t *testing.T) {
 		until(fmt.Sprintf("%q", want), fmt.Sprintf(`document.getElementById("said").textContent === %q`, want))
 	}
 
-	run(chromedp.Navigate(base+"/"))
+	run(chromedp.Navigate(base + "/"))
 	until("its first state", `document.body.dataset.ready === "yes"`)
 
 	run(chromedp.Click("#broker-down"))
@@ -198,4 +198,3 @@ func TestPagePlaysTheArticlesScenario(t *testing.T) {
 	until("all three reserved", states("reserved", 3))
 	matches()
 }
-
