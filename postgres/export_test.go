@@ -35,3 +35,7 @@ func SetMark(r *OutboxRelay, query string) { r.mark = query }
 func SetListenWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool) {
 	r.listenWait = f
 }
+
+// MarkSent is the relay's mark, for a benchmark of the same statements
+// outside database/sql.
+const MarkSent = markSent
