@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -66,4 +67,54 @@ func TestLivePageLosesAnAckAndCancels(t *testing.T) {
 	call(t, "POST", base+"/orders/1/cancel", "", 409, `{"error":"order 1 is cancelled already"}`)
 	call(t, "POST", base+"/orders/9/cancel", "", 404, `{"error":"no order 9"}`)
 	call(t, "POST", base+"/orders/x/cancel", "", 400, `{"error":"order id must be a whole number"}`)
+}
+
+// The shop stopped with an event waiting in its outbox (the broker was
+// down), and started again on the same database and broker store, as make
+// shop SHOP_DATA=folder does: migrate finds everything provisioned, and the
+// relay sends the event it left, which the warehouse reserves; the order
+// before it is not applied twice.
+func TestShopResumesOnItsOwnData(t *testing.T) {
+	db, dbs := newDatabase(t)
+	store := t.TempDir()
+	start := func() (base string, stop func()) {
+		t.Helper()
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		out := &syncBuffer{}
+		if err := migrate(ctx, dbs.shop, store, 1, out); err != nil {
+			t.Fatal(err)
+		}
+		served := make(chan error, 1)
+		go func() { served <- serve(ctx, ln, dbs, store, 1, out) }()
+		base = "http://" + ln.Addr().String()
+		waitFor(t, "the shop to listen", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
+		return base, func() {
+			cancel()
+			if err := <-served; err != nil {
+				t.Errorf("serve: %v", err)
+			}
+		}
+	}
+	base, stop := start()
+	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
+	waitFor(t, "order 1 reserved", func() bool {
+		return get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
+	})
+	call(t, "POST", base+"/broker/down", "", 200, `{"broker":"down"}`)
+	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":2}`)
+	stop() // with order 2's event unsent
+
+	base, stop = start()
+	defer stop()
+	waitFor(t, "order 2 reserved after the restart", func() bool {
+		return get(t, base+"/orders/2") == `{"orderId":2,"totalCents":4000,"sent":true,"reserved":true}`
+	})
+	var reservations int
+	if err := db.QueryRow(`SELECT count(*) FROM reservations`).Scan(&reservations); err != nil || reservations != 2 {
+		t.Errorf("reservations after the restart: %d, %v; want 2", reservations, err)
+	}
 }
