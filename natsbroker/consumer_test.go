@@ -130,10 +130,15 @@ func TestMessageBeforeItsPredecessorWaitsBoundedly(t *testing.T) {
 }
 
 // 200 orders through a handler that takes 25 ms, with an AckWait of 2 s:
-// each message is delivered once. A buffer of 500 (the client's default)
-// keeps the last of them waiting longer than AckWait, and JetStream
-// delivers them again while the first copy waits. (Caught: the default
-// pull batch, 277 deliveries for 200 messages.)
+// no message is delivered again unless its handling failed. A buffer of 500
+// (the client's default) keeps the last of them waiting longer than AckWait,
+// and JetStream delivers them again while the first copy waits, each copy
+// after an attempt that did not fail. A copy that follows a failed attempt
+// is the consumer's own doing: a Handle that ran past its deadline (AckWait
+// / (2 × Prefetch), 100 ms here, which a busy machine can exceed) is asked
+// for again, as the Consumer's doc says. (Caught: the default pull batch,
+// 277 deliveries for 200 messages, 77 of them after an attempt that
+// succeeded.)
 func TestPrefetchFitsWithinAckWait(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -166,14 +171,22 @@ func TestPrefetchFitsWithinAckWait(t *testing.T) {
 		return count(t, db, `SELECT count(*) FROM reservations`) == orders
 	})
 	h.mu.Lock()
-	delivered := 0
-	for _, at := range h.at {
+	defer h.mu.Unlock()
+	delivered, unasked := 0, 0
+	for key, at := range h.at {
 		delivered += len(at)
+		errs := h.errs[key]
+		for i := 1; i < len(at); i++ {
+			// errs[i-1] may be missing if the copy came while the first
+			// attempt still ran: that too is a copy nobody asked for.
+			if i-1 >= len(errs) || errs[i-1] == nil {
+				unasked++
+				t.Errorf("%s delivered again (delivery %d) after an attempt that did not fail", key, i+1)
+			}
+		}
 	}
-	h.mu.Unlock()
-	if delivered != orders {
-		t.Errorf("%d deliveries of %d messages, want each delivered once", delivered, orders)
-	}
+	t.Logf("%d deliveries of %d messages, %d again after a failed attempt, %d unasked for", delivered, orders,
+		delivered-orders-unasked, unasked)
 }
 
 // logBuffer collects a logger's lines; safe for the consumer's goroutine.

@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
@@ -20,39 +19,24 @@ import (
 
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
-// The tests need a PostgreSQL server, named by OUTBOX_POSTGRES_URL as
-// postgres/with-server.sh sets it (make natsbroker does), and start their
-// own JetStream servers in process, each with its store in a temporary
-// folder of the test's.
-var (
-	pgServer  *pgx.ConnConfig
-	databases atomic.Int64
-)
+// The tests need a PostgreSQL server: the one OUTBOX_POSTGRES_URL names
+// (make natsbroker starts one), or else one pgtest.Main starts for them.
+// They start their own JetStream servers in process, each with its store
+// in a temporary folder of the test's.
+var databases atomic.Int64
 
-func TestMain(m *testing.M) {
-	if url := os.Getenv("OUTBOX_POSTGRES_URL"); url != "" {
-		cfg, err := pgx.ParseConfig(url)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "OUTBOX_POSTGRES_URL:", err)
-			os.Exit(2)
-		}
-		pgServer = cfg
-	}
-	os.Exit(m.Run())
-}
+func TestMain(m *testing.M) { pgtest.Main(m) }
 
 // newDatabase creates a database with the outbox's and the example's tables for t alone,
 // dropped when t ends, and opens it.
 func newDatabase(t testing.TB) *sql.DB {
 	t.Helper()
-	if pgServer == nil {
-		t.Skip("no PostgreSQL: run make natsbroker")
-	}
 	ctx := context.Background()
-	admin := openDB(t, pgServer.Database)
+	admin := openDB(t, pgtest.Config.Database)
 	name := fmt.Sprintf("natsbroker_test_%d_%d", os.Getpid(), databases.Add(1))
 	if _, err := admin.ExecContext(ctx, "CREATE DATABASE "+name); err != nil {
 		t.Fatal(err)
@@ -70,7 +54,7 @@ func newDatabase(t testing.TB) *sql.DB {
 }
 
 func openDB(t testing.TB, name string) *sql.DB {
-	cfg := pgServer.Copy()
+	cfg := pgtest.Config.Copy()
 	cfg.Database = name
 	db := stdlib.OpenDB(*cfg)
 	t.Cleanup(func() { db.Close() })

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
@@ -342,7 +343,7 @@ func once(b *testing.B) {
 // were measured.
 func serverVersion(b *testing.B) string {
 	var v string
-	if err := open(b, server.Database, "").QueryRow(`SHOW server_version`).Scan(&v); err != nil {
+	if err := open(b, pgtest.Config.Database, "").QueryRow(`SHOW server_version`).Scan(&v); err != nil {
 		b.Fatal(err)
 	}
 	return v

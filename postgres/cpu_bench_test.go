@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // BenchmarkPassCPU is the client's share of a relay pass, per message, in
@@ -28,7 +29,7 @@ func BenchmarkPassCPU(b *testing.B) {
 			name := newDatabaseName(b)
 			db := open(b, name, "")
 			relay := postgres.NewOutboxRelay(db, discard{})
-			cfg := server.Copy()
+			cfg := pgtest.Config.Copy()
 			cfg.Database = name
 			conn, err := pgx.ConnectConfig(ctx, cfg)
 			if err != nil {

@@ -10,13 +10,6 @@ import (
 	"database/sql"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"os"
-	"os/exec"
-	"os/user"
-	"path/filepath"
-	"strconv"
-	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -24,6 +17,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
@@ -85,97 +79,47 @@ func TestAsyncCommitProducersGetNoEventForAnOrderACrashErased(t *testing.T) {
 	}
 }
 
-// ownServer is a PostgreSQL server of one test's own, in a temporary
-// folder, listening only on a Unix socket there; removed when the test ends.
+// ownServer is a PostgreSQL server of one test's own (pgtest.Start),
+// removed when the test ends.
 type ownServer struct {
-	dir, bindir string
-	as          []string // how to run its programs: as the postgres user when we are root
-	opts        []string
+	*pgtest.Server
+	dir string
 }
 
 // startOwnServer starts a server with postgres options opts, as
-// with-server.sh starts the one the other tests share.
+// pgtest.Main starts the one the other tests share.
 func startOwnServer(t *testing.T, opts ...string) *ownServer {
 	t.Helper()
-	if server == nil {
-		t.Skip("no server: run make postgres")
-	}
-	out, err := exec.Command("pg_config", "--bindir").Output()
-	if err != nil {
-		t.Fatalf("pg_config --bindir: %v", err)
-	}
-	dir, err := os.MkdirTemp("", "outbox-crash.")
+	srv, err := pgtest.Start(opts...)
 	if err != nil {
 		t.Fatal(err)
-	}
-	srv := &ownServer{dir: dir, bindir: strings.TrimSpace(string(out)), opts: opts}
-	if os.Geteuid() == 0 {
-		pg, err := user.Lookup("postgres")
-		if err != nil {
-			t.Fatal(err)
-		}
-		uid, _ := strconv.Atoi(pg.Uid)
-		if err := os.Chown(dir, uid, -1); err != nil {
-			t.Fatal(err)
-		}
-		srv.as = []string{"runuser", "-u", "postgres", "--"}
 	}
 	t.Cleanup(func() {
 		// The folder goes even when the server is gone already (a test
 		// that killed it): the stop's error is reported, not fatal.
-		if _, err := os.Stat(filepath.Join(dir, "data", "postmaster.pid")); err == nil {
-			if err := srv.tryRun("pg_ctl", "-D", filepath.Join(dir, "data"), "-m", "immediate", "-w", "stop"); err != nil {
-				t.Log(err)
-			}
+		if err := srv.Remove(); err != nil {
+			t.Log(err)
 		}
-		os.RemoveAll(dir)
 	})
-	srv.run(t, "initdb", "-D", filepath.Join(dir, "data"), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync")
-	srv.ctl(t, "start")
-	return srv
+	return &ownServer{Server: srv, dir: srv.Dir}
 }
 
 // ctl runs pg_ctl with args and then -w (wait); start also gets the
 // server's options.
 func (s *ownServer) ctl(t *testing.T, args ...string) {
 	t.Helper()
-	if err := s.tryCtl(args...); err != nil {
+	if err := s.Ctl(args...); err != nil {
 		t.Fatal(err)
 	}
 }
 
 // tryCtl is ctl, returning its failure.
-func (s *ownServer) tryCtl(args ...string) error {
-	full := []string{"-D", filepath.Join(s.dir, "data"), "-w", "-t", "60"}
-	if args[len(args)-1] == "start" {
-		o := "-k " + s.dir + " -c listen_addresses='' -c fsync=off -c full_page_writes=off " + strings.Join(s.opts, " ")
-		full = append(full, "-l", filepath.Join(s.dir, "server.log"), "-o", o)
-	}
-	return s.tryRun("pg_ctl", append(full, args...)...)
-}
-
-func (s *ownServer) run(t *testing.T, prog string, args ...string) {
-	t.Helper()
-	if err := s.tryRun(prog, args...); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func (s *ownServer) tryRun(prog string, args ...string) error {
-	argv := append(append(append([]string{}, s.as...), filepath.Join(s.bindir, prog)), args...)
-	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Dir = s.dir // the postgres user may not enter the test's folder
-	if out, err := cmd.CombinedOutput(); err != nil {
-		log, _ := os.ReadFile(filepath.Join(s.dir, "server.log"))
-		return fmt.Errorf("%s %v: %v\n%s\n%s", prog, args, err, out, log)
-	}
-	return nil
-}
+func (s *ownServer) tryCtl(args ...string) error { return s.Ctl(args...) }
 
 // open opens the server's postgres database, closed when t ends.
 func (s *ownServer) open(t *testing.T) *sql.DB {
 	t.Helper()
-	cfg, err := pgx.ParseConfig("host=" + s.dir + " user=postgres dbname=postgres sslmode=disable")
+	cfg, err := pgx.ParseConfig(s.ConnString())
 	if err != nil {
 		t.Fatal(err)
 	}

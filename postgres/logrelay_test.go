@@ -22,13 +22,14 @@ import (
 	"time"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // logConnString is a connection string to the database name on the shared
 // server, for a replication connection.
 func logConnString(name string) string {
-	return fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", server.Host, server.Port, server.User, name)
+	return fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", pgtest.Config.Host, pgtest.Config.Port, pgtest.Config.User, name)
 }
 
 // newLogRelay is a database of t's own with the log relay's slot, named

@@ -22,6 +22,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // A session holds SHARE on the outbox, as a plain CREATE INDEX does: the
@@ -187,7 +188,7 @@ func openAsReader(t *testing.T, name string, db *sql.DB) *sql.DB {
 			t.Fatal(err)
 		}
 	}
-	cfg := server.Copy()
+	cfg := pgtest.Config.Copy()
 	cfg.Database, cfg.User = name, role
 	reader := stdlib.OpenDB(*cfg)
 	t.Cleanup(func() {
@@ -316,8 +317,13 @@ func TestRunPassesOnceItListensAgain(t *testing.T) {
 
 // The listener's backoff starts again each time it listened: three deaths
 // of its connection, each after it listened again, are each followed by a
-// first backoff, 50 to 100 ms. (Caught: a count never reset, 100 to 200 ms
-// after the second death, 200 to 400 after the third.)
+// first backoff, 50 to 100 ms. The backoff's length is what the relay
+// computes, handed to the seam that waits, not a measured time. Each death
+// is of a connection whose LISTEN the server had answered (the backend is
+// idle after it), and the next one waits until that backend is gone, so
+// that no kill lands on a listener before its LISTEN returned, and no kill
+// hits a backend that was already dying. (Caught: a count never reset, 100
+// to 200 ms after the second death, 200 to 400 after the third.)
 func TestListenerBackoffStartsAgainOnceItListened(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
@@ -329,25 +335,39 @@ func TestListenerBackoffStartsAgainOnceItListened(t *testing.T) {
 		return true
 	})
 	runRelay(t, relay)
-	last := int32(0)
 	for i := range 3 {
+		var pid int32
 		waitUntil(t, "the relay listening again", func() bool {
-			pid := listenerPID(t, db, "listening-relay")
-			return pid != 0 && pid != last
+			pid = listenerPID(t, db, "listening-relay")
+			return pid != 0
 		})
-		last = listenerPID(t, db, "listening-relay")
-		terminateListener(t, db, "listening-relay")
-		if d := <-waits; d < 50*time.Millisecond || d >= 100*time.Millisecond {
-			t.Errorf("backoff after death %d = %v, want [50ms, 100ms)", i+1, d)
+		if _, err := db.Exec(`SELECT pg_terminate_backend($1)`, pid); err != nil {
+			t.Fatal(err)
+		}
+		waitUntil(t, "the killed listener's backend gone", func() bool {
+			var n int
+			if err := db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n == 0
+		})
+		select {
+		case d := <-waits:
+			if d < 50*time.Millisecond || d >= 100*time.Millisecond {
+				t.Errorf("backoff after death %d = %v, want [50ms, 100ms)", i+1, d)
+			}
+		case <-time.After(generous):
+			t.Fatalf("death %d: the listener did not back off within %v", i+1, generous)
 		}
 	}
 }
 
-// listenerPID is the backend of app's connection that listens, or 0.
+// listenerPID is the backend of app's connection that listens, whose
+// LISTEN the server has answered, or 0.
 func listenerPID(t *testing.T, db *sql.DB, app string) int32 {
 	var pid int32
-	err := db.QueryRow(`SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN `+
-		postgres.NotifyChannel+`'`, app).Scan(&pid)
+	err := db.QueryRow(`SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle'
+		AND query = 'LISTEN `+postgres.NotifyChannel+`' ORDER BY backend_start DESC LIMIT 1`, app).Scan(&pid)
 	if err != nil && !errors.Is(err, sql.ErrNoRows) {
 		t.Fatal(err)
 	}

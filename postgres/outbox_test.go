@@ -2,8 +2,8 @@ package postgres_test
 
 // The tests run against a real PostgreSQL named by OUTBOX_POSTGRES_URL; each
 // test gets a database of its own. `make postgres`, in the repository's root,
-// starts a throwaway server and runs them; without the variable every test
-// skips.
+// starts a throwaway server and runs them; without the variable, go test
+// starts one of its own (pgtest.Main), or fails saying what is missing.
 //
 // In order: the article's four tests (as in the root package), both or
 // neither when the connection is killed, the trap (ids are not commit order),
@@ -18,7 +18,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -30,7 +29,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
-	"example.com/patterns/enterprise/outbox/postgres/internal/pgtest"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
@@ -633,19 +632,7 @@ func (r *recorder) IDs() []int64 {
 	return ids
 }
 
-// server is the connection OUTBOX_POSTGRES_URL names, or nil.
-var server = pgtest.Server
-
-func TestMain(m *testing.M) {
-	if pgtest.ServerErr != nil {
-		fmt.Fprintln(os.Stderr, pgtest.ServerErr)
-		os.Exit(2)
-	}
-	if server == nil {
-		fmt.Println("postgres:", pgtest.NoServer)
-	}
-	os.Exit(m.Run())
-}
+func TestMain(m *testing.M) { pgtest.Main(m) }
 
 // newDatabaseName creates a database with the outbox's and the example's
 // tables for tb alone, to be dropped when tb ends, and returns its name.

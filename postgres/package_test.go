@@ -154,8 +154,12 @@ func imports(t *testing.T, dir string) []string {
 	return paths
 }
 
-// fakeDriver is a database/sql driver that is not pgx's.
+// fakeDriver is a database/sql driver that is not pgx's, registered once
+// per test binary, as database/sql's own fake driver is, so that
+// go test -count=N runs the test that uses it N times.
 type fakeDriver struct{}
+
+func init() { sql.Register("outbox-fake", fakeDriver{}) }
 
 func (fakeDriver) Open(string) (driver.Conn, error) {
 	return nil, errors.New("fake driver: no connection")
@@ -164,7 +168,6 @@ func (fakeDriver) Open(string) (driver.Conn, error) {
 // NewOutboxRelay refuses, at construction, a pool of another driver, with
 // a panic that names it; pgx's pool it takes.
 func TestNewOutboxRelayRefusesAnotherDriver(t *testing.T) {
-	sql.Register("outbox-fake", fakeDriver{})
 	other, err := sql.Open("outbox-fake", "")
 	if err != nil {
 		t.Fatal(err)

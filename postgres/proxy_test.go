@@ -13,6 +13,8 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/stdlib"
+
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // proxy stands between a client and the test server: it listens on TCP on
@@ -41,16 +43,13 @@ type proxy struct {
 
 func startProxy(tb testing.TB) *proxy {
 	tb.Helper()
-	if server == nil {
-		tb.Skip("no server: run make postgres")
-	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatal(err)
 	}
 	p := &proxy{
 		ln:     ln,
-		socket: filepath.Join(server.Host, ".s.PGSQL."+strconv.Itoa(int(server.Port))),
+		socket: filepath.Join(pgtest.Config.Host, ".s.PGSQL."+strconv.Itoa(int(pgtest.Config.Port))),
 		frozen: make(chan struct{}),
 		done:   make(chan struct{}),
 	}
@@ -61,7 +60,7 @@ func startProxy(tb testing.TB) *proxy {
 
 // open is the test's open, through the proxy.
 func (p *proxy) open(tb testing.TB, database, app string) *sql.DB {
-	cfg := server.Copy()
+	cfg := pgtest.Config.Copy()
 	cfg.Host = "127.0.0.1"
 	cfg.Port = uint16(p.ln.Addr().(*net.TCPAddr).Port)
 	cfg.Database = database

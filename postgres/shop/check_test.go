@@ -14,7 +14,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
-	"example.com/patterns/enterprise/outbox/postgres/internal/pgtest"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // A writer inside the package that skips checkTotal meets the orders
@@ -38,3 +38,5 @@ func TestInsertOrderTurnsTheTablesCheckIntoErrInvalidTotal(t *testing.T) {
 		t.Errorf("orders holds %d rows (%v), want 0", orders, err)
 	}
 }
+
+func TestMain(m *testing.M) { pgtest.Main(m) }

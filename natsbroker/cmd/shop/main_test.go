@@ -15,8 +15,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
+
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // TestShopOverHTTP drives the shop's wiring, serve, over loopback HTTP
@@ -196,19 +197,15 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// newDatabase creates a database of its own for t on the server that
-// OUTBOX_POSTGRES_URL names (make natsbroker sets it), dropped when t ends,
-// and opens it for the test and as the shop's pools.
+// TestMain finds the server OUTBOX_POSTGRES_URL names (make natsbroker
+// sets it), or starts a throwaway one (pgtest.Main).
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// newDatabase creates a database of its own for t on the tests' server,
+// dropped when t ends, and opens it for the test and as the shop's pools.
 func newDatabase(t *testing.T) (*sql.DB, *pools) {
 	t.Helper()
-	url := os.Getenv("OUTBOX_POSTGRES_URL")
-	if url == "" {
-		t.Skip("no PostgreSQL: run make natsbroker")
-	}
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := pgtest.Config.Copy()
 	admin := stdlib.OpenDB(*cfg)
 	t.Cleanup(func() { admin.Close() })
 	name := fmt.Sprintf("shop_test_%d", os.Getpid())
