@@ -109,10 +109,12 @@ type Consumer struct {
 
 	// TracerProvider and MeterProvider are where the consumer reports (nil:
 	// otel's global ones). Each message is a consumer span, "process
-	// <subject>", a child of the relay's publish span whose context the
-	// message carries in its traceparent header, so that the trace of the
-	// request that wrote the row goes on to its Handle: one message, one
-	// parent, hence a child rather than a link. The meter counts
+	// <subject>", with a link to the relay's publish span whose context the
+	// message carries in its traceparent header (its creation context, as
+	// OpenTelemetry's messaging conventions ask), and also its child, which
+	// the conventions allow when one message is processed at a time: so the
+	// trace of the request that wrote the row goes on, in one trace, to its
+	// Handle and the warehouse's transaction. The meter counts
 	// messaging.client.consumed.messages by outbox.result: applied,
 	// duplicate, retry, out_of_order or terminated. They are read when Run
 	// starts.
@@ -191,7 +193,16 @@ func (c *Consumer) Run(ctx context.Context) error {
 // could not tell JetStream what became of it.
 func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration, maxOutOfOrder int) (ackErr error) {
 	m, err := decode(msg)
-	sctx, span := c.tracer.Start(postgres.ContextWithTrace(ctx, m.TraceContext), "process "+msg.Subject(),
+	// The message's context is the span's parent and also its link, as
+	// OpenTelemetry's messaging conventions ask of a process span (a link
+	// to the creation context): see the doc of TracerProvider.
+	created := postgres.ContextWithTrace(ctx, m.TraceContext)
+	var links []trace.Link
+	if sc := trace.SpanContextFromContext(created); sc.IsValid() {
+		links = append(links, trace.Link{SpanContext: sc})
+	}
+	sctx, span := c.tracer.Start(created, "process "+msg.Subject(),
+		trace.WithLinks(links...),
 		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
 			attribute.String("messaging.system", "nats"),
 			attribute.String("messaging.operation.name", "process"),

@@ -65,6 +65,10 @@ func NewPublisher(js jetstream.JetStream) *Publisher {
 // had stored them before, within its window, and dropped the new copy.
 func (p *Publisher) Duplicates() int64 { return p.duplicates.Load() }
 
+// MessagingSystem is "nats", the relay's messaging.system for the spans of
+// its sends ([postgres.MessagingSystem]).
+func (p *Publisher) MessagingSystem() string { return "nats" }
+
 // Publish publishes msg and waits for the stream's ack, or for ctx to end.
 func (p *Publisher) Publish(ctx context.Context, msg postgres.Message) error {
 	if err := p.connected(msg); err != nil {

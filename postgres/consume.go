@@ -28,12 +28,13 @@ var ErrMalformedMessage = errors.New("postgres: message payload cannot be read")
 // way to tell a duplicate from a new message.
 var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates cannot be dropped")
 
-// ApplyOnce is the consumer's side of the outbox: it runs apply(tx) for msg
+// ApplyOnce is the consumer's side of the outbox: it runs apply for msg
 // in a READ COMMITTED transaction on db, unless a message with msg's key was
 // applied before, and reports whether apply ran and committed. Delivery is
 // at least once, so every consumer needs it; apply writes the message's
 // effect in tx, and the effect and the key's record in processed_messages
-// commit together or not at all.
+// commit together or not at all. apply gets ctx with ApplyOnce's span, so
+// that its statements join the trace.
 //
 // The key, not the id, because a consumer that hears two producers, or one
 // whose sequence was reset, sees the same id on different messages. A
@@ -56,8 +57,9 @@ var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates ca
 // of one message at the same time apply it once: the second waits for the
 // first's transaction and comes back as a duplicate, not as an error. The
 // tables are the outbox migrations' ([Migrate]); in a real system they live
-// in the consumer's database.
-func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply func(tx *sql.Tx) error) (applied bool, err error) {
+// in the consumer's database. [ApplyOnceIn] does the same in a transaction
+// the caller already has.
+func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply func(ctx context.Context, tx *sql.Tx) error) (applied bool, err error) {
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
 	}
@@ -71,65 +73,86 @@ func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply fu
 		span.End()
 	}()
 	err = Transaction(ctx, db, func(tx *sql.Tx) error {
-		// Under READ COMMITTED a second delivery waits here for the first
-		// one's transaction, then finds the key and inserts nothing.
-		res, err := tx.ExecContext(ctx,
-			`INSERT INTO processed_messages (message_key) VALUES ($1) ON CONFLICT DO NOTHING`, msg.Key)
-		if err != nil {
-			return fmt.Errorf("record message %s: %w", msg.Key, err)
+		fresh, err := ApplyOnceIn(ctx, tx, msg, last)
+		if err != nil || !fresh {
+			return err // !fresh: a duplicate, and nothing was written
 		}
-		if n, err := res.RowsAffected(); err != nil || n == 0 {
-			return err // n == 0: applied before, a duplicate
-		}
-		if msg.Aggregate != "" {
-			if err := advance(ctx, tx, msg, last); err != nil {
-				return err
-			}
-		}
-		if err := apply(tx); err != nil {
+		if err := apply(ctx, tx); err != nil {
 			return err
 		}
 		applied = true
 		return nil
 	})
-	if errors.Is(err, errStale) {
-		return false, nil
-	}
 	if err != nil {
 		return false, err
 	}
 	return applied, nil
 }
 
-// errStale is what advance returns for a message at or below its
-// aggregate's position: ApplyOnce rolls back and reports a duplicate.
-var errStale = errors.New("postgres: message at or below its aggregate's position")
+// ApplyOnceIn is ApplyOnce in the caller's transaction tx (any [Executor]
+// that is a transaction: a *sql.Tx, sqlc's DBTX holding one): it records
+// msg as applied in tx and reports fresh, or reports a duplicate (false)
+// and writes nothing. The caller writes the message's effect in tx only if
+// fresh, and commits; the record and the effect are kept together or not
+// at all. On an error (no key, [ErrOutOfOrder], the database's) the caller
+// rolls tx back. A message of an aggregate whose Seq is below 1 is refused
+// with [ErrMalformedMessage], never taken for a duplicate. It starts no span: the caller's ctx carries its own.
+func ApplyOnceIn(ctx context.Context, tx Executor, msg Message, last bool) (fresh bool, err error) {
+	if msg.Key == "" {
+		return false, ErrNoMessageKey
+	}
+	if msg.Aggregate != "" && msg.Seq < 1 {
+		return false, fmt.Errorf("message %s: %s seq %d, below the first, 1: %w", msg.Key, msg.Aggregate, msg.Seq, ErrMalformedMessage)
+	}
+	if msg.Aggregate != "" {
+		// The aggregate's position first, under its row lock: a second
+		// delivery of the message waits here for the first one's
+		// transaction, and then finds the position past it.
+		seq, err := lockPosition(ctx, tx, msg)
+		if err != nil {
+			return false, err
+		}
+		if msg.Seq <= seq {
+			return false, nil // applied before: a copy whose key was forgotten, or a replay
+		}
+		if msg.Seq != seq+1 {
+			return false, fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",
+				msg.Key, msg.Aggregate, msg.Seq, seq, ErrOutOfOrder)
+		}
+	}
+	// Under READ COMMITTED a second delivery waits here for the first
+	// one's transaction, then finds the key and inserts nothing.
+	res, err := tx.ExecContext(ctx,
+		`INSERT INTO processed_messages (message_key) VALUES ($1) ON CONFLICT DO NOTHING`, msg.Key)
+	if err != nil {
+		return false, fmt.Errorf("record message %s: %w", msg.Key, err)
+	}
+	if n, err := res.RowsAffected(); err != nil || n == 0 {
+		return false, err // n == 0: applied before, a duplicate
+	}
+	if msg.Aggregate != "" {
+		if _, err := tx.ExecContext(ctx,
+			`UPDATE aggregate_positions SET seq = $2, applied_at = clock_timestamp(), closed = $3 WHERE aggregate = $1`,
+			msg.Aggregate, msg.Seq, last); err != nil {
+			return false, fmt.Errorf("message %s: %w", msg.Key, err)
+		}
+	}
+	return true, nil
+}
 
-// advance moves the aggregate's position from msg.Seq-1 to msg.Seq, under
-// the position's row lock, or refuses msg with ErrOutOfOrder.
-func advance(ctx context.Context, tx *sql.Tx, msg Message, last bool) error {
+// lockPosition returns the last seq applied of msg's aggregate (0 for an
+// aggregate never seen), holding its row lock in tx.
+func lockPosition(ctx context.Context, tx Executor, msg Message) (int64, error) {
 	if _, err := tx.ExecContext(ctx,
 		`INSERT INTO aggregate_positions (aggregate, seq) VALUES ($1, 0) ON CONFLICT DO NOTHING`, msg.Aggregate); err != nil {
-		return fmt.Errorf("message %s: %w", msg.Key, err)
+		return 0, fmt.Errorf("message %s: %w", msg.Key, err)
 	}
 	var seq int64
 	if err := tx.QueryRowContext(ctx,
 		`SELECT seq FROM aggregate_positions WHERE aggregate = $1 FOR UPDATE`, msg.Aggregate).Scan(&seq); err != nil {
-		return fmt.Errorf("message %s: %w", msg.Key, err)
+		return 0, fmt.Errorf("message %s: %w", msg.Key, err)
 	}
-	if msg.Seq <= seq {
-		return errStale // applied before: a copy whose key was forgotten, or a replay
-	}
-	if msg.Seq != seq+1 {
-		return fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",
-			msg.Key, msg.Aggregate, msg.Seq, seq, ErrOutOfOrder)
-	}
-	if _, err := tx.ExecContext(ctx,
-		`UPDATE aggregate_positions SET seq = $2, applied_at = clock_timestamp(), closed = $3 WHERE aggregate = $1`,
-		msg.Aggregate, msg.Seq, last); err != nil {
-		return fmt.Errorf("message %s: %w", msg.Key, err)
-	}
-	return nil
+	return seq, nil
 }
 
 // ForgetProcessed deletes the keys of messages that [ApplyOnce] applied

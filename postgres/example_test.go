@@ -138,7 +138,7 @@ func ExampleApplyOnce() {
 		log.Fatal(err)
 	}
 	handle := func(ctx context.Context, msg postgres.Message) (bool, error) {
-		return postgres.ApplyOnce(ctx, db, msg, false, func(tx *sql.Tx) error {
+		return postgres.ApplyOnce(ctx, db, msg, false, func(ctx context.Context, tx *sql.Tx) error {
 			_, err := tx.ExecContext(ctx, `INSERT INTO welcome_mails (payload) VALUES ($1)`, msg.Payload)
 			return err
 		})

@@ -2,6 +2,8 @@ package postgres
 
 import (
 	"context"
+
+	"example.com/patterns/enterprise/outbox/postgres/internal/migrate"
 	"strconv"
 	"strings"
 	"time"
@@ -39,3 +41,10 @@ func SetListenWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, 
 // MarkSent is the relay's mark, for a benchmark of the same statements
 // outside database/sql.
 const MarkSent = markSent
+
+// SetMigrationLockWait makes Migrate wait d for another migrator, and
+// returns a function that puts the default back.
+func SetMigrationLockWait(d time.Duration) (restore func()) {
+	migrate.LockWait = d
+	return func() { migrate.LockWait = migrate.DefaultLockWait }
+}

@@ -34,6 +34,15 @@ var SchemaVersion = migrations.Version()
 // writes; a short one fails the migration instead, to be run again.
 const MigrationLockTimeout = migrate.LockTimeout
 
+// MigrationLockWait is how long [Migrate] waits for another migrator of
+// the outbox (another process running Migrate on the same database) before
+// it gives up with an error wrapping [ErrMigratorBusy].
+const MigrationLockWait = migrate.DefaultLockWait
+
+// ErrMigratorBusy is wrapped by [Migrate]'s error when another migrator
+// held the migration lock longer than [MigrationLockWait].
+var ErrMigratorBusy = migrate.ErrMigratorBusy
+
 // ErrSchemaVersion is wrapped by [CheckSchema]'s error when the database's
 // schema is not at [SchemaVersion].
 var ErrSchemaVersion = migrate.ErrSchemaVersion
@@ -43,7 +52,9 @@ var ErrSchemaVersion = migrate.ErrSchemaVersion
 // yet, each in a transaction of its own with its record, so that a
 // migration is applied whole or not at all. It is idempotent: run again, it
 // applies nothing; run by two processes at once, the second waits for the
-// first and then applies nothing. Each statement waits at most
+// first, up to [MigrationLockWait], and then applies nothing (past that it
+// gives up with an error wrapping [ErrMigratorBusy], having applied
+// nothing). Each statement waits at most
 // [MigrationLockTimeout] for a lock; a migration that times out is rolled
 // back and Migrate returns an error saying which, to be run again.
 //

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -206,4 +207,66 @@ func upTo(n int) []int {
 		vs[i] = i + 1
 	}
 	return vs
+}
+
+// A second migrator waits for the first as Migrate's doc says: behind
+// another holder of the migration lock for longer than
+// MigrationLockTimeout (the server's own clock says how long it waited),
+// Migrate goes on once the lock is free and applies everything. With the
+// wait shortened, it gives up with ErrMigratorBusy, having applied nothing.
+// (Caught: the lock taken under the statements' lock_timeout of 2 s, which
+// failed with 55P03 behind a migrator that took 3 s.)
+func TestMigrateWaitsForAnotherMigrator(t *testing.T) {
+	ctx := context.Background()
+	name := newBlankDatabase(t)
+	db := open(t, name, "")
+	other := begin(t, open(t, name, "other-migrator"))
+	if _, err := other.Exec(`SELECT pg_advisory_xact_lock(7468327001)`); err != nil { // the outbox set's lock
+		t.Fatal(err)
+	}
+
+	restore := postgres.SetMigrationLockWait(300 * time.Millisecond)
+	err := postgres.Migrate(ctx, open(t, name, "impatient-migrator"))
+	restore()
+	if !errors.Is(err, postgres.ErrMigratorBusy) {
+		t.Fatalf("Migrate behind another migrator, with a wait of 300 ms = %v; want ErrMigratorBusy", err)
+	}
+	t.Logf("it said: %v", err)
+	var tables int
+	if err := db.QueryRow(`SELECT count(*) FROM pg_tables WHERE tablename IN ('outbox', 'outbox_migrations')`).Scan(&tables); err != nil || tables != 0 {
+		t.Errorf("%d of the outbox's tables exist (%v), want none", tables, err)
+	}
+
+	done := make(chan error, 1)
+	go func() { done <- postgres.Migrate(ctx, open(t, name, "waiting-migrator")) }()
+	waitUntil(t, "Migrate waiting for the lock longer than MigrationLockTimeout", func() bool {
+		select {
+		case err := <-done:
+			t.Fatalf("Migrate returned %v while the other migrator held the lock", err)
+		default:
+		}
+		var waited bool
+		err := db.QueryRow(`SELECT coalesce(bool_or(clock_timestamp() - a.query_start > $1 * interval '1 millisecond'), false)
+			FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid
+			WHERE a.application_name = 'waiting-migrator' AND l.locktype = 'advisory' AND NOT l.granted`,
+			(postgres.MigrationLockTimeout + time.Second).Milliseconds()).Scan(&waited)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return waited
+	})
+	if err := other.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Migrate after the other migrator = %v", err)
+		}
+	case <-time.After(generous):
+		t.Fatalf("Migrate did not return within %v of the lock's release", generous)
+	}
+	if got := versions(t, db); !slices.Equal(got, upTo(postgres.SchemaVersion)) {
+		t.Errorf("recorded migrations %v, want all %d", got, postgres.SchemaVersion)
+	}
 }

@@ -125,20 +125,34 @@ var ErrInvalidEventType = errors.New("postgres: event type no broker can route")
 // MaxEventTypeLen is the longest event type, in bytes.
 const MaxEventTypeLen = 200
 
+// ErrInvalidPayload is returned, wrapped, by [InsertOutbox] and
+// [InsertOutboxFor] for a payload given as JSON text ([]byte or
+// json.RawMessage) that is not valid JSON: stored, it would reach every
+// consumer as a message none can read. Nothing is written.
+var ErrInvalidPayload = errors.New("postgres: payload is not valid JSON")
+
+// ErrInvalidSeq is returned, wrapped, by [InsertOutboxFor] for a seq below
+// 1: an aggregate's events are numbered from 1, and a consumer
+// ([ApplyOnce]) refuses any other as malformed. Nothing is written.
+var ErrInvalidSeq = errors.New("postgres: an aggregate's seq starts at 1")
+
 // InsertOutbox adds an unsent message of the given type to the outbox table,
-// with payload encoded as JSON, inside tx (the caller's transaction, any
+// with payload encoded as JSON (a []byte or json.RawMessage is taken as JSON
+// text already, and stored as it is), inside tx (the caller's transaction, any
 // [Executor]), and returns the new row's id. The row is written, and seen
 // by the relay, only if tx commits. The row keeps the W3C trace context of
 // ctx's span, if it has one, for the relay's publish to join its trace. A
 // type no broker can route is refused with [ErrInvalidEventType] before any
-// statement is sent.
+// statement is sent, and so is JSON text that is not valid, with
+// [ErrInvalidPayload].
 func InsertOutbox(ctx context.Context, tx Executor, eventType string, payload any) (int64, error) {
 	return insertOutbox(ctx, tx, sql.NullString{}, 0, eventType, payload)
 }
 
 // InsertOutboxFor is InsertOutbox for an event that must keep its place
 // among the events of its aggregate, such as "account/17": the row carries the
-// aggregate and seq, the event's number among them (1 for the first).
+// aggregate and seq, the event's number among them (1 for the first); a seq
+// below 1 is refused with [ErrInvalidSeq] before any statement is sent.
 //
 // The caller must hold the aggregate's row lock in tx (SELECT ... FOR UPDATE,
 // or an UPDATE of its row) from before this insert until tx ends: then a later event of the aggregate takes its id only
@@ -152,7 +166,10 @@ func insertOutbox(ctx context.Context, tx Executor, aggregate sql.NullString, se
 	if !routable(eventType) {
 		return 0, fmt.Errorf("%w: %q", ErrInvalidEventType, eventType)
 	}
-	data, err := json.Marshal(payload)
+	if aggregate.Valid && seq < 1 {
+		return 0, fmt.Errorf("%w: %s seq %d", ErrInvalidSeq, aggregate.String, seq)
+	}
+	data, err := encodePayload(payload)
 	if err != nil {
 		return 0, fmt.Errorf("encode %s payload: %w", eventType, err)
 	}
@@ -170,6 +187,24 @@ func insertOutbox(ctx context.Context, tx Executor, aggregate sql.NullString, se
 		return 0, fmt.Errorf("insert into outbox: %w", err)
 	}
 	return id, nil
+}
+
+// encodePayload is payload as JSON text: a []byte or json.RawMessage as it
+// is, if it is valid JSON, anything else through json.Marshal.
+func encodePayload(payload any) ([]byte, error) {
+	var raw []byte
+	switch p := payload.(type) {
+	case json.RawMessage:
+		raw = p
+	case []byte:
+		raw = p
+	default:
+		return json.Marshal(payload)
+	}
+	if !json.Valid(raw) {
+		return nil, fmt.Errorf("%w: %.40q", ErrInvalidPayload, raw)
+	}
+	return raw, nil
 }
 
 // insertRow and insertTracedRow write an outbox row, the second with the

@@ -907,8 +907,8 @@ func TestApplyOnceOnATeamsOwnTable(t *testing.T) {
 	}
 	msg := postgres.Message{ID: 1, Key: "9b1e1d3c-0000-4000-8000-000000000001", Type: "CustomerRegistered", Payload: `{"customerId":7}`}
 	mailFails := errors.New("mail server down")
-	apply := func(fail bool) func(tx *sql.Tx) error {
-		return func(tx *sql.Tx) error {
+	apply := func(fail bool) func(context.Context, *sql.Tx) error {
+		return func(ctx context.Context, tx *sql.Tx) error {
 			if _, err := tx.ExecContext(ctx, `INSERT INTO welcome_mails VALUES (7)`); err != nil {
 				return err
 			}

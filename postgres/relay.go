@@ -599,7 +599,7 @@ func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) 
 	tel := r.telemetry()
 	bp, ok := r.broker.(BatchPublisher)
 	if !ok || !r.PerAggregate {
-		msg, span := tel.startSend(ctx, msgs[0].Message)
+		msg, span := tel.startSend(ctx, messagingSystem(r.broker), msgs[0].Message)
 		err := r.broker.Publish(ctx, msg)
 		tel.endSend(ctx, span, err)
 		if err != nil {
@@ -610,7 +610,7 @@ func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) 
 	batch := make([]Message, len(msgs))
 	spans := make([]trace.Span, len(msgs))
 	for i, m := range msgs {
-		batch[i], spans[i] = tel.startSend(ctx, m.Message)
+		batch[i], spans[i] = tel.startSend(ctx, messagingSystem(r.broker), m.Message)
 	}
 	n, err := bp.PublishBatch(ctx, batch)
 	switch {

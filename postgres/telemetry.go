@@ -85,7 +85,8 @@ func (r *OutboxRelay) telemetry() *relayTelemetry {
 		t := &relayTelemetry{tracer: tp.Tracer(InstrumentationName)}
 		var err1, err2 error
 		t.passDuration, err1 = meter.Float64Histogram("outbox.relay.pass.duration", metric.WithUnit("s"),
-			metric.WithDescription("How long a relay pass took, from its BEGIN to its COMMIT; its count is the passes made."))
+			metric.WithDescription("How long a relay pass took, from its BEGIN to its COMMIT; its count is the passes made."),
+			metric.WithExplicitBucketBoundaries(PassDurationBuckets...))
 		t.sent, err2 = meter.Int64Counter("messaging.client.sent.messages", metric.WithUnit("{message}"),
 			metric.WithDescription("Messages the relay handed to the broker: accepted, or failed with error.type unavailable, rejected or budget."))
 		if err := errors.Join(err1, err2); err != nil {
@@ -94,6 +95,32 @@ func (r *OutboxRelay) telemetry() *relayTelemetry {
 		r.tel = t
 	})
 	return r.tel
+}
+
+// PassDurationBuckets are the bucket boundaries, in seconds, of the
+// histogram outbox.relay.pass.duration: OpenTelemetry's advice for
+// durations in seconds, from 5 ms to 10 s, which holds a pass that ran into
+// [DefaultPassTimeout] (5 s) apart from one that took a second. The SDK's
+// default boundaries (0, 5, 10 … 10000) are made for milliseconds: every
+// pass would land below 5 seconds, in one bucket.
+var PassDurationBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10}
+
+// MessagingSystem is what a [MessageBroker] may also implement to name its
+// system as OpenTelemetry's messaging conventions do ("nats", "rabbitmq",
+// "kafka"): the relay's send spans carry it as messaging.system, which the
+// conventions require. A broker without it is "unknown".
+type MessagingSystem interface {
+	MessagingSystem() string
+}
+
+// messagingSystem is b's messaging.system.
+func messagingSystem(b MessageBroker) string {
+	if s, ok := b.(MessagingSystem); ok {
+		if name := s.MessagingSystem(); name != "" {
+			return name
+		}
+	}
+	return "unknown"
 }
 
 // errorType is the error.type of a failed publish: unavailable (it may
@@ -114,7 +141,7 @@ func errorType(pubCtx context.Context, err error) string {
 // the trace of the transaction that wrote the row, linked to the pass, or
 // in the pass's trace for a row written outside any trace. It returns msg
 // carrying the span's context, for the broker to pass on.
-func (t *relayTelemetry) startSend(passCtx context.Context, msg Message) (Message, trace.Span) {
+func (t *relayTelemetry) startSend(passCtx context.Context, system string, msg Message) (Message, trace.Span) {
 	if !trace.SpanContextFromContext(passCtx).IsValid() {
 		// A tracer that gave the pass, a root, no span context makes no
 		// spans at all (the API's no-op): the stored context goes on as it
@@ -128,6 +155,7 @@ func (t *relayTelemetry) startSend(passCtx context.Context, msg Message) (Messag
 		opts = append(opts, trace.WithLinks(trace.LinkFromContext(passCtx)))
 	}
 	opts = append(opts, trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
+		attribute.String("messaging.system", system),
 		attribute.String("messaging.operation.name", "send"),
 		attribute.String("messaging.operation.type", "send"),
 		attribute.String("messaging.message.id", msg.Key),

@@ -46,7 +46,7 @@ func (w *Warehouse) Handle(ctx context.Context, msg postgres.Message) (applied b
 	// OrderCancelled is an order's last event: CancelOrder refuses an order
 	// that is cancelled already. Its position may then be forgotten.
 	last := msg.Type == OrderCancelled
-	return postgres.ApplyOnce(ctx, w.db, msg, last, func(tx *sql.Tx) error {
+	return postgres.ApplyOnce(ctx, w.db, msg, last, func(ctx context.Context, tx *sql.Tx) error {
 		if msg.Type != outbox.OrderPlaced && msg.Type != OrderCancelled {
 			return nil
 		}

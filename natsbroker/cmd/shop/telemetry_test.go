@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"database/sql"
+	"io"
 	"net"
 	"net/http"
 	"strconv"
@@ -103,9 +104,28 @@ func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
 	if links := send.Links(); len(links) != 1 || links[0].SpanContext.SpanID() != pass.SpanContext().SpanID() {
 		t.Errorf("the publish's links = %v, want the pass %s", links, pass.SpanContext().SpanID())
 	}
+	process := byName["process outbox.OrderPlaced"]
+	if links := process.Links(); len(links) != 1 || links[0].SpanContext.SpanID() != send.SpanContext().SpanID() {
+		t.Errorf("the process span's links = %v, want the publish %s, its creation context", links, send.SpanContext().SpanID())
+	}
+	for _, s := range []sdktrace.ReadOnlySpan{send, process} {
+		if system := attributeOf(s, "messaging.system"); system != "nats" {
+			t.Errorf("%s: messaging.system = %q, want nats", s.Name(), system)
+		}
+	}
 	if send.SpanKind() != trace.SpanKindProducer || byName["process outbox.OrderPlaced"].SpanKind() != trace.SpanKindConsumer {
 		t.Errorf("kinds: send %v, process %v; want producer and consumer", send.SpanKind(), byName["process outbox.OrderPlaced"].SpanKind())
 	}
+}
+
+// attributeOf is the string value of s's attribute key, or "".
+func attributeOf(s sdktrace.ReadOnlySpan, key string) string {
+	for _, kv := range s.Attributes() {
+		if string(kv.Key) == key {
+			return kv.Value.Emit()
+		}
+	}
+	return ""
 }
 
 // GET /metrics, while the broker is down and after it is back: the lag
@@ -138,6 +158,26 @@ func TestMetricsShowTheLagWhileTheBrokerIsDown(t *testing.T) {
 	}
 	if up["outbox_relay_pass_duration_seconds_count"] <= down["outbox_relay_pass_duration_seconds_count"] {
 		t.Error("no pass counted after the broker came back")
+	}
+	// The pass's histogram has buckets in seconds, from 5 ms to 10 s, so
+	// that a pass near PassTimeout (5 s) stands apart from a quick one; the
+	// SDK's default boundaries (0, 5, 10 … 10000) are for milliseconds.
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	text, _ := io.ReadAll(resp.Body)
+	var les []string
+	for line := range strings.Lines(string(text)) {
+		if strings.HasPrefix(line, "outbox_relay_pass_duration_seconds_bucket{") {
+			_, le, _ := strings.Cut(line, `le="`)
+			le, _, _ = strings.Cut(le, `"`)
+			les = append(les, le)
+		}
+	}
+	if got, want := strings.Join(les, " "), "0.005 0.01 0.025 0.05 0.075 0.1 0.25 0.5 0.75 1 2.5 5 7.5 10 +Inf"; got != want {
+		t.Errorf("outbox.relay.pass.duration's buckets: %s, want %s", got, want)
 	}
 }
 

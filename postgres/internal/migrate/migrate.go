@@ -23,6 +23,18 @@ var ErrSchemaVersion = errors.New("postgres: database schema is not at this pack
 // [Set.Apply] gives up with an error.
 const LockTimeout = 2 * time.Second
 
+// DefaultLockWait is how long [Set.Apply] waits for another Apply of the
+// same set (another process migrating the same database) to end before it
+// gives up with an error wrapping ErrMigratorBusy.
+const DefaultLockWait = time.Minute
+
+// LockWait is DefaultLockWait, a variable so that a test can shorten it.
+var LockWait = DefaultLockWait
+
+// ErrMigratorBusy is wrapped by [Set.Apply]'s error when another migrator
+// of the same set held its lock longer than LockWait.
+var ErrMigratorBusy = errors.New("postgres: another migrator holds the migration lock")
+
 // A Set is the numbered migrations of one package, NNNN_name.sql, recorded
 // in a table of their own.
 type Set struct {
@@ -75,6 +87,9 @@ func (s *Set) Apply(ctx context.Context, db *sql.DB) error {
 	for _, m := range s.migrations {
 		err := s.apply(ctx, db, m)
 		switch {
+		case errors.Is(err, ErrMigratorBusy):
+			return fmt.Errorf("migration %s: %w longer than %v (its table %s); nothing was applied by this run: run it again",
+				m.name, ErrMigratorBusy, LockWait, s.table)
 		case sqlState(err) == "55P03": // lock_not_available
 			return fmt.Errorf("migration %s waited longer than %v for a lock, and is rolled back; run it again: %w",
 				m.name, LockTimeout, err)
@@ -91,9 +106,19 @@ func (s *Set) apply(ctx context.Context, db *sql.DB, m migration) error {
 		return err
 	}
 	defer tx.Rollback()
+	// Another migrator of the set is waited for, up to LockWait; then each
+	// statement waits at most LockTimeout for a lock of the tables.
+	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = `+strconv.FormatInt(LockWait.Milliseconds(), 10)); err != nil {
+		return err
+	}
+	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock(`+strconv.FormatInt(s.lock, 10)+`)`); err != nil {
+		if sqlState(err) == "55P03" {
+			return fmt.Errorf("%w: %w", ErrMigratorBusy, err)
+		}
+		return err
+	}
 	for _, stmt := range []string{
 		`SET LOCAL lock_timeout = ` + strconv.FormatInt(LockTimeout.Milliseconds(), 10),
-		`SELECT pg_advisory_xact_lock(` + strconv.FormatInt(s.lock, 10) + `)`,
 		`CREATE TABLE IF NOT EXISTS ` + s.table + ` (
     version    integer     PRIMARY KEY,
     name       text        NOT NULL,
