@@ -6,12 +6,12 @@
 #   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
-#   make lint                                staticcheck (fetched through the Go module proxy), all three modules
+#   make lint                                staticcheck (fetched through the Go module proxy), all four modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
-#   make natsbroker                          the natsbroker/ module's tests: JetStream embedded, a throwaway PostgreSQL (-race)
+#   make natsbroker                          the natsbroker/ module's tests, then the shop's (natsbroker/cmd/shop, a module of its own): JetStream embedded, a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
@@ -77,6 +77,7 @@ lint:
 	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd postgres && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd natsbroker/cmd/shop && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 # module-tests checks the module in the folder $(1) with gofmt and go vet,
 # then runs its tests on a PostgreSQL that postgres/with-server.sh starts in a
@@ -141,9 +142,13 @@ measure-relays:
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-relays.txt
 
 # The natsbroker/ module: the outbox end to end through NATS JetStream, which
-# its tests embed (each with its store in a temporary folder).
+# its tests embed (each with its store in a temporary folder); then the shop
+# program's module, natsbroker/cmd/shop, which holds the SDKs, exporters and
+# chromedp, and may import the lesson, so that the outbox modules need none
+# of them.
 natsbroker:
 	$(call module-tests,natsbroker)
+	$(call module-tests,natsbroker/cmd/shop)
 
 # The shop of natsbroker/cmd/shop, to run by hand and curl, on a throwaway
 # PostgreSQL with an embedded JetStream whose store is a temporary folder:
@@ -162,7 +167,7 @@ shop:
 	@OUTBOX_POSTGRES_DATA=$(if $(SHOP_DATA),$(abspath $(SHOP_DATA))/postgres) SHOP_DATA=$(if $(SHOP_DATA),$(abspath $(SHOP_DATA))) \
 	postgres/with-server.sh bash -c 'dir=$$(mktemp -d "$${TMPDIR:-/tmp}/shop.XXXXXX") && trap "rm -rf $$dir" EXIT && \
 		store="$${SHOP_DATA:-$$dir}/jetstream" && \
-		(cd natsbroker && $(GO) build -o "$$dir/shop" ./cmd/shop) && \
+		(cd natsbroker/cmd/shop && $(GO) build -o "$$dir/shop" .) && \
 		"$$dir/shop" migrate -store "$$store" -nodes $(SHOP_NODES) && \
 		"$$dir/shop" serve -store "$$store" -nodes $(SHOP_NODES) -addr $(SHOP_ADDR)'
 
@@ -174,8 +179,8 @@ page:
 	@command -v chromium >/dev/null || { \
 		echo "make page: Chromium is missing; installing Debian's chromium (apt-get install chromium)"; \
 		apt-get install -y chromium >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y chromium >/dev/null; }; }
-	postgres/with-server.sh bash -c 'cd natsbroker && OUTBOX_SCREENSHOT=$(if $(SCREENSHOT),$(abspath $(SCREENSHOT))) \
-		$(GO) test -tags browser -count=1 -run "^TestPage" -v ./cmd/shop'
+	postgres/with-server.sh bash -c 'cd natsbroker/cmd/shop && OUTBOX_SCREENSHOT=$(if $(SCREENSHOT),$(abspath $(SCREENSHOT))) \
+		$(GO) test -tags browser -count=1 -run "^TestPage" -v .'
 
 # The natsbroker figures, into natsbroker/figures/measure-natsbroker.txt (and
 # benchstat's ratios into measure-natsbroker.stat.txt beside it): the relay's

@@ -13,7 +13,6 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
@@ -402,7 +401,7 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	waitFor(t, "both orders reserved", func() bool { return rec.applied.Load() == 2 })
 	wantEachOrderReservedOnce(t, db, 2)
 
-	msg := postgres.Message{ID: 9, Type: outbox.OrderPlaced, Payload: `{}`, Key: "k9"}
+	msg := postgres.Message{ID: 9, Type: shop.OrderPlaced, Payload: `{}`, Key: "k9"}
 	if err := js.DeleteStream(ctx, natsbroker.Stream); err != nil {
 		t.Fatal(err)
 	}
@@ -465,8 +464,8 @@ func TestConsumerRetriesWhatMayPassAndTerminatesWhatCannot(t *testing.T) {
 	}
 	defer sub.Unsubscribe()
 	pub := newPublisher(t, connect(t, b.url()))
-	bad := postgres.Message{ID: 1, Type: outbox.OrderPlaced, Payload: `[1]`, Key: "bad"}
-	good := postgres.Message{ID: 2, Type: outbox.OrderPlaced, Payload: `{"orderId":7,"totalCents":2500}`, Key: "good"}
+	bad := postgres.Message{ID: 1, Type: shop.OrderPlaced, Payload: `[1]`, Key: "bad"}
+	good := postgres.Message{ID: 2, Type: shop.OrderPlaced, Payload: `{"orderId":7,"totalCents":2500}`, Key: "good"}
 	for _, m := range []postgres.Message{bad, good} {
 		if err := pub.Publish(ctx, m); err != nil {
 			t.Fatal(err)

@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
@@ -98,7 +97,7 @@ func TestMessageBeforeItsPredecessorWaitsBoundedly(t *testing.T) {
 		}
 	}
 	waitFor(t, "order/8's cancellation refused once", func() bool { _, errs := h.of("k8-cancelled"); return len(errs) >= 1 })
-	if err := pub.Publish(ctx, event("k8-placed", "order/8", 1, outbox.OrderPlaced)); err != nil {
+	if err := pub.Publish(ctx, event("k8-placed", "order/8", 1, shop.OrderPlaced)); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "order/8's cancellation applied", func() bool {

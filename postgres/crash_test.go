@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
@@ -65,7 +64,7 @@ func TestAsyncCommitProducersGetNoEventForAnOrderACrashErased(t *testing.T) {
 	}
 	t.Logf("after the crash: %d of %d orders, %d events in the broker", kept, orders, len(broker.Published()))
 	for _, m := range broker.Published() {
-		var order outbox.Order
+		var order shop.Order
 		if err := json.Unmarshal([]byte(m.Payload), &order); err != nil {
 			t.Fatal(err)
 		}

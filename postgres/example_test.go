@@ -16,9 +16,7 @@ import (
 
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver for database/sql
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
-	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // A service's relay: Run until the process is told to stop, then return
@@ -32,7 +30,7 @@ func ExampleOutboxRelay_Run() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 
-	broker := shop.AdaptBroker(&outbox.InMemoryBroker{}) // a real broker client in a service
+	var broker postgres.MessageBroker // natsbroker.NewPublisher(js) for JetStream, or your broker's client
 	relay := postgres.NewOutboxRelay(db, broker)
 	relay.ParkAfter = 5 // set a message aside after 5 rejections
 	relay.Logger = slog.Default()

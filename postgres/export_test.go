@@ -3,7 +3,6 @@ package postgres
 import (
 	"context"
 
-	"example.com/patterns/enterprise/outbox/postgres/internal/migrate"
 	"strconv"
 	"strings"
 	"time"
@@ -45,6 +44,6 @@ const MarkSent = markSent
 // SetMigrationLockWait makes Migrate wait d for another migrator, and
 // returns a function that puts the default back.
 func SetMigrationLockWait(d time.Duration) (restore func()) {
-	migrate.LockWait = d
-	return func() { migrate.LockWait = migrate.DefaultLockWait }
+	migrationLockWait = d
+	return func() { migrationLockWait = MigrationLockWait }
 }

@@ -3,7 +3,6 @@ module example.com/patterns/enterprise/outbox/postgres
 go 1.26.0
 
 require (
-	example.com/patterns/enterprise/outbox v0.0.0
 	github.com/jackc/pglogrepl v0.0.0-20251213150135-2e8d0df862c1
 	github.com/jackc/pgx/v5 v5.12.0
 	go.opentelemetry.io/otel v1.47.0
@@ -24,5 +23,3 @@ require (
 	golang.org/x/sync v0.22.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 )
-
-replace example.com/patterns/enterprise/outbox => ../

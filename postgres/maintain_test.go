@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -184,7 +183,7 @@ func TestForgetProcessedForgetsOnlyOldKeys(t *testing.T) {
 	db := newDatabase(t)
 	warehouse := shop.NewWarehouse(db)
 	msg := func(key string, order int64) postgres.Message {
-		return postgres.Message{Key: key, ID: order, Type: outbox.OrderPlaced,
+		return postgres.Message{Key: key, ID: order, Type: shop.OrderPlaced,
 			Payload: fmt.Sprintf(`{"orderId":%d,"totalCents":100}`, order)}
 	}
 	for i, key := range []string{"old-1", "old-2", "new-3"} {
@@ -379,17 +378,17 @@ func TestTwoProducersWithTheSameIDsThroughOneWarehouse(t *testing.T) {
 	ctx := context.Background()
 	broker := &recorder{}
 	for shopNo := range 2 {
-		shop := newDatabase(t)
+		producer := newDatabase(t)
 		for order := int64(1); order <= 2; order++ {
-			if err := postgres.Transaction(ctx, shop, func(tx *sql.Tx) error {
-				_, err := postgres.InsertOutbox(ctx, tx, outbox.OrderPlaced,
-					outbox.Order{ID: 10*int64(shopNo+1) + order, TotalCents: 100})
+			if err := postgres.Transaction(ctx, producer, func(tx *sql.Tx) error {
+				_, err := postgres.InsertOutbox(ctx, tx, shop.OrderPlaced,
+					shop.Order{ID: 10*int64(shopNo+1) + order, TotalCents: 100})
 				return err
 			}); err != nil {
 				t.Fatal(err)
 			}
 		}
-		if n, err := postgres.NewOutboxRelay(shop, broker).PublishPending(ctx); n != 2 || err != nil {
+		if n, err := postgres.NewOutboxRelay(producer, broker).PublishPending(ctx); n != 2 || err != nil {
 			t.Fatalf("pass = %d, %v", n, err)
 		}
 	}

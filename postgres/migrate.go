@@ -4,8 +4,13 @@ import (
 	"context"
 	"database/sql"
 	"embed"
-
-	"example.com/patterns/enterprise/outbox/postgres/internal/migrate"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path"
+	"strconv"
+	"strings"
+	"time"
 )
 
 // The outbox's schema is a list of numbered migrations,
@@ -21,7 +26,13 @@ var migrationFiles embed.FS
 // migrations are the outbox's, recorded in outbox_migrations; the name
 // carries the module's prefix so as not to meet a team's own
 // schema_migrations.
-var migrations = migrate.Load(migrationFiles, "migrations", "outbox_migrations", 7_468_327_001)
+var migrations = func() *MigrationSet {
+	s, err := NewMigrationSet(migrationFiles, "migrations", "outbox_migrations", 7_468_327_001)
+	if err != nil {
+		panic(err) // the files are embedded: a bug of this package
+	}
+	return s
+}()
 
 // SchemaVersion is the number of the outbox's last migration: the version
 // [CheckSchema] wants the database at.
@@ -32,20 +43,23 @@ var SchemaVersion = migrations.Version()
 // transaction that touched its table, and every statement on the table
 // waits behind the DDL, so a long wait would stall the service's own
 // writes; a short one fails the migration instead, to be run again.
-const MigrationLockTimeout = migrate.LockTimeout
+const MigrationLockTimeout = 2 * time.Second
 
 // MigrationLockWait is how long [Migrate] waits for another migrator of
 // the outbox (another process running Migrate on the same database) before
 // it gives up with an error wrapping [ErrMigratorBusy].
-const MigrationLockWait = migrate.DefaultLockWait
+const MigrationLockWait = time.Minute
+
+// migrationLockWait is MigrationLockWait, a variable that a test shortens.
+var migrationLockWait = MigrationLockWait
 
 // ErrMigratorBusy is wrapped by [Migrate]'s error when another migrator
 // held the migration lock longer than [MigrationLockWait].
-var ErrMigratorBusy = migrate.ErrMigratorBusy
+var ErrMigratorBusy = errors.New("postgres: another migrator holds the migration lock")
 
 // ErrSchemaVersion is wrapped by [CheckSchema]'s error when the database's
 // schema is not at [SchemaVersion].
-var ErrSchemaVersion = migrate.ErrSchemaVersion
+var ErrSchemaVersion = errors.New("postgres: database schema is not at this package's version")
 
 // Migrate brings the outbox's tables in db to [SchemaVersion]: it applies,
 // in order, each migration that the table outbox_migrations does not record
@@ -79,4 +93,170 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 // error, instead of running DDL.
 func CheckSchema(ctx context.Context, db *sql.DB) error {
 	return migrations.Check(ctx, db)
+}
+
+// A MigrationSet is the numbered SQL migrations of one component, files
+// NNNN_name.sql whose numbers run from 1 without a gap, recorded in a table
+// of their own: the outbox's ([Migrate]), or a team's own tables', as the
+// example shop's are. Its methods are safe for concurrent use.
+type MigrationSet struct {
+	table      string
+	lock       int64 // advisory lock key: two Applies of a set wait for each other
+	migrations []migration
+}
+
+type migration struct {
+	version int
+	name    string
+	sql     string
+}
+
+// NewMigrationSet reads the files NNNN_name.sql of dir in fsys (an
+// embed.FS, usually) into a MigrationSet recorded in table, a name of
+// letters, digits and '_'. lock is the key of the advisory lock that makes
+// two Applies of the set wait for each other: any number, other than every
+// other set's in the database. It refuses, with an error naming the file,
+// files whose numbers do not run from 1 without a gap, and a dir with none.
+func NewMigrationSet(fsys fs.FS, dir, table string, lock int64) (*MigrationSet, error) {
+	if !identifier(table) {
+		return nil, fmt.Errorf("postgres: migration table %q is not a name of letters, digits and '_'", table)
+	}
+	files, err := fs.Glob(fsys, dir+"/*.sql")
+	if err != nil {
+		return nil, fmt.Errorf("postgres: migrations in %s: %w", dir, err)
+	}
+	s := &MigrationSet{table: table, lock: lock}
+	for i, f := range files { // Glob sorts by name, so by number
+		base := path.Base(f)
+		num, _, _ := strings.Cut(base, "_")
+		v, err := strconv.Atoi(num)
+		if err != nil || v != i+1 {
+			return nil, fmt.Errorf("postgres: %s is not migration %d: files are NNNN_name.sql, numbered from 1 without a gap", f, i+1)
+		}
+		b, err := fs.ReadFile(fsys, f)
+		if err != nil {
+			return nil, fmt.Errorf("postgres: %w", err)
+		}
+		s.migrations = append(s.migrations, migration{version: v, name: strings.TrimSuffix(base, ".sql"), sql: string(b)})
+	}
+	if len(s.migrations) == 0 {
+		return nil, fmt.Errorf("postgres: no migrations NNNN_name.sql in %s", dir)
+	}
+	return s, nil
+}
+
+// identifier reports whether s is a name of letters, digits and '_' that
+// does not start with a digit, at most 63 bytes: one PostgreSQL takes as it
+// is, unquoted.
+func identifier(s string) bool {
+	if s == "" || len(s) > 63 || s[0] >= '0' && s[0] <= '9' {
+		return false
+	}
+	for _, c := range s {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
+}
+
+// Version is the number of the set's last migration.
+func (s *MigrationSet) Version() int { return s.migrations[len(s.migrations)-1].version }
+
+// Apply applies, in order, each migration of s that its table does not
+// record yet, each in a transaction of its own with its record, so that a
+// migration is applied whole or not at all. Run again, it applies nothing;
+// run by two processes at once, the second waits for the first, up to
+// [MigrationLockWait], and then applies nothing (past that it gives up with
+// an error wrapping [ErrMigratorBusy], having applied nothing). Each
+// statement waits at most [MigrationLockTimeout] for a lock; a migration
+// that times out is rolled back and Apply returns an error saying which,
+// to be run again.
+func (s *MigrationSet) Apply(ctx context.Context, db *sql.DB) error {
+	for _, m := range s.migrations {
+		err := s.apply(ctx, db, m)
+		switch {
+		case errors.Is(err, ErrMigratorBusy):
+			return fmt.Errorf("migration %s: %w longer than %v (its table %s); nothing was applied by this run: run it again",
+				m.name, ErrMigratorBusy, migrationLockWait, s.table)
+		case sqlState(err) == "55P03": // lock_not_available
+			return fmt.Errorf("migration %s waited longer than %v for a lock, and is rolled back; run it again: %w",
+				m.name, MigrationLockTimeout, err)
+		case err != nil:
+			return fmt.Errorf("migration %s: %w", m.name, err)
+		}
+	}
+	return nil
+}
+
+func (s *MigrationSet) apply(ctx context.Context, db *sql.DB, m migration) error {
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback()
+	// Another migrator of the set is waited for, up to LockWait; then each
+	// statement waits at most LockTimeout for a lock of the tables.
+	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = `+strconv.FormatInt(migrationLockWait.Milliseconds(), 10)); err != nil {
+		return err
+	}
+	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock(`+strconv.FormatInt(s.lock, 10)+`)`); err != nil {
+		if sqlState(err) == "55P03" {
+			return fmt.Errorf("%w: %w", ErrMigratorBusy, err)
+		}
+		return err
+	}
+	for _, stmt := range []string{
+		`SET LOCAL lock_timeout = ` + strconv.FormatInt(MigrationLockTimeout.Milliseconds(), 10),
+		`CREATE TABLE IF NOT EXISTS ` + s.table + ` (
+    version    integer     PRIMARY KEY,
+    name       text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)`,
+	} {
+		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return err
+		}
+	}
+	var done bool
+	if err := tx.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+s.table+` WHERE version = $1)`,
+		m.version).Scan(&done); err != nil {
+		return err
+	}
+	if done {
+		return nil
+	}
+	if _, err := tx.ExecContext(ctx, m.sql); err != nil {
+		return err
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+s.table+` (version, name) VALUES ($1, $2)`,
+		m.version, m.name); err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		if sqlState(err) == "" {
+			return fmt.Errorf("commit of unknown outcome: look in %s before running it again: %w", s.table, err)
+		}
+		return err
+	}
+	return nil
+}
+
+// Check reports, with an error wrapping [ErrSchemaVersion], a database
+// whose table records a version other than the set's, or none. It reads one
+// table and takes no lock.
+func (s *MigrationSet) Check(ctx context.Context, db *sql.DB) error {
+	var version sql.NullInt64
+	err := db.QueryRowContext(ctx, `SELECT max(version) FROM `+s.table).Scan(&version)
+	switch want := int64(s.Version()); {
+	case sqlState(err) == "42P01": // undefined_table
+		return fmt.Errorf("%w: %s: no migration was ever applied, want version %d: run migrate first", ErrSchemaVersion, s.table, want)
+	case err != nil:
+		return fmt.Errorf("check schema version in %s: %w", s.table, err)
+	case version.Int64 < want:
+		return fmt.Errorf("%w: %s: it is at version %d, want %d: run migrate first", ErrSchemaVersion, s.table, version.Int64, want)
+	case version.Int64 > want:
+		return fmt.Errorf("%w: %s: it is at version %d, newer than this program's %d", ErrSchemaVersion, s.table, version.Int64, want)
+	}
+	return nil
 }

@@ -13,11 +13,11 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/fstest"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -37,7 +37,7 @@ func TestMigrateRecordsEachMigrationOnceAndRunsAgainAsANoOp(t *testing.T) {
 	if err := postgres.CheckSchema(ctx, db); err != nil {
 		t.Errorf("CheckSchema = %v, want nil", err)
 	}
-	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 100})
+	wantOrders(t, db, shop.Order{ID: 1, TotalCents: 100})
 }
 
 // CheckSchema refuses a database that Migrate never ran on, one a version
@@ -268,5 +268,34 @@ func TestMigrateWaitsForAnotherMigrator(t *testing.T) {
 	}
 	if got := versions(t, db); !slices.Equal(got, upTo(postgres.SchemaVersion)) {
 		t.Errorf("recorded migrations %v, want all %d", got, postgres.SchemaVersion)
+	}
+}
+
+// NewMigrationSet refuses, with an error and no panic, what a team's files
+// or names get wrong: a gap in the numbers, a file not numbered, no file,
+// a table name that is not a plain identifier. A good set's Version is its
+// last number.
+func TestNewMigrationSetRefusesBadFilesAndNames(t *testing.T) {
+	file := &fstest.MapFile{Data: []byte(`CREATE TABLE IF NOT EXISTS accounts (id bigint PRIMARY KEY)`)}
+	for _, c := range []struct {
+		name  string
+		fsys  fstest.MapFS
+		table string
+	}{
+		{"a gap", fstest.MapFS{"m/0001_a.sql": file, "m/0003_c.sql": file}, "accounts_migrations"},
+		{"not numbered", fstest.MapFS{"m/first.sql": file}, "accounts_migrations"},
+		{"no file", fstest.MapFS{"m/README": file}, "accounts_migrations"},
+		{"a table with a space", fstest.MapFS{"m/0001_a.sql": file}, "accounts migrations"},
+		{"a table with a quote", fstest.MapFS{"m/0001_a.sql": file}, `x"; DROP TABLE outbox; --`},
+	} {
+		if s, err := postgres.NewMigrationSet(c.fsys, "m", c.table, 1); s != nil || err == nil {
+			t.Errorf("%s: NewMigrationSet = %v, %v; want an error", c.name, s, err)
+		} else {
+			t.Logf("%s: %v", c.name, err)
+		}
+	}
+	s, err := postgres.NewMigrationSet(fstest.MapFS{"m/0001_a.sql": file, "m/0002_b.sql": file}, "m", "accounts_migrations", 1)
+	if err != nil || s.Version() != 2 {
+		t.Fatalf("NewMigrationSet of two files = %v, %v; want version 2", s, err)
 	}
 }

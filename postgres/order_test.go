@@ -16,7 +16,6 @@ import (
 	"testing"
 	"time"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -93,7 +92,7 @@ func TestCancellationNeverOvertakesItsOrder(t *testing.T) {
 			t.Fatalf("message %d: aggregate %q", m.ID, m.Aggregate)
 		}
 		switch m.Type {
-		case outbox.OrderPlaced:
+		case shop.OrderPlaced:
 			if _, ok := placedAt[order]; !ok {
 				placedAt[order] = i
 			}
@@ -161,7 +160,7 @@ func cancelWithoutLock(t *testing.T, tx *sql.Tx, orderID int64) int64 {
 		t.Fatal(err)
 	}
 	id, err := postgres.InsertOutboxFor(ctx, tx, shop.OrderAggregate(orderID), events+1, shop.OrderCancelled,
-		outbox.Order{ID: orderID, TotalCents: 100})
+		shop.Order{ID: orderID, TotalCents: 100})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -263,9 +262,9 @@ func TestWarehouseAppliesAnAggregateInSeqOrder(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	warehouse := shop.NewWarehouse(db)
-	order := outbox.Order{ID: 7, TotalCents: 700}
+	order := shop.Order{ID: 7, TotalCents: 700}
 	placed := postgres.Message{Key: "k-placed", Aggregate: shop.OrderAggregate(7), Seq: 1,
-		ID: 1, Type: outbox.OrderPlaced, Payload: `{"orderId":7,"totalCents":700}`}
+		ID: 1, Type: shop.OrderPlaced, Payload: `{"orderId":7,"totalCents":700}`}
 	cancelled := postgres.Message{Key: "k-cancelled", Aggregate: shop.OrderAggregate(7), Seq: 2,
 		ID: 2, Type: shop.OrderCancelled, Payload: `{"orderId":7,"totalCents":700}`}
 

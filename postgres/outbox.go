@@ -1,9 +1,9 @@
 // Package postgres is the Transactional Outbox on PostgreSQL, through
 // database/sql: only the outbox, for a team to use on its own tables. It
 // imports neither the root teaching package nor the example built on it
-// (package shop, below this one), which reads as its first user. A team
-// imports it, or copies outbox.go, broker.go, relay.go, run.go, consume.go
-// and migrations/, and maintain.go and migrate.go to run it.
+// (package shop, below this one), which reads as its first user, and its
+// module requires neither. A team imports it, or copies its .go files
+// (not the tests) and migrations/, which build alone.
 //
 // A producer writes its change and the event in one transaction: its own
 // INSERT or UPDATE, then [InsertOutbox] (or [InsertOutboxFor], for events

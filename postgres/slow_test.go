@@ -18,7 +18,6 @@ import (
 	"testing"
 	"time"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -40,7 +39,7 @@ func TestHungBrokerCannotHoldAPassBeyondItsBudget(t *testing.T) {
 	db := open(t, name, "")
 	place(t, db, 100, 200, 300)
 
-	broker := &outbox.InMemoryBroker{}
+	broker := &recorder{}
 	hangAt2 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.ID == 2 {
 			<-ctx.Done() // a broker that never answers, until the relay gives up
@@ -81,35 +80,10 @@ func TestHungBrokerCannotHoldAPassBeyondItsBudget(t *testing.T) {
 		t.Errorf("the relay's session after the pass: state %q, backend_xid %v, backend_xmin %v; want idle with neither (vacuum free)", state, xid, xmin)
 	}
 
-	if n, err := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker)).PublishPending(ctx); n != 2 || err != nil {
+	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("another relay's pass right after = %d, %v; want 2, <nil>", n, err)
 	}
 	wantIDs(t, broker, 1, 2, 3)
-}
-
-// AdaptBroker cannot stop a broker whose Publish takes no context, but it
-// stops waiting for it: the pass ends at its budget all the same.
-func TestAdaptedBrokerThatHangsDoesNotHoldThePass(t *testing.T) {
-	ctx := context.Background()
-	db := newDatabase(t)
-	place(t, db, 100)
-	release := make(chan struct{})
-	defer close(release)
-	hung := outboxBrokerFunc(func(outbox.Message) error { <-release; return nil })
-	relay := postgres.NewOutboxRelay(db, shop.AdaptBroker(hung))
-	relay.PassTimeout = 500 * time.Millisecond
-
-	done := make(chan error, 1)
-	go func() { _, err := relay.PublishPending(ctx); done <- err }()
-	select {
-	case err := <-done:
-		if !errors.Is(err, context.DeadlineExceeded) {
-			t.Errorf("pass = %v, want context.DeadlineExceeded", err)
-		}
-	case <-time.After(generous):
-		t.Fatalf("the pass did not return in %v", generous)
-	}
-	wantSent(t, db, false)
 }
 
 // The livelock: idle_in_transaction_session_timeout of 500 ms on the
@@ -129,7 +103,7 @@ func TestServerIdleTimeoutDoesNotLivelockTheRelay(t *testing.T) {
 	}
 	insertPending(t, db, rows)
 
-	broker := &outbox.InMemoryBroker{}
+	broker := &recorder{}
 	relay := postgres.NewOutboxRelay(open(t, name, "relay"), slowBroker(broker, 10*time.Millisecond))
 	for pass := 1; pass <= 5; pass++ {
 		n, err := relay.PublishPending(ctx)
@@ -189,7 +163,7 @@ func TestShutdownMidPassMarksWhatTheBrokerAccepted(t *testing.T) {
 			place(t, db, 100, 200, 300, 400, 500)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			broker := &outbox.InMemoryBroker{}
+			broker := &recorder{}
 			cancelAt3 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 				err := publish(broker, m)
 				if m.ID == 3 {
@@ -208,7 +182,7 @@ func TestShutdownMidPassMarksWhatTheBrokerAccepted(t *testing.T) {
 			}
 			wantSent(t, db, tc.marked...)
 
-			relay := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker))
+			relay := postgres.NewOutboxRelay(db, broker)
 			for {
 				n, err := relay.PublishPending(context.Background())
 				if err != nil {
@@ -250,11 +224,11 @@ func TestVanishedRelayFreesItsRowsAtThePassLimit(t *testing.T) {
 	<-frozen
 	frozenAt := time.Now()
 
-	broker := &outbox.InMemoryBroker{}
-	rescuer := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker))
+	broker := &recorder{}
+	rescuer := postgres.NewOutboxRelay(db, broker)
 	for deadline := time.Now().Add(generous); len(broker.Published()) < 3; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("the vanished relay's rows were not free after %v; published %v", generous, ids(broker))
+			t.Fatalf("the vanished relay's rows were not free after %v; published %v", generous, broker.IDs())
 		}
 		if _, err := rescuer.PublishPending(ctx); err != nil {
 			t.Fatal(err)
@@ -265,7 +239,7 @@ func TestVanishedRelayFreesItsRowsAtThePassLimit(t *testing.T) {
 	// Each once, in whatever order: a claim that runs while the dead
 	// session's locks are being released can skip row 1 and take 2 and 3,
 	// and row 1 goes on the next pass.
-	if got := ids(broker); len(got) != 3 || !slices.Equal(slices.Sorted(slices.Values(got)), []int64{1, 2, 3}) {
+	if got := broker.IDs(); len(got) != 3 || !slices.Equal(slices.Sorted(slices.Values(got)), []int64{1, 2, 3}) {
 		t.Errorf("the rescuing relay published %v, want 1, 2 and 3 once each", got)
 	}
 	wantSent(t, db, true, true, true)
@@ -294,7 +268,7 @@ func TestRelayThatLostItsSessionStopsAtItsNextCheck(t *testing.T) {
 
 	var afterKill atomic.Int32
 	var killed atomic.Bool
-	broker := &outbox.InMemoryBroker{}
+	broker := &recorder{}
 	slow := slowBroker(broker, perMessage)
 	killing := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if killed.Load() {
@@ -335,7 +309,7 @@ func TestRowCommittedDuringAPassStaysUnsent(t *testing.T) {
 	}
 	place(t, db, 300) // row 3
 
-	broker := &outbox.InMemoryBroker{}
+	broker := &recorder{}
 	commitA := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.ID == 1 {
 			if err := a.Commit(); err != nil {
@@ -348,7 +322,7 @@ func TestRowCommittedDuringAPassStaysUnsent(t *testing.T) {
 		t.Fatalf("pass = %d, %v; want 2 (rows 1 and 3), <nil>", n, err)
 	}
 	wantSent(t, db, true, false, true)
-	if n, err := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker)).PublishPending(ctx); n != 1 || err != nil {
+	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("next pass = %d, %v; want 1, <nil>", n, err)
 	}
 	wantIDs(t, broker, 1, 3, 2)
@@ -373,15 +347,15 @@ func TestRelayPublishesInIDOrderWhateverTheHeapOrder(t *testing.T) {
 	if err := db.QueryRowContext(ctx, `SELECT id FROM outbox ORDER BY ctid LIMIT 1`).Scan(&first); err != nil || first != 11 {
 		t.Fatalf("the first row in the heap is %d (%v), want 11 for the test to mean anything", first, err)
 	}
-	broker := &outbox.InMemoryBroker{}
-	if _, err := postgres.NewOutboxRelay(db, shop.AdaptBroker(broker)).PublishPending(ctx); err != nil {
+	broker := &recorder{}
+	if _, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); err != nil {
 		t.Fatal(err)
 	}
 	var want []int64
 	for id := int64(1); id <= postgres.DefaultBatchSize; id++ {
 		want = append(want, id)
 	}
-	if got := ids(broker); !slices.Equal(got, want) {
+	if got := broker.IDs(); !slices.Equal(got, want) {
 		t.Errorf("the first pass published %v..., want 1 to %d in order", got[:min(12, len(got))], postgres.DefaultBatchSize)
 	}
 }
@@ -455,13 +429,13 @@ func TestRetryAfterAnUnknownCommitPlacesOneOrder(t *testing.T) {
 		t.Fatalf("PlaceOrderWithKey with the COMMIT's answer lost = %v, want ErrCommitUnknown", err)
 	}
 	t.Logf("the lost commit: %v", err)
-	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 2500}) // it did commit
+	wantOrders(t, db, shop.Order{ID: 1, TotalCents: 2500}) // it did commit
 
 	id, err := shop.NewOrderService(db).PlaceOrderWithKey(ctx, "req-1", 2500)
 	if id != 1 || err != nil {
 		t.Fatalf("the retry = %d, %v; want 1 (the first order), <nil>", id, err)
 	}
-	wantOrders(t, db, outbox.Order{ID: 1, TotalCents: 2500})
+	wantOrders(t, db, shop.Order{ID: 1, TotalCents: 2500})
 	wantSent(t, db, false) // one outbox row
 }
 
@@ -497,24 +471,18 @@ func TestIdempotencyKeyPlacesOneOrder(t *testing.T) {
 			t.Errorf("PlaceOrderWithKey(%q) = %d, %v; want 0, ErrInvalidIdempotencyKey", key, id, err)
 		}
 	}
-	if _, err := service.PlaceOrderWithKey(ctx, "req-8", 0); !errors.Is(err, outbox.ErrInvalidTotal) {
+	if _, err := service.PlaceOrderWithKey(ctx, "req-8", 0); !errors.Is(err, shop.ErrInvalidTotal) {
 		t.Errorf("a zero total with a key = %v, want ErrInvalidTotal", err)
 	}
-	wantOrders(t, db, outbox.Order{ID: first, TotalCents: 700})
+	wantOrders(t, db, shop.Order{ID: first, TotalCents: 700})
 	wantSent(t, db, false)
 }
 
 // ---- Helpers of the slow tests ----
 
-// outboxBrokerFunc makes a function an outbox.MessageBroker, whose Publish
-// takes no context.
-type outboxBrokerFunc func(outbox.Message) error
-
-func (f outboxBrokerFunc) Publish(msg outbox.Message) error { return f(msg) }
-
 // slowBroker publishes to broker after taking d, or fails when ctx ends
 // first: a broker across a slow network.
-func slowBroker(broker *outbox.InMemoryBroker, d time.Duration) postgres.MessageBroker {
+func slowBroker(broker *recorder, d time.Duration) postgres.MessageBroker {
 	return brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		t := time.NewTimer(d)
 		defer t.Stop()

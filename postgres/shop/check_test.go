@@ -12,7 +12,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
@@ -30,7 +29,7 @@ func TestInsertOrderTurnsTheTablesCheckIntoErrInvalidTotal(t *testing.T) {
 		_, _, err := insertOrder(ctx, tx, sql.NullString{}, 0)
 		return err
 	})
-	if pgErr := (*pgconn.PgError)(nil); !errors.Is(err, outbox.ErrInvalidTotal) || !errors.As(err, &pgErr) || pgErr.Code != "23514" {
+	if pgErr := (*pgconn.PgError)(nil); !errors.Is(err, ErrInvalidTotal) || !errors.As(err, &pgErr) || pgErr.Code != "23514" {
 		t.Errorf("insertOrder of a zero total = %v, want ErrInvalidTotal wrapping the check_violation", err)
 	}
 	var orders int

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
@@ -25,8 +24,7 @@ type DirectOrderService struct {
 }
 
 // NewDirectOrderService returns a DirectOrderService that saves orders in db
-// and publishes their events to broker (wrap one whose Publish takes no
-// context with [AdaptBroker]).
+// and publishes their events to broker.
 func NewDirectOrderService(db *sql.DB, broker postgres.MessageBroker) *DirectOrderService {
 	return &DirectOrderService{db: db, broker: broker}
 }
@@ -38,12 +36,12 @@ func NewDirectOrderService(db *sql.DB, broker postgres.MessageBroker) *DirectOrd
 // it saved together with the broker's error (wrapped; [errors.Is] finds it):
 // the order exists, and its event is lost. That is the dual-write bug. A
 // total of zero or less is refused with an error wrapping
-// [outbox.ErrInvalidTotal], and nothing is saved or published.
+// [ErrInvalidTotal], and nothing is saved or published.
 func (s *DirectOrderService) PlaceOrder(ctx context.Context, totalCents int64) (int64, error) {
 	if err := checkTotal(totalCents); err != nil {
 		return 0, err
 	}
-	var order outbox.Order
+	var order Order
 	err := postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
 		var err error
 		order, _, err = insertOrder(ctx, tx, sql.NullString{}, totalCents)
@@ -59,8 +57,8 @@ func (s *DirectOrderService) PlaceOrder(ctx context.Context, totalCents int64) (
 	if err != nil {
 		return order.ID, err // an Order is two integers: this cannot happen
 	}
-	if err := s.broker.Publish(ctx, postgres.Message{Type: outbox.OrderPlaced, Payload: string(payload)}); err != nil {
-		return order.ID, fmt.Errorf("order %d saved, but %s not published: %w", order.ID, outbox.OrderPlaced, err)
+	if err := s.broker.Publish(ctx, postgres.Message{Type: OrderPlaced, Payload: string(payload)}); err != nil {
+		return order.ID, fmt.Errorf("order %d saved, but %s not published: %w", order.ID, OrderPlaced, err)
 	}
 	return order.ID, nil
 }

@@ -10,7 +10,6 @@ import (
 
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver for database/sql
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -32,7 +31,7 @@ func ExampleOrderService_PlaceOrderWithKey() {
 		}
 		id, err := service.PlaceOrderWithKey(r.Context(), r.Header.Get("Idempotency-Key"), total)
 		switch {
-		case errors.Is(err, outbox.ErrInvalidTotal), errors.Is(err, shop.ErrInvalidIdempotencyKey):
+		case errors.Is(err, shop.ErrInvalidTotal), errors.Is(err, shop.ErrInvalidIdempotencyKey):
 			http.Error(w, err.Error(), http.StatusUnprocessableEntity)
 		case errors.Is(err, shop.ErrIdempotencyKeyReused):
 			http.Error(w, err.Error(), http.StatusConflict)

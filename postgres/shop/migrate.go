@@ -5,7 +5,7 @@ import (
 	"database/sql"
 	"embed"
 
-	"example.com/patterns/enterprise/outbox/postgres/internal/migrate"
+	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 //go:embed migrations/*.sql
@@ -13,7 +13,13 @@ var migrationFiles embed.FS
 
 // migrations are the example's own, recorded in shop_migrations, apart
 // from the outbox's.
-var migrations = migrate.Load(migrationFiles, "migrations", "shop_migrations", 7_468_327_002)
+var migrations = func() *postgres.MigrationSet {
+	s, err := postgres.NewMigrationSet(migrationFiles, "migrations", "shop_migrations", 7_468_327_002)
+	if err != nil {
+		panic(err) // the files are embedded: a bug of this package
+	}
+	return s
+}()
 
 // SchemaVersion is the number of the example's last migration: the version
 // [CheckSchema] wants the database at.

@@ -4,8 +4,10 @@
 // an order and its OrderPlaced event in one transaction, with
 // postgres.InsertOutboxFor; [Warehouse] applies each event once, with
 // postgres.ApplyOnce; [DirectOrderService] shows the dual write beside them.
-// It reuses the root package's [outbox.Order], [outbox.OrderPlaced] and
-// [outbox.ErrInvalidTotal], so the contract is the lesson's.
+// Its [Order], [OrderPlaced] and [ErrInvalidTotal] are the root teaching
+// package's, the same JSON and the same rule, declared again here so that
+// the outbox's module needs nothing of the lesson (the shop program's tests
+// check that they agree).
 //
 // A team does not import this package: it reads it as the pattern applied
 // to one pair of tables, and writes its own on its own tables. [Migrate]
@@ -25,14 +27,28 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/codes"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
-// OrderCancelled is the type of the event that tells the warehouse an order
-// was cancelled, so that it releases the order's stock. Its payload is the
-// [outbox.Order] as JSON, like OrderPlaced's.
-const OrderCancelled = "OrderCancelled"
+// Order is an order as the shop stores it and as its events carry it:
+// {"orderId":1,"totalCents":2500}, the root package's Order.
+type Order struct {
+	ID         int64 `json:"orderId"`    // the orders table's id: 1, 2, 3, ...
+	TotalCents int64 `json:"totalCents"` // the order's total in cents; always positive
+}
+
+// OrderPlaced is the type of the event that tells the warehouse about a new
+// order; OrderCancelled, of the one that tells it an order was cancelled,
+// so that it releases the order's stock. The payload of each is the [Order]
+// as JSON.
+const (
+	OrderPlaced    = "OrderPlaced"
+	OrderCancelled = "OrderCancelled"
+)
+
+// ErrInvalidTotal is returned, wrapped, for an order whose total is zero or
+// less; nothing is written.
+var ErrInvalidTotal = errors.New("shop: order total must be a positive number of cents")
 
 // ErrOrderNotFound and ErrOrderCancelled are returned, wrapped, by
 // [OrderService.CancelOrder] for an order that does not exist or is
@@ -79,7 +95,7 @@ const MaxIdempotencyKeyLen = 255
 // otel's global tracer provider, whose context the outbox row keeps.
 //
 // A total of zero or less is refused with an error wrapping
-// [outbox.ErrInvalidTotal], and nothing is written. An error wrapping
+// [ErrInvalidTotal], and nothing is written. An error wrapping
 // [postgres.ErrCommitUnknown] leaves it unknown whether the order was placed: retry
 // with [OrderService.PlaceOrderWithKey], not with PlaceOrder, which would
 // place a second order with a second event.
@@ -154,7 +170,7 @@ func placeIn(ctx context.Context, tx postgres.Executor, key sql.NullString, tota
 	}
 	// The order's row is new, so no one else sees it, let alone locks it,
 	// before this commits: its first event needs no lock.
-	if _, err := postgres.InsertOutboxFor(ctx, tx, OrderAggregate(order.ID), 1, outbox.OrderPlaced, order); err != nil {
+	if _, err := postgres.InsertOutboxFor(ctx, tx, OrderAggregate(order.ID), 1, OrderPlaced, order); err != nil {
 		return 0, err
 	}
 	return order.ID, nil
@@ -174,7 +190,7 @@ func (s *OrderService) CancelOrder(ctx context.Context, orderID int64) (err erro
 	ctx, end := startSpan(ctx, "CancelOrder")
 	defer func() { end(err) }()
 	return postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
-		order := outbox.Order{ID: orderID}
+		order := Order{ID: orderID}
 		var seq int64
 		err := tx.QueryRowContext(ctx, `UPDATE orders SET cancelled_at = clock_timestamp(), events = events + 1
 			WHERE id = $1 AND cancelled_at IS NULL RETURNING total_cents, events`, orderID).Scan(&order.TotalCents, &seq)
@@ -202,7 +218,7 @@ func (s *OrderService) CancelOrder(ctx context.Context, orderID int64) (err erro
 // statement is sent, with the root package's error.
 func checkTotal(totalCents int64) error {
 	if totalCents <= 0 {
-		return fmt.Errorf("%w, got %d", outbox.ErrInvalidTotal, totalCents)
+		return fmt.Errorf("%w, got %d", ErrInvalidTotal, totalCents)
 	}
 	return nil
 }
@@ -211,9 +227,9 @@ func checkTotal(totalCents int64) error {
 // reports placed. If key placed an order before, it inserts nothing and
 // returns that order with placed false, or ErrIdempotencyKeyReused if its
 // total differs. The orders table's CHECK, for a caller that skipped
-// checkTotal, comes back as outbox.ErrInvalidTotal.
-func insertOrder(ctx context.Context, tx postgres.Executor, key sql.NullString, totalCents int64) (order outbox.Order, placed bool, err error) {
-	order = outbox.Order{TotalCents: totalCents}
+// checkTotal, comes back as ErrInvalidTotal.
+func insertOrder(ctx context.Context, tx postgres.Executor, key sql.NullString, totalCents int64) (order Order, placed bool, err error) {
+	order = Order{TotalCents: totalCents}
 	// ON CONFLICT waits for a transaction that holds the same key to end;
 	// under READ COMMITTED the SELECT after it then sees that order.
 	err = tx.QueryRowContext(ctx, `INSERT INTO orders (total_cents, idempotency_key) VALUES ($1, $2)
@@ -222,20 +238,20 @@ func insertOrder(ctx context.Context, tx postgres.Executor, key sql.NullString, 
 	case err == nil:
 		return order, true, nil
 	case errors.Is(err, sql.ErrNoRows) && key.Valid:
-		var first outbox.Order
+		var first Order
 		if err := tx.QueryRowContext(ctx, `SELECT id, total_cents FROM orders WHERE idempotency_key = $1`,
 			key).Scan(&first.ID, &first.TotalCents); err != nil {
-			return outbox.Order{}, false, fmt.Errorf("find the order of idempotency key %q: %w", key.String, err)
+			return Order{}, false, fmt.Errorf("find the order of idempotency key %q: %w", key.String, err)
 		}
 		if first.TotalCents != totalCents {
-			return outbox.Order{}, false, fmt.Errorf("%w: key %q placed order %d of %d cents, not %d",
+			return Order{}, false, fmt.Errorf("%w: key %q placed order %d of %d cents, not %d",
 				ErrIdempotencyKeyReused, key.String, first.ID, first.TotalCents, totalCents)
 		}
 		return first, false, nil
 	case isCheckViolation(err):
-		return outbox.Order{}, false, fmt.Errorf("insert into orders: %w, got %d: %w", outbox.ErrInvalidTotal, totalCents, err)
+		return Order{}, false, fmt.Errorf("insert into orders: %w, got %d: %w", ErrInvalidTotal, totalCents, err)
 	default:
-		return outbox.Order{}, false, fmt.Errorf("insert into orders: %w", err)
+		return Order{}, false, fmt.Errorf("insert into orders: %w", err)
 	}
 }
 

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"time"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
@@ -47,10 +46,10 @@ func (w *Warehouse) Handle(ctx context.Context, msg postgres.Message) (applied b
 	// that is cancelled already. Its position may then be forgotten.
 	last := msg.Type == OrderCancelled
 	return postgres.ApplyOnce(ctx, w.db, msg, last, func(ctx context.Context, tx *sql.Tx) error {
-		if msg.Type != outbox.OrderPlaced && msg.Type != OrderCancelled {
+		if msg.Type != OrderPlaced && msg.Type != OrderCancelled {
 			return nil
 		}
-		var order outbox.Order
+		var order Order
 		if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
 			return fmt.Errorf("message %s: decode %s payload: %w: %w", msg.Key, msg.Type, postgres.ErrMalformedMessage, err)
 		}

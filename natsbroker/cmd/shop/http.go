@@ -13,7 +13,6 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"example.com/patterns/enterprise/outbox"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -39,7 +38,7 @@ const badBody = `body must be one JSON object {"totalCents": a whole number of c
 // a JSON {"error": ...} and changes nothing: 400 for a body that is not one
 // JSON object {"totalCents": whole number} and nothing after it, or a
 // malformed Idempotency-Key; 413 for a body over maxOrderBody; 422 for a
-// total of zero or less (outbox.ErrInvalidTotal) or a key reused for another
+// total of zero or less (shop.ErrInvalidTotal) or a key reused for another
 // total. A commit whose outcome is unknown (postgres.ErrCommitUnknown) gets
 // a 503 whose body says so and how to retry safely; a database that did not
 // answer within requestTimeout, a 503 that says nothing was placed.
@@ -84,7 +83,7 @@ func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer
 		switch {
 		case errors.Is(err, shop.ErrInvalidIdempotencyKey):
 			writeJSON(w, http.StatusBadRequest, problem(err.Error()))
-		case errors.Is(err, outbox.ErrInvalidTotal), errors.Is(err, shop.ErrIdempotencyKeyReused):
+		case errors.Is(err, shop.ErrInvalidTotal), errors.Is(err, shop.ErrIdempotencyKeyReused):
 			writeJSON(w, http.StatusUnprocessableEntity, problem(err.Error()))
 		case errors.Is(err, postgres.ErrCommitUnknown):
 			retry := "send the same request again with the same Idempotency-Key: it places the order at most once"

@@ -1,0 +1,93 @@
+package postgres_test
+
+// What a team does to adopt the outbox without importing it: copy the
+// files the README names into a module of its own, and build.
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// The README's "What to copy" names files and folders that build alone:
+// copied, exactly those, into a fresh module outside the repository (with
+// this module's go.mod and go.sum under another name), they compile, and
+// they are every .go file of the package but its tests. (Caught: a list of
+// five files that used telemetry.go, maintain.go and a package of the
+// module's own.)
+func TestWhatToCopyBuildsAlone(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, para, ok := strings.Cut(string(readme), "**What to copy:**")
+	if !ok {
+		t.Fatal(`README.md has no "**What to copy:**" paragraph`)
+	}
+	para, _, _ = strings.Cut(para, "\n\n")
+	var named []string
+	for _, m := range regexp.MustCompile(`\]\(([^)]+)\)`).FindAllStringSubmatch(para, -1) {
+		named = append(named, strings.TrimSuffix(m[1], "/"))
+	}
+	t.Logf("the README says to copy: %s", strings.Join(named, " "))
+
+	dir := t.TempDir()
+	for _, name := range named {
+		info, err := os.Stat(name)
+		if err != nil {
+			t.Fatalf("the README names %s: %v", name, err)
+		}
+		if info.IsDir() {
+			err = os.CopyFS(filepath.Join(dir, name), os.DirFS(name))
+		} else {
+			var b []byte
+			if b, err = os.ReadFile(name); err == nil {
+				err = os.WriteFile(filepath.Join(dir, name), b, 0o644)
+			}
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	mod, err := os.ReadFile("go.mod")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mod = regexp.MustCompile(`(?m)^module .*$`).ReplaceAll(mod, []byte("module example.org/team/outbox"))
+	sum, err := os.ReadFile("go.sum")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "go.mod"), mod, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "go.sum"), sum, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	goCmd(t, dir, "build", "./...")
+
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		if !strings.HasSuffix(f, "_test.go") && !strings.Contains(para, "("+f+")") {
+			t.Errorf("the README's list leaves out %s", f)
+		}
+	}
+}
+
+// goCmd runs the go command with args in dir, with the module cache of the
+// test's own build, and fails t with its output if it fails.
+func goCmd(t *testing.T, dir string, args ...string) {
+	t.Helper()
+	cmd := exec.Command("go", args...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod", "GOWORK=off")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go %s in %s: %v\n%s", strings.Join(args, " "), dir, err, out)
+	}
+}
