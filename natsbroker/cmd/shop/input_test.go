@@ -30,8 +30,8 @@ func badInputChangesNothing(t *testing.T, db *sql.DB, base string) {
 		status    int
 		want      string
 	}{
-		{`{"totalCents":0}`, "", 422, `{"error":"outbox: order total must be a positive number of cents, got 0"}`},
-		{`{"totalCents":-5}`, "", 422, `{"error":"outbox: order total must be a positive number of cents, got -5"}`},
+		{`{"totalCents":0}`, "", 422, `{"error":"shop: order total must be a positive number of cents, got 0"}`},
+		{`{"totalCents":-5}`, "", 422, `{"error":"shop: order total must be a positive number of cents, got -5"}`},
 		{`{"total":5}`, "", 400, bad},                         // an unknown field
 		{`{}`, "", 400, bad},                                  // no total
 		{`{"totalCents":null}`, "", 400, bad},                 // no total either

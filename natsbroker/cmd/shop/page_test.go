@@ -171,7 +171,7 @@ func TestPagePlaysTheArticlesScenario(t *testing.T) {
 
 	// Bad input from the form: the API's answers, and nothing changes.
 	for total, answer := range map[string]string{
-		"0":                    `422: outbox: order total must be a positive number of cents, got 0`,
+		"0":                    `422: shop: order total must be a positive number of cents, got 0`,
 		"abc":                  `400: body must be one JSON object {"totalCents": a whole number of cents}`,
 		"99999999999999999999": `400: body must be one JSON object {"totalCents": a whole number of cents}`,
 	} {
