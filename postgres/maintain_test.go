@@ -286,7 +286,7 @@ func TestRejectedMessageIsParkedAndTheRestFlow(t *testing.T) {
 		return inner.Publish(ctx, m)
 	})
 	relay := postgres.NewOutboxRelay(db, broker)
-	relay.ParkAfter = 3
+	relay.ParkAfter, relay.PerAggregate = 3, false // over the whole table, where a refusal stops the pass
 
 	var counts []int
 	for range 3 {

@@ -520,6 +520,7 @@ func TestMessageRefusedForEverBlocksEveryLaterMessage(t *testing.T) {
 		return publish(broker, m)
 	})
 	relay := postgres.NewOutboxRelay(db, refuse2)
+	relay.PerAggregate, relay.ParkAfter = false, 0 // the article's relay
 	for pass := 1; pass <= 3; pass++ {
 		n, err := relay.PublishPending(ctx)
 		if want := map[bool]int{true: 1, false: 0}[pass == 1]; n != want || !errors.Is(err, errRefused) ||

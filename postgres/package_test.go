@@ -4,6 +4,7 @@ package postgres_test
 // documentation shows, checked from its source.
 
 import (
+	"context"
 	"database/sql"
 	"database/sql/driver"
 	"errors"
@@ -165,28 +166,83 @@ func (fakeDriver) Open(string) (driver.Conn, error) {
 	return nil, errors.New("fake driver: no connection")
 }
 
-// NewOutboxRelay refuses, at construction, a pool of another driver, with
-// a panic that names it; pgx's pool it takes.
-func TestNewOutboxRelayRefusesAnotherDriver(t *testing.T) {
+// A relay configured so that it cannot run is refused before it claims
+// anything, with an error wrapping ErrInvalidConfig that names the setting:
+// another driver than pgx's, no broker, a budget or batch of zero, a
+// negative ParkAfter, a pool of one connection (a pass needs two: its
+// transaction and the flush of the server's log) and, for Run, a pool of
+// two (it listens on a third). NewOutboxRelay's own settings pass, and no
+// connection is made to tell. (Caught: a panic on another driver; a pool
+// of one whose every flushing pass failed at its budget, "flush the
+// server's log …: context deadline exceeded".)
+func TestRelayConfigurationIsValidatedBeforeAnyClaim(t *testing.T) {
+	ctx := context.Background()
 	other, err := sql.Open("outbox-fake", "")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer other.Close()
-	func() {
-		defer func() {
-			msg, _ := recover().(string)
-			if !strings.Contains(msg, "pgx's stdlib driver") || !strings.Contains(msg, "postgres_test.fakeDriver") {
-				t.Errorf("NewOutboxRelay on another driver panicked with %q, want one naming pgx's driver and the one it got", msg)
-			}
-			t.Logf("it said: %s", msg)
-		}()
-		postgres.NewOutboxRelay(other, nil)
-	}()
-	pgx, err := sql.Open("pgx", "host=/nonexistent")
-	if err != nil {
-		t.Fatal(err)
+	pool := func(max int) *sql.DB {
+		db, err := sql.Open("pgx", "host=/nonexistent")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { db.Close() })
+		db.SetMaxOpenConns(max)
+		return db
 	}
-	defer pgx.Close()
-	postgres.NewOutboxRelay(pgx, nil) // does not panic: no connection is made
+	broker := &recorder{}
+	for _, c := range []struct {
+		name  string
+		relay func() *postgres.OutboxRelay
+		run   bool   // Run alone refuses it
+		says  string // the error names this
+	}{
+		{"another driver", func() *postgres.OutboxRelay { return postgres.NewOutboxRelay(other, broker) }, false, "postgres_test.fakeDriver"},
+		{"no broker", func() *postgres.OutboxRelay { return postgres.NewOutboxRelay(pool(0), nil) }, false, "no broker"},
+		{"a budget of zero", func() *postgres.OutboxRelay {
+			r := postgres.NewOutboxRelay(pool(0), broker)
+			r.PassTimeout = 0
+			return r
+		}, false, "PassTimeout is 0s"},
+		{"a batch of zero", func() *postgres.OutboxRelay {
+			r := postgres.NewOutboxRelay(pool(0), broker)
+			r.BatchSize = 0
+			return r
+		}, false, "BatchSize is 0"},
+		{"a negative ParkAfter", func() *postgres.OutboxRelay {
+			r := postgres.NewOutboxRelay(pool(0), broker)
+			r.ParkAfter = -1
+			return r
+		}, false, "ParkAfter is -1"},
+		{"a pool of one", func() *postgres.OutboxRelay { return postgres.NewOutboxRelay(pool(1), broker) }, false, "allows 1 open connections"},
+		{"a pool of two, for Run", func() *postgres.OutboxRelay { return postgres.NewOutboxRelay(pool(2), broker) }, true, "needs 3"},
+		{"no poll interval, for Run", func() *postgres.OutboxRelay {
+			r := postgres.NewOutboxRelay(pool(0), broker)
+			r.PollInterval = 0
+			return r
+		}, true, "PollInterval is 0s"},
+	} {
+		if !c.run {
+			n, err := c.relay().PublishPending(ctx)
+			if n != 0 || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), c.says) {
+				t.Errorf("%s: PublishPending = %d, %v; want ErrInvalidConfig saying %q", c.name, n, err, c.says)
+			}
+		}
+		err := c.relay().Run(ctx)
+		if !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), c.says) {
+			t.Errorf("%s: Run = %v; want ErrInvalidConfig saying %q", c.name, err, c.says)
+		}
+		t.Logf("%s: %v", c.name, err)
+	}
+	for _, max := range []int{0, 3} {
+		if err := postgres.NewOutboxRelay(pool(max), broker).Validate(); err != nil {
+			t.Errorf("NewOutboxRelay's own settings on a pool of %d: %v", max, err)
+		}
+	}
+	polling := postgres.NewOutboxRelay(pool(2), broker)
+	polling.PollOnly = true
+	if err := polling.Validate(); err != nil {
+		t.Errorf("a polling relay on a pool of two: %v", err)
+	}
 }

@@ -18,12 +18,12 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// DefaultBatchSize is how many rows a relay pass claims when
-// [OutboxRelay.BatchSize] is zero.
+// DefaultBatchSize is how many rows a relay pass claims, as
+// [NewOutboxRelay] sets [OutboxRelay.BatchSize].
 const DefaultBatchSize = 100
 
-// DefaultPassTimeout is a relay pass's time budget when
-// [OutboxRelay.PassTimeout] is zero.
+// DefaultPassTimeout is a relay pass's time budget, as [NewOutboxRelay]
+// sets [OutboxRelay.PassTimeout].
 const DefaultPassTimeout = 5 * time.Second
 
 // ClaimCheckInterval is how often, at most, a relay pass asks the server
@@ -221,12 +221,12 @@ type OutboxRelay struct {
 	db     *sql.DB
 	broker MessageBroker
 
-	// BatchSize is the most rows one pass claims and publishes; zero or less
-	// means DefaultBatchSize. Set it before the first pass.
+	// BatchSize is the most rows one pass claims and publishes,
+	// DefaultBatchSize unless set; it must be positive.
 	BatchSize int
 
-	// PassTimeout is a pass's time budget for publishing; zero or less means
-	// DefaultPassTimeout. The pass's statements, its mark and its commit get
+	// PassTimeout is a pass's time budget for publishing,
+	// DefaultPassTimeout unless set; it must be positive. The pass's statements, its mark and its commit get
 	// as long again, so a pass ends at most twice PassTimeout after it
 	// began. Set it before the first pass, longer than the broker's slowest
 	// publish of a batch.
@@ -234,13 +234,14 @@ type OutboxRelay struct {
 
 	// ParkAfter is how many rejections (broker errors wrapping ErrRejected)
 	// set a row aside, parked: it is no longer published and no longer holds
-	// back the rows after it, which go on in the same pass. Zero or less
-	// keeps the article's relay: a message the broker refuses for ever
+	// back the rows after it, which go on in the same pass. Zero keeps the
+	// article's relay: a message the broker refuses for ever
 	// blocks every message after it, and the order of all of them is kept.
 	// Parking gives up that message's place in the order: if it is put back
 	// (Unpark), it is published after messages that were written after it.
 	// Errors that do not wrap ErrRejected, a broker that is down among them,
-	// never park a row. ReadLag counts the parked rows; ListParked lists them.
+	// never park a row. ReadLag counts the parked rows; ListParked lists
+	// them. NewOutboxRelay sets DefaultParkAfter.
 	ParkAfter int
 
 	// PerAggregate makes the relay keep order per aggregate instead of over
@@ -255,7 +256,8 @@ type OutboxRelay struct {
 	// unavailable), and reports the refusals in its error. A parked row,
 	// too, holds back the rest of its aggregate until Unpark.
 	//
-	// Without it the relay keeps the article's order: the whole table in id
+	// NewOutboxRelay sets it. Without it the relay keeps the article's
+	// order: the whole table in id
 	// order for one relay, stopping at the first refusal, and publishing
 	// one message at a time. That is right for one relay, and for events
 	// whose order between aggregates matters too.
@@ -268,9 +270,10 @@ type OutboxRelay struct {
 	PerAggregate bool
 
 	// PollInterval, MaxBackoff, PollOnly and Logger configure Run: how long
-	// it waits for a notification before it passes anyway, the longest it
-	// waits after failed passes, whether it only polls, and where it logs
-	// failed passes and parked messages (nil: nowhere).
+	// it waits for a notification before it passes anyway and the longest
+	// it waits after failed passes (DefaultPollInterval and
+	// DefaultMaxBackoff unless set; positive), whether it only polls, and
+	// where it logs failed passes and parked messages (nil: nowhere).
 	PollInterval time.Duration
 	MaxBackoff   time.Duration
 	PollOnly     bool
@@ -305,23 +308,89 @@ type OutboxRelay struct {
 	tel           *relayTelemetry
 }
 
+// DefaultParkAfter is [OutboxRelay.ParkAfter] as [NewOutboxRelay] sets
+// it: a message the broker refused five times is set aside, so that it
+// does not hold back the rest for ever.
+const DefaultParkAfter = 5
+
+// ErrInvalidConfig is wrapped by the error of [OutboxRelay.Validate], and
+// so of PublishPending and Run, for a relay they cannot run as configured:
+// the error says which setting and why. Nothing is claimed or published.
+var ErrInvalidConfig = errors.New("postgres: invalid relay configuration")
+
 // NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
-// to broker, [DefaultBatchSize] rows a pass. A pass takes one connection of
-// db's pool for its transaction and, while it makes the server flush its
-// log, a second one; Run holds one more for listening. A pool limited below
-// that makes passes wait for a connection until their budget ends.
+// to broker, configured as a team should run it, each setting in its field
+// where it can be read and changed before the first pass:
+//   - PerAggregate: order per aggregate, the whole batch at once through a
+//     [BatchPublisher], a refusal holding back its aggregate alone (rows
+//     with no aggregate are in no order, and go in batches);
+//   - ParkAfter: [DefaultParkAfter], so a message the broker can never take
+//     is set aside instead of blocking the rest for ever;
+//   - BatchSize, PassTimeout, PollInterval and MaxBackoff: their Default
+//     constants.
 //
-// db must be opened with pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib,
-// by stdlib.OpenDB or sql.Open("pgx", …)): the mark sends the accepted ids
-// as a []int64, which pgx alone turns into a PostgreSQL array, and Run
-// listens on pgx's own connection. NewOutboxRelay panics, naming the driver
-// it got, on any other: a wiring mistake found at start-up, not a relay
-// that fails at its first mark or never hears a commit.
+// The article's relay, the whole table in id order stopping at the first
+// refusal and never setting a message aside, is the choice of
+// PerAggregate = false and ParkAfter = 0.
+//
+// A pass takes one connection of db's pool for its transaction and, while
+// it makes the server flush its log, a second one; Run holds one more for
+// listening. db must be opened with pgx's stdlib driver
+// (github.com/jackc/pgx/v5/stdlib, by stdlib.OpenDB or sql.Open("pgx", …)):
+// the mark sends the accepted ids as a []int64, which pgx alone turns into
+// a PostgreSQL array, and Run listens on pgx's own connection.
+// [OutboxRelay.Validate] checks all of it, and PublishPending and Run call
+// it first.
 func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
-	if _, ok := db.Driver().(*stdlib.Driver); !ok {
-		panic(fmt.Sprintf("postgres: NewOutboxRelay needs a *sql.DB opened with pgx's stdlib driver, not %T", db.Driver()))
+	return &OutboxRelay{db: db, broker: broker,
+		BatchSize: DefaultBatchSize, PassTimeout: DefaultPassTimeout, ParkAfter: DefaultParkAfter, PerAggregate: true,
+		PollInterval: DefaultPollInterval, MaxBackoff: DefaultMaxBackoff}
+}
+
+// Validate reports, with an error wrapping [ErrInvalidConfig] that names
+// the setting, a relay that cannot run as configured: no database or no
+// broker, a database/sql driver other than pgx's, a BatchSize, PassTimeout,
+// PollInterval or MaxBackoff of zero or less, a negative ParkAfter, or a
+// pool whose MaxOpenConns is below what a pass needs (two connections) or,
+// unless PollOnly, what Run needs (three). PublishPending and Run call it
+// before they claim anything.
+func (r *OutboxRelay) Validate() error {
+	return r.validate(false)
+}
+
+// validate is Validate; run says whether Run asks, which needs one
+// connection more for listening.
+func (r *OutboxRelay) validate(run bool) error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s", ErrInvalidConfig, fmt.Sprintf(format, args...))
 	}
-	return &OutboxRelay{db: db, broker: broker}
+	switch {
+	case r.db == nil:
+		return bad("no database")
+	case r.broker == nil:
+		return bad("no broker")
+	case r.BatchSize <= 0:
+		return bad("BatchSize is %d: a pass claims at least one row (DefaultBatchSize is %d)", r.BatchSize, DefaultBatchSize)
+	case r.PassTimeout <= 0:
+		return bad("PassTimeout is %v: a pass needs a budget (DefaultPassTimeout is %v)", r.PassTimeout, DefaultPassTimeout)
+	case r.ParkAfter < 0:
+		return bad("ParkAfter is %d: 0 never parks, n parks after n rejections", r.ParkAfter)
+	case run && r.PollInterval <= 0:
+		return bad("PollInterval is %v (DefaultPollInterval is %v)", r.PollInterval, DefaultPollInterval)
+	case run && r.MaxBackoff <= 0:
+		return bad("MaxBackoff is %v (DefaultMaxBackoff is %v)", r.MaxBackoff, DefaultMaxBackoff)
+	}
+	if _, ok := r.db.Driver().(*stdlib.Driver); !ok {
+		return bad("the database is opened with %T; the relay needs pgx's stdlib driver (stdlib.OpenDB, or sql.Open(\"pgx\", …))", r.db.Driver())
+	}
+	need, what := 2, "a pass (its transaction, and the flush of the server's log)"
+	if run && !r.PollOnly {
+		need, what = 3, "Run (a pass's two, and one to listen on)"
+	}
+	if max := r.db.Stats().MaxOpenConnections; max > 0 && max < need {
+		return bad("the pool allows %d open connections, and %s needs %d at once: SetMaxOpenConns(%d) or more", max, what, need, need)
+	}
+	return nil
 }
 
 // PublishPending makes one pass: it claims up to BatchSize unsent rows,
@@ -372,6 +441,9 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 // error from the commit may wrap [ErrCommitUnknown]: the marks may or may
 // not have been kept, and the count is 0 either way.
 func (r *OutboxRelay) PublishPending(ctx context.Context) (int, error) {
+	if err := r.validate(false); err != nil {
+		return 0, err
+	}
 	res, err := r.pass(ctx)
 	return res.marked, err
 }
@@ -399,8 +471,7 @@ type passResult struct {
 
 // pass is PublishPending, reporting more.
 func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
-	batch := orDefault(r.BatchSize, DefaultBatchSize)
-	budget := orDefault(r.PassTimeout, DefaultPassTimeout)
+	batch, budget := r.BatchSize, r.PassTimeout
 	tel, start := r.telemetry(), time.Now()
 	var span trace.Span // started once the claim found rows: an empty pass makes no trace
 	defer func() { tel.endPass(ctx, span, start, res, err) }()

@@ -18,11 +18,12 @@ import (
 const NotifyChannel = "outbox"
 
 // DefaultPollInterval is how long [OutboxRelay.Run] waits for a
-// notification before it passes anyway, when PollInterval is zero.
+// notification before it passes anyway, as [NewOutboxRelay] sets
+// PollInterval.
 const DefaultPollInterval = time.Second
 
 // DefaultMaxBackoff is the longest [OutboxRelay.Run] waits after failed
-// passes, when MaxBackoff is zero.
+// passes, as [NewOutboxRelay] sets MaxBackoff.
 const DefaultMaxBackoff = 30 * time.Second
 
 // minBackoff is the wait after the first failed pass; it doubles with each
@@ -45,18 +46,16 @@ const minBackoff = 100 * time.Millisecond
 // never looks for a row that is not yet visible. A short pass does not mean
 // the outbox is empty: SKIP LOCKED passes over the rows other relays hold,
 // and no notification comes when a relay that held them dies and frees
-// them. So Run also passes every PollInterval (DefaultPollInterval when
-// zero) without a notification; that also covers a notification lost while
-// the listening connection was down, which Run opens again, and passes once
-// each time it does.
+// them. So Run also passes every PollInterval without a notification; that
+// also covers a notification lost while the listening connection was down,
+// which Run opens again, and passes once each time it does.
 //
 // Progress is what a pass marked sent and committed, not what the broker
 // accepted. After a failed pass (the broker refused or is down, the mark or
 // the commit failed, the database failed) Run logs the error at level Error,
 // with how many messages the broker accepted and how many were marked, and
 // waits, not woken by notifications: 100 ms after the first failure,
-// doubling with each failure in a row up to MaxBackoff (DefaultMaxBackoff
-// when zero), each wait a random point in the upper half of that, so that
+// doubling with each failure in a row up to MaxBackoff, each wait a random point in the upper half of that, so that
 // relays that failed together do not retry together. Only a pass that
 // marked something starts the count again. So a mark that fails pass after
 // pass (a lock held on the table, a trigger that fails) republishes the
@@ -69,10 +68,15 @@ const minBackoff = 100 * time.Millisecond
 // pgx's stdlib driver for it. With PollOnly set it does not listen and only
 // polls, for a connection pooler that cannot keep a LISTEN, such as
 // PgBouncer in transaction mode. Any number of Runs, in one process or many,
-// may share a database. Do not change the relay's fields while Run runs.
+// may share a database. Run first checks the relay's configuration
+// ([OutboxRelay.Validate], with the listener's connection counted) and
+// returns its error, wrapping [ErrInvalidConfig], at once. Do not change
+// the relay's fields while Run runs.
 func (r *OutboxRelay) Run(ctx context.Context) error {
-	poll := orDefault(r.PollInterval, DefaultPollInterval)
-	maxBackoff := orDefault(r.MaxBackoff, DefaultMaxBackoff)
+	if err := r.validate(true); err != nil {
+		return err
+	}
+	poll, maxBackoff := r.PollInterval, r.MaxBackoff
 	log := r.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)

@@ -130,6 +130,7 @@ func TestRunBacksOffWithJitterAndStartsAgainAfterASuccess(t *testing.T) {
 	})
 	relay := postgres.NewOutboxRelay(db, broker)
 	relay.PollInterval, relay.PollOnly = time.Hour, true
+	relay.PerAggregate = false // the article's relay: one message at a time, over the whole table
 
 	type wait struct {
 		d         time.Duration

@@ -258,10 +258,10 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 	}
 	defer lag.Unregister()
 
+	// NewOutboxRelay's settings are a team's: order per aggregate, each
+	// pass's batch through PublishBatch, a message refused five times parked.
 	relay := postgres.NewOutboxRelay(dbs.relay, lossy)
-	relay.PerAggregate = true // each order's events in order, a pass's batch through PublishBatch
-	relay.ParkAfter = 5
-	relay.MaxBackoff = 2 * time.Second
+	relay.MaxBackoff = 2 * time.Second // a demo: back quickly after /broker/up
 	relay.Logger = logger
 	relay.MeterProvider = m.provider
 	counted := &countingHandler{Handler: shop.NewWarehouse(dbs.warehouse)}
