@@ -59,8 +59,8 @@ func ExamplePublisher() {
 
 	publisher := natsbroker.NewPublisher(js)
 	relay := postgres.NewOutboxRelay(db, publisher)
-	relay.PerAggregate = true // each aggregate in order, and each pass's batch through PublishBatch
-	relay.ParkAfter = 5
+	// As it comes: each aggregate in order, each pass's batch through
+	// PublishBatch, a message refused five times parked.
 	if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
 	}

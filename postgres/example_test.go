@@ -32,7 +32,8 @@ func ExampleOutboxRelay_Run() {
 
 	var broker postgres.MessageBroker // natsbroker.NewPublisher(js) for JetStream, or your broker's client
 	relay := postgres.NewOutboxRelay(db, broker)
-	relay.ParkAfter = 5 // set a message aside after 5 rejections
+	// As it comes: order per aggregate, batches, a message refused
+	// DefaultParkAfter times set aside.
 	relay.Logger = slog.Default()
 	if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
