@@ -122,7 +122,7 @@ func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
 func attributeOf(s sdktrace.ReadOnlySpan, key string) string {
 	for _, kv := range s.Attributes() {
 		if string(kv.Key) == key {
-			return kv.Value.Emit()
+			return kv.Value.String()
 		}
 	}
 	return ""
