@@ -18,7 +18,8 @@ import (
 // DefaultSlot and DefaultPublication name what a [LogRelay] reads when its
 // Slot and Publication are empty: the replication slot that [CreateLogSlot]
 // makes, and the publication of the outbox's inserts that migration 4
-// creates.
+// creates; [DefaultOutbox]'s Slot and Publication (another [Outbox]'s are
+// named after its table).
 const (
 	DefaultSlot        = "outbox"
 	DefaultPublication = "outbox_inserts"
@@ -97,6 +98,11 @@ type LogRelay struct {
 // the relay adds replication=database) and publishes to broker.
 func NewLogRelay(connString string, broker MessageBroker) *LogRelay {
 	return &LogRelay{connString: connString, broker: broker}
+}
+
+// NewLogRelay is [NewLogRelay] for o: its Slot and Publication are o's.
+func (o *Outbox) NewLogRelay(connString string, broker MessageBroker) *LogRelay {
+	return &LogRelay{connString: connString, broker: broker, Slot: o.Slot(), Publication: o.Publication()}
 }
 
 // CreateLogSlot creates the replication slot slot (DefaultSlot if empty)

@@ -62,10 +62,15 @@ WHERE sent_at IS NULL AND parked_at IS NULL`
 // consumer will see until someone looks at it; and on any Failing row, a
 // message that may hold the others up.
 func ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
+	return DefaultOutbox.ReadLag(ctx, db)
+}
+
+// ReadLag is [ReadLag] of o's table.
+func (o *Outbox) ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
 	var lag Lag
 	var seconds float64
-	if err := db.QueryRowContext(ctx, readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing); err != nil {
-		return Lag{}, fmt.Errorf("read outbox lag: %w", err)
+	if err := db.QueryRowContext(ctx, o.sql.readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing); err != nil {
+		return Lag{}, fmt.Errorf("read the lag of %s: %w", o.table, err)
 	}
 	lag.Oldest = time.Duration(seconds * float64(time.Second))
 	return lag, nil
@@ -98,6 +103,11 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`
 // larger ones. What consumers remember, though, is [Message.Key], which stays
 // unique whatever happens to ids.
 func DeleteSent(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
+	return DefaultOutbox.DeleteSent(ctx, db, retention, batchSize)
+}
+
+// DeleteSent is [DeleteSent] of o's table.
+func (o *Outbox) DeleteSent(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
 	if retention < 0 {
 		return 0, fmt.Errorf("postgres: DeleteSent: negative retention %v", retention)
 	}
@@ -105,8 +115,8 @@ func DeleteSent(ctx context.Context, db *sql.DB, retention time.Duration, batchS
 	var total, after int64
 	for {
 		var n, last int64
-		if err := db.QueryRowContext(ctx, deleteSent, after, retention.Microseconds(), batchSize).Scan(&n, &last); err != nil {
-			return total, fmt.Errorf("delete sent outbox rows: %w", err)
+		if err := db.QueryRowContext(ctx, o.sql.deleteSent, after, retention.Microseconds(), batchSize).Scan(&n, &last); err != nil {
+			return total, fmt.Errorf("delete sent rows of %s: %w", o.table, err)
 		}
 		total += n
 		if n < int64(batchSize) {
@@ -151,11 +161,19 @@ type ParkedMessage struct {
 // ListParked returns up to limit parked rows of db, lowest id first (zero or
 // less means [DefaultListLimit]).
 func ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, error) {
+	return DefaultOutbox.ListParked(ctx, db, limit)
+}
+
+// listParked returns up to $1 parked rows, lowest id first.
+const listParked = `
+SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
+       attempts, rejections, COALESCE(last_error, ''), parked_at
+FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY id LIMIT $1`
+
+// ListParked is [ListParked] of o's table.
+func (o *Outbox) ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, error) {
 	limit = orDefault(limit, DefaultListLimit)
-	rows, err := db.QueryContext(ctx, `
-		SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
-		       attempts, rejections, COALESCE(last_error, ''), parked_at
-		FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY id LIMIT $1`, limit)
+	rows, err := db.QueryContext(ctx, o.sql.listParked, limit)
 	if err != nil {
 		return nil, fmt.Errorf("list parked outbox rows: %w", err)
 	}
@@ -178,8 +196,15 @@ func ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, er
 // and the next relay pass publishes it, after the rows that went on while it
 // was parked. An id that names no parked row is refused with [ErrNotParked].
 func Unpark(ctx context.Context, db *sql.DB, id int64) error {
-	res, err := db.ExecContext(ctx,
-		`UPDATE outbox SET parked_at = NULL, rejections = 0 WHERE id = $1 AND parked_at IS NOT NULL AND sent_at IS NULL`, id)
+	return DefaultOutbox.Unpark(ctx, db, id)
+}
+
+// unpark puts the parked row $1 back.
+const unpark = `UPDATE outbox SET parked_at = NULL, rejections = 0 WHERE id = $1 AND parked_at IS NOT NULL AND sent_at IS NULL`
+
+// Unpark is [Unpark] in o's table.
+func (o *Outbox) Unpark(ctx context.Context, db *sql.DB, id int64) error {
+	res, err := db.ExecContext(ctx, o.sql.unpark, id)
 	if err != nil {
 		return fmt.Errorf("unpark outbox row %d: %w", id, err)
 	}
@@ -189,4 +214,37 @@ func Unpark(ctx context.Context, db *sql.DB, id int64) error {
 		return fmt.Errorf("unpark outbox row %d: %w", id, ErrNotParked)
 	}
 	return nil
+}
+
+// dropParked deletes the parked row $1 and returns it.
+const dropParked = `
+DELETE FROM outbox WHERE id = $1 AND parked_at IS NOT NULL AND sent_at IS NULL
+RETURNING id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
+          attempts, rejections, COALESCE(last_error, ''), parked_at`
+
+// DropParked deletes the parked row id of db, for good: a message that no
+// consumer needs, or that a person has delivered by other means. It returns
+// the row as it was, for the caller to log (its key, type and last error
+// say what was dropped and why it had been parked). An id that names no
+// parked row is refused with [ErrNotParked], and nothing is deleted. With
+// [OutboxRelay.PerAggregate], the row's aggregate goes on with its next
+// event, whose consumer, keeping the aggregate's order, will wait for the
+// dropped one ([ErrOutOfOrder]) until its bound: drop only what ends its
+// aggregate, or what its consumers can do without.
+func DropParked(ctx context.Context, db *sql.DB, id int64) (ParkedMessage, error) {
+	return DefaultOutbox.DropParked(ctx, db, id)
+}
+
+// DropParked is [DropParked] in o's table.
+func (o *Outbox) DropParked(ctx context.Context, db *sql.DB, id int64) (ParkedMessage, error) {
+	var p ParkedMessage
+	err := db.QueryRowContext(ctx, o.sql.dropParked, id).Scan(&p.ID, &p.Key, &p.Type, &p.Payload, &p.Aggregate, &p.Seq,
+		&p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return ParkedMessage{}, fmt.Errorf("drop row %d of %s: %w", id, o.table, ErrNotParked)
+	case err != nil:
+		return ParkedMessage{}, fmt.Errorf("drop row %d of %s: %w", id, o.table, err)
+	}
+	return p, nil
 }

@@ -23,20 +23,12 @@ import (
 //go:embed migrations/*.sql
 var migrationFiles embed.FS
 
-// migrations are the outbox's, recorded in outbox_migrations; the name
-// carries the module's prefix so as not to meet a team's own
-// schema_migrations.
-var migrations = func() *MigrationSet {
-	s, err := NewMigrationSet(migrationFiles, "migrations", "outbox_migrations", 7_468_327_001)
-	if err != nil {
-		panic(err) // the files are embedded: a bug of this package
-	}
-	return s
-}()
-
+// The outbox's migrations are recorded in outbox_migrations (an Outbox
+// of another table, in <table>_migrations); the name carries the module's
+// prefix so as not to meet a team's own schema_migrations.
 // SchemaVersion is the number of the outbox's last migration: the version
 // [CheckSchema] wants the database at.
-var SchemaVersion = migrations.Version()
+var SchemaVersion = DefaultOutbox.migrations.Version()
 
 // MigrationLockTimeout is how long a migration's statement waits for a lock
 // before [Migrate] gives up with an error. DDL waits behind every open
@@ -82,7 +74,7 @@ var ErrSchemaVersion = errors.New("postgres: database schema is not at this pack
 // "migrate" command does. Services call [CheckSchema] instead, which takes
 // no lock.
 func Migrate(ctx context.Context, db *sql.DB) error {
-	return migrations.Apply(ctx, db)
+	return DefaultOutbox.Migrate(ctx, db)
 }
 
 // CheckSchema reports, with an error wrapping [ErrSchemaVersion], a
@@ -92,7 +84,7 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 // no lock, so a service calls it at start-up and refuses to start on its
 // error, instead of running DDL.
 func CheckSchema(ctx context.Context, db *sql.DB) error {
-	return migrations.Check(ctx, db)
+	return DefaultOutbox.CheckSchema(ctx, db)
 }
 
 // A MigrationSet is the numbered SQL migrations of one component, files
@@ -121,11 +113,20 @@ func NewMigrationSet(fsys fs.FS, dir, table string, lock int64) (*MigrationSet, 
 	if !identifier(table) {
 		return nil, fmt.Errorf("postgres: migration table %q is not a name of letters, digits and '_'", table)
 	}
+	migs, err := loadMigrations(fsys, dir)
+	if err != nil {
+		return nil, err
+	}
+	return &MigrationSet{table: table, lock: lock, migrations: migs}, nil
+}
+
+// loadMigrations reads the files NNNN_name.sql of dir in fsys, in order.
+func loadMigrations(fsys fs.FS, dir string) ([]migration, error) {
 	files, err := fs.Glob(fsys, dir+"/*.sql")
 	if err != nil {
 		return nil, fmt.Errorf("postgres: migrations in %s: %w", dir, err)
 	}
-	s := &MigrationSet{table: table, lock: lock}
+	var migs []migration
 	for i, f := range files { // Glob sorts by name, so by number
 		base := path.Base(f)
 		num, _, _ := strings.Cut(base, "_")
@@ -137,12 +138,12 @@ func NewMigrationSet(fsys fs.FS, dir, table string, lock int64) (*MigrationSet, 
 		if err != nil {
 			return nil, fmt.Errorf("postgres: %w", err)
 		}
-		s.migrations = append(s.migrations, migration{version: v, name: strings.TrimSuffix(base, ".sql"), sql: string(b)})
+		migs = append(migs, migration{version: v, name: strings.TrimSuffix(base, ".sql"), sql: string(b)})
 	}
-	if len(s.migrations) == 0 {
+	if len(migs) == 0 {
 		return nil, fmt.Errorf("postgres: no migrations NNNN_name.sql in %s", dir)
 	}
-	return s, nil
+	return migs, nil
 }
 
 // identifier reports whether s is a name of letters, digits and '_' that

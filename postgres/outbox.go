@@ -146,7 +146,7 @@ var ErrInvalidSeq = errors.New("postgres: an aggregate's seq starts at 1")
 // statement is sent, and so is JSON text that is not valid, with
 // [ErrInvalidPayload].
 func InsertOutbox(ctx context.Context, tx Executor, eventType string, payload any) (int64, error) {
-	return insertOutbox(ctx, tx, sql.NullString{}, 0, eventType, payload)
+	return DefaultOutbox.Insert(ctx, tx, eventType, payload)
 }
 
 // InsertOutboxFor is InsertOutbox for an event that must keep its place
@@ -159,10 +159,10 @@ func InsertOutbox(ctx context.Context, tx Executor, eventType string, payload an
 // after this one committed, so one aggregate's ids follow its commits, and
 // the seq read under the lock is not taken twice.
 func InsertOutboxFor(ctx context.Context, tx Executor, aggregate string, seq int64, eventType string, payload any) (int64, error) {
-	return insertOutbox(ctx, tx, sql.NullString{String: aggregate, Valid: true}, seq, eventType, payload)
+	return DefaultOutbox.InsertFor(ctx, tx, aggregate, seq, eventType, payload)
 }
 
-func insertOutbox(ctx context.Context, tx Executor, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
+func (o *Outbox) insert(ctx context.Context, tx Executor, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
 	if !routable(eventType) {
 		return 0, fmt.Errorf("%w: %q", ErrInvalidEventType, eventType)
 	}
@@ -178,13 +178,13 @@ func insertOutbox(ctx context.Context, tx Executor, aggregate sql.NullString, se
 	// statement then names only the columns of migration 1, and writes on
 	// a database that migration 3 has not reached yet.
 	if parent, state := storedTraceContext(ctx); parent != "" {
-		err = tx.QueryRowContext(ctx, insertTracedRow, eventType, string(data), aggregate, seq,
+		err = tx.QueryRowContext(ctx, o.sql.insertTracedRow, eventType, string(data), aggregate, seq,
 			parent, sql.NullString{String: state, Valid: state != ""}).Scan(&id)
 	} else {
-		err = tx.QueryRowContext(ctx, insertRow, eventType, string(data), aggregate, seq).Scan(&id)
+		err = tx.QueryRowContext(ctx, o.sql.insertRow, eventType, string(data), aggregate, seq).Scan(&id)
 	}
 	if err != nil {
-		return 0, fmt.Errorf("insert into outbox: %w", err)
+		return 0, fmt.Errorf("insert into %s: %w", o.table, err)
 	}
 	return id, nil
 }

@@ -220,6 +220,7 @@ const FailingAfter = 5
 type OutboxRelay struct {
 	db     *sql.DB
 	broker MessageBroker
+	outbox *Outbox
 
 	// BatchSize is the most rows one pass claims and publishes,
 	// DefaultBatchSize unless set; it must be positive.
@@ -342,7 +343,13 @@ var ErrInvalidConfig = errors.New("postgres: invalid relay configuration")
 // [OutboxRelay.Validate] checks all of it, and PublishPending and Run call
 // it first.
 func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
-	return &OutboxRelay{db: db, broker: broker,
+	return DefaultOutbox.NewRelay(db, broker)
+}
+
+// NewRelay is [NewOutboxRelay] for o: a relay of o's rows, which listens
+// on o's channel.
+func (o *Outbox) NewRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
+	return &OutboxRelay{db: db, broker: broker, outbox: o,
 		BatchSize: DefaultBatchSize, PassTimeout: DefaultPassTimeout, ParkAfter: DefaultParkAfter, PerAggregate: true,
 		PollInterval: DefaultPollInterval, MaxBackoff: DefaultMaxBackoff}
 }
@@ -497,9 +504,9 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	}
 	defer tx.Rollback() // after a commit this does nothing; otherwise it frees the claim
 
-	query := claimRows
+	query := r.outbox.sql.claimRows
 	if r.PerAggregate {
-		query = claimFirstOfEachAggregate
+		query = r.outbox.sql.claimFirstOfEachAggregate
 	}
 	msgs, wal, err := claim(txCtx, tx, query, batch, millis(budget), millis(2*budget))
 	if err != nil {
@@ -584,7 +591,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 			what, why(txCtx, err), len(sent), err))
 	}
 	if len(sent) > 0 {
-		mark := markSent
+		mark := r.outbox.sql.markSent
 		if r.mark != "" {
 			mark = r.mark
 		}
@@ -594,7 +601,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	}
 	for _, f := range failed {
 		var attempts int
-		if err := tx.QueryRowContext(txCtx, recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park).Scan(&attempts); err != nil {
+		if err := tx.QueryRowContext(txCtx, r.outbox.sql.recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park).Scan(&attempts); err != nil {
 			return unmarked(fmt.Sprintf("record the failure of message %d", f.id), err)
 		}
 		if attempts == FailingAfter && !f.park {

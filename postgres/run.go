@@ -12,9 +12,10 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
-// NotifyChannel is the channel that migrations/0001_schema.sql's trigger notifies when a
-// transaction that inserted outbox rows commits, and that [OutboxRelay.Run]
-// listens on.
+// NotifyChannel is the channel that migrations/0001_outbox.sql's trigger
+// notifies when a transaction that inserted outbox rows commits, and that
+// [OutboxRelay.Run] listens on: [DefaultOutbox]'s (another [Outbox]'s is
+// its Channel).
 const NotifyChannel = "outbox"
 
 // DefaultPollInterval is how long [OutboxRelay.Run] waits for a
@@ -219,8 +220,8 @@ func (r *OutboxRelay) listenOnce(ctx context.Context, wake chan<- struct{}) (lis
 			defer cancel()
 			pc.Close(closeCtx)
 		}()
-		if _, err := pc.Exec(ctx, "LISTEN "+NotifyChannel); err != nil {
-			return fmt.Errorf("LISTEN %s: %w", NotifyChannel, err)
+		if _, err := pc.Exec(ctx, "LISTEN "+r.outbox.Channel()); err != nil {
+			return fmt.Errorf("LISTEN %s: %w", r.outbox.Channel(), err)
 		}
 		listened = true
 		notify(wake) // a notification may have come while nothing listened

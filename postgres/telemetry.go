@@ -67,6 +67,7 @@ func ContextWithTrace(ctx context.Context, carrier map[string]string) context.Co
 
 // relayTelemetry is what a relay reports through, made once per relay.
 type relayTelemetry struct {
+	table        attribute.KeyValue // outbox.table, on every measurement
 	tracer       trace.Tracer
 	passDuration metric.Float64Histogram
 	sent         metric.Int64Counter
@@ -82,7 +83,7 @@ func (r *OutboxRelay) telemetry() *relayTelemetry {
 			mp = otel.GetMeterProvider()
 		}
 		meter := mp.Meter(InstrumentationName)
-		t := &relayTelemetry{tracer: tp.Tracer(InstrumentationName)}
+		t := &relayTelemetry{tracer: tp.Tracer(InstrumentationName), table: attribute.String("outbox.table", r.outbox.table)}
 		var err1, err2 error
 		t.passDuration, err1 = meter.Float64Histogram("outbox.relay.pass.duration", metric.WithUnit("s"),
 			metric.WithDescription("How long a relay pass took, from its BEGIN to its COMMIT; its count is the passes made."),
@@ -175,12 +176,12 @@ func (t *relayTelemetry) startSend(passCtx context.Context, system string, msg M
 func (t *relayTelemetry) endSend(pubCtx context.Context, span trace.Span, err error) {
 	ctx := context.WithoutCancel(pubCtx)
 	if err == nil {
-		t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send")))
+		t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), t.table))
 		span.End()
 		return
 	}
 	kind := errorType(pubCtx, err)
-	t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), attribute.String("error.type", kind)))
+	t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), attribute.String("error.type", kind), t.table))
 	span.SetAttributes(attribute.String("error.type", kind))
 	span.SetStatus(codes.Error, err.Error())
 	span.End()
@@ -188,7 +189,7 @@ func (t *relayTelemetry) endSend(pubCtx context.Context, span trace.Span, err er
 
 // endPass records the pass's duration and ends its span, if it has one.
 func (t *relayTelemetry) endPass(ctx context.Context, span trace.Span, start time.Time, res passResult, err error) {
-	t.passDuration.Record(context.WithoutCancel(ctx), time.Since(start).Seconds())
+	t.passDuration.Record(context.WithoutCancel(ctx), time.Since(start).Seconds(), metric.WithAttributes(t.table))
 	if span == nil {
 		return
 	}
@@ -204,10 +205,16 @@ func (t *relayTelemetry) endPass(ctx context.Context, span trace.Span, start tim
 // the meter provider mp (nil means otel's global one), each read by one
 // query per collection: outbox.oldest_unsent.age in seconds, the one to
 // alert on, and outbox.unsent, outbox.parked and outbox.failing in
-// messages. Unregister the returned Registration to stop. A collection
+// messages, each with the attribute outbox.table. Unregister the returned Registration to stop. A collection
 // whose query fails reports nothing, and the error goes to otel's error
 // handler.
 func ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error) {
+	return DefaultOutbox.ObserveLag(db, mp)
+}
+
+// ObserveLag is [ObserveLag] of o's table: its observations carry the
+// attribute outbox.table, so that two outboxes' gauges stand apart.
+func (o *Outbox) ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error) {
 	if mp == nil {
 		mp = otel.GetMeterProvider()
 	}
@@ -223,17 +230,18 @@ func ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error
 	if err := errors.Join(err1, err2, err3, err4); err != nil {
 		return nil, fmt.Errorf("outbox lag gauges: %w", err)
 	}
-	return meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
+	return meter.RegisterCallback(func(ctx context.Context, obs metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
-		lag, err := ReadLag(ctx, db)
+		lag, err := o.ReadLag(ctx, db)
 		if err != nil {
 			return err
 		}
-		o.ObserveFloat64(age, lag.Oldest.Seconds())
-		o.ObserveInt64(unsent, lag.Unsent)
-		o.ObserveInt64(parked, lag.Parked)
-		o.ObserveInt64(failing, lag.Failing)
+		table := metric.WithAttributes(attribute.String("outbox.table", o.table))
+		obs.ObserveFloat64(age, lag.Oldest.Seconds(), table)
+		obs.ObserveInt64(unsent, lag.Unsent, table)
+		obs.ObserveInt64(parked, lag.Parked, table)
+		obs.ObserveInt64(failing, lag.Failing, table)
 		return nil
 	}, age, unsent, parked, failing)
 }

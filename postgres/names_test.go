@@ -1,0 +1,214 @@
+package postgres_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// Two outboxes in one database, the default one and billing_outbox: each
+// has its own table, indexes, trigger, channel, publication and record of
+// migrations; each relay publishes its own rows only, each lag counts its
+// own, and a relay's Run wakes on its own outbox's commits. (Caught: every
+// name fixed, so a second outbox could not exist.)
+func TestTwoOutboxesInOneDatabase(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t) // the default outbox, migrated
+	billing, err := postgres.NewOutbox("billing_outbox")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 { // the second run applies nothing
+		if err := billing.Migrate(ctx, db); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := billing.CheckSchema(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	var objects []string
+	rows, err := db.Query(`
+		SELECT relname FROM pg_class WHERE relname LIKE 'billing_outbox%' AND relkind IN ('r', 'i')
+		UNION ALL SELECT tgname FROM pg_trigger WHERE tgname LIKE 'billing_outbox%'
+		UNION ALL SELECT pubname FROM pg_publication_tables WHERE tablename = 'billing_outbox'
+		ORDER BY 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var name string
+		if err := rows.Scan(&name); err != nil {
+			t.Fatal(err)
+		}
+		objects = append(objects, name)
+	}
+	want := []string{"billing_outbox", "billing_outbox_inserts", "billing_outbox_migrations", "billing_outbox_migrations_pkey",
+		"billing_outbox_notify", "billing_outbox_parked", "billing_outbox_pkey", "billing_outbox_unsent", "billing_outbox_unsent_by_aggregate"}
+	for _, w := range want {
+		if !slices.Contains(objects, w) {
+			t.Errorf("no %s among billing's objects %v", w, objects)
+		}
+	}
+	if n := count(t, db, `SELECT count(*) FROM outbox_migrations`); n != int64(postgres.SchemaVersion) {
+		t.Errorf("outbox_migrations records %d migrations, want the default outbox's %d alone", n, postgres.SchemaVersion)
+	}
+
+	// One transaction writes to both: each row lands in its own table.
+	err = postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		for seq, typ := range []string{"InvoiceIssued", "InvoicePaid", "InvoiceVoided"} {
+			if _, err := billing.InsertFor(ctx, tx, "invoice/1", int64(seq+1), typ, map[string]int{"invoice": 1}); err != nil {
+				return err
+			}
+		}
+		for _, typ := range []string{"OrderPlaced", "OrderShipped"} {
+			if _, err := postgres.InsertOutbox(ctx, tx, typ, map[string]int{"order": 1}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lagOf := func(o *postgres.Outbox) int64 {
+		lag, err := o.ReadLag(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return lag.Unsent
+	}
+	ordersWaiting, billingWaiting := lagOf(postgres.DefaultOutbox), lagOf(billing)
+	if ordersWaiting != 2 || billingWaiting != 3 {
+		t.Fatalf("lag: %d rows in the default outbox, %d in billing's; want 2 and 3", ordersWaiting, billingWaiting)
+	}
+
+	billingBroker, ordersBroker := &recorder{}, &recorder{}
+	if n := drain(t, billing.NewRelay(db, billingBroker)); int64(n) != billingWaiting {
+		t.Fatalf("billing's relay published %d, want its %d rows", n, billingWaiting)
+	}
+	if n := drain(t, postgres.NewOutboxRelay(db, ordersBroker)); int64(n) != ordersWaiting {
+		t.Fatalf("the default outbox's relay published %d, want its %d rows", n, ordersWaiting)
+	}
+	for _, m := range billingBroker.Published() {
+		if !strings.HasPrefix(m.Type, "Invoice") {
+			t.Errorf("billing's relay published %s", m.Type)
+		}
+	}
+	for _, m := range ordersBroker.Published() {
+		if strings.HasPrefix(m.Type, "Invoice") {
+			t.Errorf("the default relay published %s", m.Type)
+		}
+	}
+	if got := lagOf(billing) + lagOf(postgres.DefaultOutbox); got != 0 {
+		t.Errorf("%d rows still waiting, want none", got)
+	}
+	t.Logf("billing: %d published; the default outbox: %d", len(billingBroker.Published()), len(ordersBroker.Published()))
+
+	// Run listens on billing's own channel: with an hour between polls, a
+	// billing row is published because its commit woke the relay.
+	relay := billing.NewRelay(db, billingBroker)
+	relay.PollInterval = time.Hour
+	before := len(billingBroker.Published())
+	runRelay(t, relay)
+	waitUntil(t, "billing's relay listening on billing_outbox", func() bool {
+		var n int
+		if err := db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN billing_outbox' AND state = 'idle'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 1
+	})
+	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		_, err := billing.Insert(ctx, tx, "InvoiceIssued", map[string]int{"invoice": 2})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the new billing row published on its notification", func() bool { return len(billingBroker.Published()) == before+1 })
+}
+
+// NewOutbox takes a plain lowercase name and refuses any other with an
+// error, before any SQL is written with it.
+func TestNewOutboxRefusesNamesThatAreNotPlain(t *testing.T) {
+	for _, name := range []string{"", "Billing", "1outbox", "billing-outbox", "billing outbox", `x"; DROP TABLE outbox; --`, strings.Repeat("a", 41)} {
+		if o, err := postgres.NewOutbox(name); o != nil || err == nil {
+			t.Errorf("NewOutbox(%q) = %v, %v; want an error", name, o, err)
+		}
+	}
+	o, err := postgres.NewOutbox("billing_outbox")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.Table() != "billing_outbox" || o.Channel() != "billing_outbox" || o.Publication() != "billing_outbox_inserts" || o.Slot() != "billing_outbox" {
+		t.Errorf("names: table %s, channel %s, publication %s, slot %s", o.Table(), o.Channel(), o.Publication(), o.Slot())
+	}
+	d := postgres.DefaultOutbox
+	if d.Table() != "outbox" || d.Channel() != postgres.NotifyChannel || d.Publication() != postgres.DefaultPublication || d.Slot() != postgres.DefaultSlot {
+		t.Errorf("the default's names: table %s, channel %s, publication %s, slot %s", d.Table(), d.Channel(), d.Publication(), d.Slot())
+	}
+}
+
+// An operator drops a parked row for good: DropParked deletes it and
+// returns it, key and last error, to be logged; the rows after it go on,
+// and a second drop, or a drop of a row that is not parked, is refused
+// with ErrNotParked and deletes nothing.
+func TestDropParkedDeletesOnlyAParkedRowAndSaysWhich(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	insertPending(t, db, 3)
+	broker := &recorder{}
+	refuse2 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.ID == 2 {
+			return errors.Join(errRefused, postgres.ErrRejected)
+		}
+		return broker.Publish(ctx, m)
+	})
+	relay := postgres.NewOutboxRelay(db, refuse2)
+	relay.ParkAfter = 1
+	drain(t, relay)
+	if parked, err := postgres.ListParked(ctx, db, 0); err != nil || len(parked) != 1 || parked[0].ID != 2 {
+		t.Fatalf("ListParked = %v, %v; want row 2", parked, err)
+	}
+	if _, err := postgres.DropParked(ctx, db, 1); !errors.Is(err, postgres.ErrNotParked) {
+		t.Errorf("DropParked of a sent row = %v, want ErrNotParked", err)
+	}
+	dropped, err := postgres.DropParked(ctx, db, 2)
+	if err != nil || dropped.ID != 2 || dropped.Key == "" || !strings.Contains(dropped.LastError, "refused") || dropped.Rejections != 1 {
+		t.Fatalf("DropParked(2) = %+v, %v; want row 2 with its key and its last error", dropped, err)
+	}
+	t.Logf("dropped: id %d key %s type %s, parked after: %s", dropped.ID, dropped.Key, dropped.Type, dropped.LastError)
+	if _, err := postgres.DropParked(ctx, db, 2); !errors.Is(err, postgres.ErrNotParked) {
+		t.Errorf("a second DropParked(2) = %v, want ErrNotParked", err)
+	}
+	if n := count(t, db, `SELECT count(*) FROM outbox`); n != 2 {
+		t.Errorf("outbox holds %d rows, want 2: only the parked one gone", n)
+	}
+	if parked, err := postgres.ListParked(ctx, db, 0); err != nil || len(parked) != 0 {
+		t.Errorf("ListParked = %v, %v; want none", parked, err)
+	}
+	if ids := broker.IDs(); !slices.Equal(ids, []int64{1, 3}) {
+		t.Errorf("the broker got %v, want [1 3]", ids)
+	}
+}
+
+// drain makes passes of relay until one marks nothing, and returns how
+// many messages they marked sent; a pass's refusals are not failures here.
+func drain(t *testing.T, relay *postgres.OutboxRelay) int {
+	t.Helper()
+	total := 0
+	for {
+		n, err := relay.PublishPending(context.Background())
+		if err != nil && !errors.Is(err, postgres.ErrRejected) && !errors.Is(err, errRefused) {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			return total
+		}
+		total += n
+	}
+}
