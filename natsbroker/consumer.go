@@ -83,6 +83,7 @@ var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a
 // spreads the messages among them. Create one with [NewConsumer].
 type Consumer struct {
 	consumer jetstream.Consumer
+	prefix   string // of its subjects, which decode takes off for the type
 	handler  Handler
 
 	// RetryDelay is how long a failed message waits before it is delivered
@@ -126,9 +127,10 @@ type Consumer struct {
 }
 
 // NewConsumer returns a Consumer that feeds the messages of c, a consumer
-// created with ConsumerConfig, to h.
+// created with ConsumerConfig (or Names.ConsumerConfig: the subject prefix
+// it takes off for each message's type is c's filter's), to h.
 func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
-	return &Consumer{consumer: c, handler: h}
+	return &Consumer{consumer: c, handler: h, prefix: prefixOf(c)}
 }
 
 // Run handles messages until ctx ends, and then returns ctx's error; or
@@ -192,7 +194,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 // handle handles msg, within deadline, and returns an error only when it
 // could not tell JetStream what became of it.
 func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration, maxOutOfOrder int) (ackErr error) {
-	m, err := decode(msg)
+	m, err := decode(msg, c.prefix)
 	// The message's context is the span's parent and also its link, as
 	// OpenTelemetry's messaging conventions ask of a process span (a link
 	// to the creation context): see the doc of TracerProvider.
@@ -289,11 +291,11 @@ func ack(err error, what string, msg jetstream.Msg) error {
 // Publisher.
 var errNotOutbox = errors.New("not an outbox message")
 
-// decode is msg as the relay published it.
-func decode(msg jetstream.Msg) (postgres.Message, error) {
+// decode is msg as the relay published it, under the subject prefix.
+func decode(msg jetstream.Msg, prefix string) (postgres.Message, error) {
 	h := msg.Headers()
 	m := postgres.Message{
-		Type:      strings.TrimPrefix(msg.Subject(), SubjectPrefix),
+		Type:      strings.TrimPrefix(msg.Subject(), prefix),
 		Payload:   string(msg.Data()),
 		Key:       h.Get(jetstream.MsgIDHeader),
 		Aggregate: h.Get(HeaderAggregate),

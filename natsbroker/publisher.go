@@ -47,6 +47,7 @@ import (
 // with [NewPublisher].
 type Publisher struct {
 	js         jetstream.JetStream
+	prefix     string // of the subjects, as its Names say
 	duplicates atomic.Int64
 }
 
@@ -58,7 +59,7 @@ type Publisher struct {
 // waiting when its context ends). It does not create the stream: provision
 // it apart with StreamConfig, and check it with CheckStream.
 func NewPublisher(js jetstream.JetStream) *Publisher {
-	return &Publisher{js: js}
+	return DefaultNames.NewPublisher(js)
 }
 
 // Duplicates is how many messages the stream acknowledged as duplicates: it
@@ -74,7 +75,7 @@ func (p *Publisher) Publish(ctx context.Context, msg postgres.Message) error {
 	if err := p.connected(msg); err != nil {
 		return err
 	}
-	ack, err := p.js.PublishMsg(ctx, natsMsg(msg))
+	ack, err := p.js.PublishMsg(ctx, p.natsMsg(msg))
 	if err != nil {
 		return p.failed(ctx, msg, err)
 	}
@@ -98,7 +99,7 @@ func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (
 	futures := make([]jetstream.PubAckFuture, 0, len(msgs))
 	var sendErr error
 	for _, msg := range msgs {
-		f, err := p.js.PublishMsgAsync(natsMsg(msg))
+		f, err := p.js.PublishMsgAsync(p.natsMsg(msg))
 		if err != nil {
 			sendErr = err
 			break
@@ -140,7 +141,7 @@ func (p *Publisher) acked(ack *jetstream.PubAck) {
 
 // failed says what err, from publishing msg, means for the relay.
 func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error) error {
-	subject := SubjectPrefix + msg.Type
+	subject := p.prefix + msg.Type
 	switch {
 	case ctx.Err() != nil:
 		return fmt.Errorf("message %s to %s: no ack before the context ended, so whether the stream stored it is unknown: %w: %w",
@@ -162,8 +163,8 @@ func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error)
 }
 
 // natsMsg is msg as JetStream carries it.
-func natsMsg(msg postgres.Message) *nats.Msg {
-	m := nats.NewMsg(SubjectPrefix + msg.Type)
+func (p *Publisher) natsMsg(msg postgres.Message) *nats.Msg {
+	m := nats.NewMsg(p.prefix + msg.Type)
 	m.Data = []byte(msg.Payload)
 	if msg.Key != "" { // none for DirectOrderService's messages: nothing to deduplicate by
 		m.Header.Set(jetstream.MsgIDHeader, msg.Key)

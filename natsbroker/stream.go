@@ -70,6 +70,11 @@ const (
 // drop it by its key. A longer window costs the server memory for each id in
 // it.
 func StreamConfig(window time.Duration) jetstream.StreamConfig {
+	return DefaultNames.StreamConfig(window)
+}
+
+// streamConfig is StreamConfig without its names.
+func streamConfig(window time.Duration) jetstream.StreamConfig {
 	if window <= 0 {
 		window = DefaultDuplicateWindow
 	}
@@ -121,6 +126,11 @@ func ForgetProcessed(ctx context.Context, js jetstream.JetStream, stream string,
 // MaxDeliver is left unlimited: a message that can never be applied is
 // terminated by [Consumer], not dropped after some count of tries.
 func ConsumerConfig(name string, ackWait time.Duration) jetstream.ConsumerConfig {
+	return DefaultNames.ConsumerConfig(name, ackWait)
+}
+
+// consumerConfig is ConsumerConfig without its filter.
+func consumerConfig(name string, ackWait time.Duration) jetstream.ConsumerConfig {
 	if ackWait <= 0 {
 		ackWait = 30 * time.Second
 	}
