@@ -6,12 +6,12 @@
 #   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
-#   make lint                                staticcheck (fetched through the Go module proxy), all four modules
+#   make lint                                staticcheck (fetched through the Go module proxy), all five modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
-#   make natsbroker                          the natsbroker/ module's tests, then the shop's (natsbroker/cmd/shop, a module of its own): JetStream embedded, a throwaway PostgreSQL (-race)
+#   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
@@ -78,6 +78,7 @@ lint:
 	cd postgres && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker/cmd/shop && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd natsbroker/cmd/outbox-relay && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 # module-tests checks the module in the folder $(1) with gofmt and go vet,
 # then runs its tests on a PostgreSQL that postgres/with-server.sh starts in a
@@ -145,10 +146,12 @@ measure-relays:
 # its tests embed (each with its store in a temporary folder); then the shop
 # program's module, natsbroker/cmd/shop, which holds the SDKs, exporters and
 # chromedp, and may import the lesson, so that the outbox modules need none
-# of them.
+# of them; then the relay process's, natsbroker/cmd/outbox-relay, whose tests
+# build it and run it as a process.
 natsbroker:
 	$(call module-tests,natsbroker)
 	$(call module-tests,natsbroker/cmd/shop)
+	$(call module-tests,natsbroker/cmd/outbox-relay)
 
 # The shop of natsbroker/cmd/shop, to run by hand and curl, on a throwaway
 # PostgreSQL with an embedded JetStream whose store is a temporary folder:

@@ -1,0 +1,350 @@
+package main
+
+// The relay as operators run it: a process of its own, built here, against
+// a throwaway PostgreSQL (pgtest) and a JetStream server embedded in the
+// test with its store in a temporary folder.
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"example.com/patterns/enterprise/outbox/natsbroker"
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// generous bounds every wait: the tests never assert on time, but never
+// wait for ever either.
+const generous = 60 * time.Second
+
+// env is one test's database, JetStream and built relay.
+type env struct {
+	t        *testing.T
+	binary   string
+	database string // the connection string of the test's database
+	db       *sql.DB
+	natsURL  string
+	js       jetstream.JetStream
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	e := &env{t: t, binary: filepath.Join(t.TempDir(), "outbox-relay")}
+	if out, err := exec.Command("go", "build", "-o", e.binary, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	name := pgtest.NewBlankDatabase(t)
+	cfg := pgtest.Config
+	e.database = fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, cfg.User, name)
+	e.db = pgtest.Open(t, name, "")
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Start()
+	t.Cleanup(srv.Shutdown)
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("the JetStream server did not start")
+	}
+	e.natsURL = srv.ClientURL()
+	nc, err := nats.Connect(e.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	if e.js, err = jetstream.New(nc); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// process is a running outbox-relay.
+type process struct {
+	cmd    *exec.Cmd
+	stderr *syncBuffer
+	exited chan error
+}
+
+// start starts outbox-relay with args and the test's database and JetStream.
+func (e *env) start(args ...string) *process {
+	e.t.Helper()
+	p := &process{stderr: &syncBuffer{}, exited: make(chan error, 1)}
+	argv := append([]string{args[0], "-database", e.database, "-nats", e.natsURL}, args[1:]...) // flags before the arguments
+	p.cmd = exec.Command(e.binary, argv...)
+	p.cmd.Stderr, p.cmd.Stdout = p.stderr, p.stderr
+	if err := p.cmd.Start(); err != nil {
+		e.t.Fatal(err)
+	}
+	go func() { p.exited <- p.cmd.Wait() }()
+	e.t.Cleanup(func() {
+		p.cmd.Process.Kill()
+		<-p.exited
+	})
+	return p
+}
+
+// wait waits for the process to exit, and returns its exit code.
+func (p *process) wait(t *testing.T) int {
+	t.Helper()
+	select {
+	case <-p.exited:
+		p.exited <- nil // for the cleanup's receive
+		return p.cmd.ProcessState.ExitCode()
+	case <-time.After(generous):
+		t.Fatalf("outbox-relay did not exit within %v; it said:\n%s", generous, p.stderr)
+		return -1
+	}
+}
+
+// runOnce runs outbox-relay with args to its end, and returns its exit
+// code and what it wrote.
+func (e *env) runOnce(args ...string) (int, string) {
+	e.t.Helper()
+	p := e.start(args...)
+	code := p.wait(e.t)
+	return code, p.stderr.String()
+}
+
+// freeAddr is a loopback address with a port nothing listens on.
+func freeAddr(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// get is GET url's status and body, or 0 if nothing answered.
+func get(url string) (int, string) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(generous); !cond(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %v", what, generous)
+		}
+	}
+}
+
+// streamMsgs is how many messages the stream holds.
+func (e *env) streamMsgs() uint64 {
+	s, err := e.js.Stream(context.Background(), natsbroker.Stream)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	info, err := s.Info(context.Background())
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return info.State.Msgs
+}
+
+func (e *env) count(query string) int64 {
+	var n int64
+	if err := e.db.QueryRow(query).Scan(&n); err != nil {
+		e.t.Fatal(err)
+	}
+	return n
+}
+
+// The relay as a process: migrate provisions the schema and the stream;
+// run serves /readyz once they check out, relays rows written while it
+// runs, and on SIGTERM mid-traffic returns once what the broker accepted is
+// marked, exiting 0; started again, it sends what was left. Every row
+// written reaches the stream exactly once (its duplicate window drops the
+// copy of a message in flight at the stop), the lag is back to zero, and
+// the scheduled cleanup deletes the sent rows. (Caught: no relay to deploy
+// at all.)
+func TestRelayProcessStopsOnSIGTERMAndStartsAgainLosingNothing(t *testing.T) {
+	e := newEnv(t)
+	if code, out := e.runOnce("migrate"); code != 0 {
+		t.Fatalf("migrate exited %d:\n%s", code, out)
+	}
+	addr := freeAddr(t)
+	relayArgs := []string{"run", "-http", addr, "-retention", "1ms", "-cleanup-every", "100ms"}
+	first := e.start(relayArgs...)
+	waitFor(t, "/readyz to answer 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
+
+	ctx := context.Background()
+	var written atomic.Int64
+	stop := make(chan struct{})
+	produced := make(chan error, 1)
+	go func() { // one order at a time, its event in its transaction, until stopped
+		for {
+			select {
+			case <-stop:
+				produced <- nil
+				return
+			default:
+			}
+			err := postgres.Transaction(ctx, e.db, func(tx *sql.Tx) error {
+				_, err := postgres.InsertOutboxFor(ctx, tx, fmt.Sprintf("order/%d", written.Load()+1), 1, "OrderPlaced",
+					map[string]int64{"orderId": written.Load() + 1})
+				return err
+			})
+			if err != nil {
+				produced <- err
+				return
+			}
+			written.Add(1)
+		}
+	}()
+	waitFor(t, "100 messages in the stream", func() bool { return e.streamMsgs() >= 100 })
+	if _, body := get("http://" + addr + "/metrics"); !strings.Contains(body, "outbox_unsent") ||
+		!strings.Contains(body, "outbox_relay_pass_duration_seconds_bucket") {
+		t.Errorf("/metrics lacks the lag gauge or the pass histogram:\n%.2000s", body)
+	}
+	if err := first.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := first.wait(t); code != 0 {
+		t.Fatalf("after SIGTERM the relay exited %d; it said:\n%s", code, first.stderr)
+	}
+	if !strings.Contains(first.stderr.String(), `"msg":"outbox-relay: stopped"`) {
+		t.Errorf("the relay did not log its stop:\n%s", first.stderr)
+	}
+	atStop := written.Load()
+	waitFor(t, "50 more rows written while no relay runs", func() bool { return written.Load() >= atStop+50 })
+
+	second := e.start(relayArgs...)
+	close(stop)
+	if err := <-produced; err != nil {
+		t.Fatal(err)
+	}
+	total := written.Load()
+	waitFor(t, "every row in the stream", func() bool { return e.streamMsgs() >= uint64(total) })
+	waitFor(t, "the cleanup to delete every sent row", func() bool { return e.count(`SELECT count(*) FROM outbox`) == 0 })
+	if got := e.streamMsgs(); got != uint64(total) {
+		t.Errorf("the stream holds %d messages for %d rows, want each once", got, total)
+	}
+	if !strings.Contains(second.stderr.String(), `"msg":"outbox-relay: cleanup"`) {
+		t.Errorf("the second relay never logged a cleanup:\n%s", second.stderr)
+	}
+	t.Logf("%d rows written, %d while the relay was stopped at SIGTERM after %d; the stream holds %d", total, total-atStop, atStop, e.streamMsgs())
+}
+
+// Before migrate, run is alive but not ready, and says why; once migrate
+// has run it becomes ready. The operator's commands: parked lists a parked
+// row, drop deletes it and logs its key and the reason it was parked, a
+// second drop fails; a bad flag is refused before anything starts.
+func TestRelayProcessReadinessAndOperatorCommands(t *testing.T) {
+	e := newEnv(t)
+	addr := freeAddr(t)
+	e.start("run", "-http", addr)
+	waitFor(t, "/healthz to answer", func() bool { code, _ := get("http://" + addr + "/healthz"); return code == 200 })
+	waitFor(t, "/readyz to say why it is not ready", func() bool {
+		code, body := get("http://" + addr + "/readyz")
+		if code != 503 {
+			t.Fatalf("/readyz before migrate = %d %q, want 503", code, body)
+		}
+		return strings.Contains(body, "outbox_migrations")
+	})
+	if code, out := e.runOnce("migrate"); code != 0 {
+		t.Fatalf("migrate exited %d:\n%s", code, out)
+	}
+	waitFor(t, "/readyz to answer 200 after migrate", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
+
+	var id int64
+	var key string
+	if err := e.db.QueryRow(`INSERT INTO outbox (type, payload, rejections, last_error, parked_at)
+		VALUES ('OrderPlaced', '{"orderId":1}', 5, 'payload over the stream''s limit', clock_timestamp())
+		RETURNING id, message_key`).Scan(&id, &key); err != nil {
+		t.Fatal(err)
+	}
+	if code, out := e.runOnce("parked"); code != 0 || !strings.Contains(out, key) {
+		t.Errorf("parked exited %d and said %q; want the parked row's key %s", code, out, key)
+	}
+	code, out := e.runOnce("drop", fmt.Sprint(id))
+	if code != 0 || !strings.Contains(out, key) || !strings.Contains(out, `payload over the stream's limit`) {
+		t.Errorf("drop exited %d and said %q; want its key and its reason", code, out)
+	}
+	if n := e.count(`SELECT count(*) FROM outbox`); n != 0 {
+		t.Errorf("%d rows left after the drop", n)
+	}
+	if code, out := e.runOnce("drop", fmt.Sprint(id)); code != 1 || !strings.Contains(out, "no parked outbox row") {
+		t.Errorf("a second drop exited %d and said %q; want 1 and ErrNotParked", code, out)
+	}
+	for _, bad := range [][]string{{"run", "-retention", "-1s"}, {"run", "-mode", "push"}, {"run", "-table", "Bad Name"}, {"drop"}} {
+		code, out := e.runOnce(bad...)
+		if code == 0 {
+			t.Errorf("outbox-relay %v exited 0; want a refusal", bad)
+		}
+		t.Logf("outbox-relay %v: exit %d: %s", bad, code, strings.TrimSpace(out))
+	}
+}
+
+// -mode log runs the log relay: migrate creates its slot, run streams the
+// rows committed after it, and SIGTERM stops it cleanly.
+func TestRelayProcessInLogMode(t *testing.T) {
+	e := newEnv(t)
+	if code, out := e.runOnce("migrate", "-mode", "log"); code != 0 {
+		t.Fatalf("migrate -mode log exited %d:\n%s", code, out)
+	}
+	t.Cleanup(func() { e.db.Exec(`SELECT pg_drop_replication_slot('outbox')`) })
+	addr := freeAddr(t)
+	p := e.start("run", "-mode", "log", "-http", addr)
+	waitFor(t, "/readyz to answer 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
+	ctx := context.Background()
+	for i := range 20 {
+		if err := postgres.Transaction(ctx, e.db, func(tx *sql.Tx) error {
+			_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"orderId": i + 1})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "20 messages in the stream", func() bool { return e.streamMsgs() == 20 })
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.wait(t); code != 0 {
+		t.Fatalf("after SIGTERM the log relay exited %d:\n%s", code, p.stderr)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a process's output and the test.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
