@@ -44,8 +44,9 @@ const badBody = `body must be one JSON object {"totalCents": a whole number of c
 // answer within requestTimeout, a 503 that says nothing was placed.
 //
 // GET /outbox is the operator's view: the counts of ReadLag, the row that
-// blocks the others (the oldest unsent one, if a publish of it failed), and
-// the warehouse consumer's lag and redeliveries from JetStream. GET
+// blocks others (blockingRow: a failing row, or a parked one with rows of
+// its aggregate behind it), and the warehouse consumer's lag and
+// redeliveries from JetStream, asked for at most brokerTimeout. GET
 // /outbox/parked lists the parked rows, and POST /outbox/parked/{id}/unpark
 // puts one back.
 func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer jetstream.Consumer) http.Handler {
@@ -145,25 +146,29 @@ func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer
 		}
 		view := map[string]any{"unsent": lag.Unsent, "parked": lag.Parked, "failing": lag.Failing,
 			"oldestWaitSeconds": lag.Oldest.Seconds(), "blocking": nil}
-		// The oldest unsent row, if a publish of it failed: the one that
-		// holds up the rows behind it (its aggregate's, with PerAggregate).
 		var b struct {
 			ID        int64  `json:"id"`
 			Key       string `json:"key"`
 			Attempts  int    `json:"attempts"`
 			LastError string `json:"lastError"`
+			Parked    bool   `json:"parked"`
+			Waiting   int64  `json:"waiting"` // rows of its aggregate behind it
 		}
-		err = db.QueryRowContext(ctx, `SELECT id, message_key, attempts, COALESCE(last_error, '') FROM outbox
-			WHERE sent_at IS NULL AND parked_at IS NULL ORDER BY id LIMIT 1`).Scan(&b.ID, &b.Key, &b.Attempts, &b.LastError)
+		err = db.QueryRowContext(ctx, blockingRow).Scan(&b.ID, &b.Key, &b.Attempts, &b.LastError, &b.Parked, &b.Waiting)
 		switch {
-		case err == nil && b.Attempts > 0:
+		case err == nil:
 			view["blocking"] = b
 		case err != nil && !errors.Is(err, sql.ErrNoRows):
 			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
 			return
 		}
 		if consumer != nil {
-			if info, err := consumer.Info(ctx); err != nil {
+			// The broker gets a short bound of its own: while it is down the
+			// operator still gets the database's view at once.
+			bctx, cancel := context.WithTimeout(ctx, brokerTimeout)
+			info, err := consumer.Info(bctx)
+			cancel()
+			if err != nil {
 				view["consumer"] = problem("cannot reach the broker: " + err.Error())
 			} else {
 				view["consumer"] = map[string]any{"pending": info.NumPending, "ackPending": info.NumAckPending,
@@ -226,6 +231,24 @@ func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer
 	})
 	return mux
 }
+
+// blockingRow is the oldest row that holds others up: an unsent one whose
+// publish failed (with PerAggregate it holds back its aggregate; without,
+// every row after it), or a parked one with rows of its aggregate waiting
+// behind it, which PerAggregate holds until it is put back or dropped.
+const blockingRow = `
+SELECT b.id, b.message_key, b.attempts, COALESCE(b.last_error, ''), b.parked_at IS NOT NULL,
+       (SELECT count(*) FROM outbox w WHERE w.aggregate = b.aggregate AND w.id > b.id AND w.sent_at IS NULL AND w.parked_at IS NULL)
+FROM outbox b
+WHERE b.sent_at IS NULL
+  AND ((b.parked_at IS NULL AND b.attempts > 0)
+       OR (b.parked_at IS NOT NULL AND EXISTS (SELECT 1 FROM outbox w
+           WHERE w.aggregate = b.aggregate AND w.id > b.id AND w.sent_at IS NULL AND w.parked_at IS NULL)))
+ORDER BY b.id
+LIMIT 1`
+
+// brokerTimeout bounds GET /outbox's question to the broker.
+const brokerTimeout = 500 * time.Millisecond
 
 func problem(msg string) map[string]string { return map[string]string{"error": msg} }
 

@@ -73,7 +73,10 @@ func TestShopOverHTTP(t *testing.T) {
 		}
 		Consumer map[string]any
 	}
-	if got := get(t, base+"/outbox"); json.Unmarshal([]byte(got), &view) != nil || view.Unsent != 1 || view.Parked != 0 ||
+	asked := time.Now()
+	got := get(t, base+"/outbox")
+	t.Logf("GET /outbox with the broker down answered in %v", time.Since(asked))
+	if json.Unmarshal([]byte(got), &view) != nil || view.Unsent != 1 || view.Parked != 0 ||
 		view.Blocking == nil || view.Blocking.ID != 2 || view.Blocking.Attempts == 0 ||
 		!strings.Contains(view.Blocking.LastError, "message broker unavailable") || view.Consumer["error"] == nil {
 		t.Errorf("GET /outbox while the broker is down = %s, want 1 unsent, 0 parked, row 2 blocking with the broker's error, the consumer unreachable", got)
@@ -90,14 +93,30 @@ func TestShopOverHTTP(t *testing.T) {
 	}
 
 	// An operator's view of a row the broker can never take: parked after
-	// ParkAfter rejections, listed, put back.
+	// ParkAfter rejections, listed, put back. The row after it of the same
+	// aggregate waits behind it, and /outbox names the parked row as the
+	// one that blocks.
 	var row int64
-	if err := db.QueryRow(`INSERT INTO outbox (type, payload) VALUES ('Order Placed', '{}') RETURNING id`).Scan(&row); err != nil {
+	if err := db.QueryRow(`INSERT INTO outbox (type, payload, aggregate, seq) VALUES ('Order Placed', '{}', 'order/99', 1) RETURNING id`).Scan(&row); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`INSERT INTO outbox (type, payload, aggregate, seq) VALUES ('OrderShipped', '{}', 'order/99', 2)`); err != nil {
 		t.Fatal(err)
 	}
 	listed := fmt.Sprintf(`[{"id":%d,`, row)
 	waitFor(t, "the unroutable row parked", func() bool { return strings.HasPrefix(get(t, base+"/outbox/parked"), listed) })
-	if got := get(t, base+"/outbox/parked"); !strings.Contains(got, `"type":"Order Placed","attempts":5,"rejections":5,"lastError":"message`) ||
+	var blocked struct {
+		Blocking *struct {
+			ID      int64
+			Parked  bool
+			Waiting int64
+		}
+	}
+	if got := get(t, base+"/outbox"); json.Unmarshal([]byte(got), &blocked) != nil || blocked.Blocking == nil ||
+		blocked.Blocking.ID != row || !blocked.Blocking.Parked || blocked.Blocking.Waiting != 1 {
+		t.Errorf("GET /outbox with order/99's first event parked = %s, want it named as blocking, parked, 1 row waiting", got)
+	}
+	if got := get(t, base+"/outbox/parked"); !strings.Contains(got, `"type":"Order Placed","aggregate":"order/99","seq":1,"attempts":5,"rejections":5,"lastError":"message`) ||
 		!strings.Contains(got, "makes no valid subject") {
 		t.Errorf("GET /outbox/parked = %s, want the row after 5 rejections, saying its type makes no valid subject", got)
 	}
