@@ -164,17 +164,31 @@ func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Wr
 	if err != nil {
 		return err
 	}
+	// A cluster that starts again from its stores answers only once it has
+	// elected its leaders, as serve waits for them too.
 	cfg := streamConfig(nodes)
-	stream, err := js.CreateOrUpdateStream(ctx, cfg)
-	if err != nil {
+	var stream jetstream.Stream
+	if err := whileStarting(ctx, func() (err error) { stream, err = js.CreateOrUpdateStream(ctx, cfg); return err }, refused); err != nil {
 		return fmt.Errorf("provision stream %s: %w", cfg.Name, err)
 	}
-	if _, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", 0)); err != nil {
+	if err := whileStarting(ctx, func() error {
+		_, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", 0))
+		return err
+	}, refused); err != nil {
 		return fmt.Errorf("provision consumer warehouse: %w", err)
 	}
 	fmt.Fprintf(out, "shop: database at outbox schema version %d and shop schema version %d, stream %s (replicas: %d) and consumer warehouse provisioned\n",
 		postgres.SchemaVersion, shop.SchemaVersion, cfg.Name, cfg.Replicas)
 	return nil
+}
+
+// refused says whether err is JetStream's answer that no retry mends: an
+// API error other than the ones a cluster gives while it elects its
+// leaders (no suitable peers yet, 10005; JetStream not yet available,
+// 10008).
+func refused(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode != 10005 && apiErr.ErrorCode != 10008
 }
 
 // whileStarting calls f until it succeeds, fails for good (final), or 30 s
