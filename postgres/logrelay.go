@@ -47,7 +47,8 @@ var ErrSlotLost = errors.New("postgres: the log relay's replication slot was inv
 // higher id is published after it, as it committed, so the trap of the
 // polling relay (ids are not commit order) cannot happen. It never updates a
 // row: no mark, no dead index entry, no vacuum debt; sent_at stays NULL, so
-// the table is then a record of what was written, cleaned up by age.
+// the table is a record of what was written, which [DeleteSent] does not
+// touch and [ReadLag] counts as unsent: nothing cleans it up yet.
 //
 // Its place in the log is the slot's: the server keeps every record from
 // the slot's position on, and sends again, after a reconnect or a restart,
@@ -55,7 +56,9 @@ var ErrSlotLost = errors.New("postgres: the log relay's replication slot was inv
 // (a standby status update) only past a transaction whose every row the
 // broker accepted, so what a crash or a broker failure sends again is the
 // transactions after the last one confirmed, at least once, with the same
-// keys; consumers drop the copies. It holds no transaction on the server,
+// keys; consumers drop the copies. The server hears of each delivery within
+// 100 ms and at the end of every session, a clean stop included, so a
+// restart sends again at most the transaction in flight. It holds no transaction on the server,
 // but its slot holds log: as long as the relay is behind or gone, the server
 // keeps the log it has not read, bounded only by max_slot_wal_keep_size (an
 // invalidated slot is [ErrSlotLost]). Watch pg_replication_slots. A slot has
@@ -77,9 +80,19 @@ type LogRelay struct {
 	PublishTimeout time.Duration
 
 	// StatusInterval is how often, at most, the relay tells the server how
-	// far it has delivered while the stream is idle; zero or less means 10
-	// s, half the server's default wal_sender_timeout.
+	// far it has delivered while the stream is idle, and while it publishes
+	// a transaction; zero or less means 10 s. Each session uses no more than
+	// half the server's wal_sender_timeout, so that the server never takes
+	// a relay that is publishing a large transaction for a dead one.
 	StatusInterval time.Duration
+
+	// ReplyTimeout is how long the relay waits for the server to answer a
+	// status update (each asks for an answer) before it takes the
+	// connection for dead and starts a new session; zero or less means 10
+	// s. A connection that went silent (a frozen network path, a server
+	// gone without a FIN) is so given up within StatusInterval plus
+	// ReplyTimeout, instead of when TCP gives up.
+	ReplyTimeout time.Duration
 
 	// MaxBackoff is the longest Run waits before it connects again after a
 	// failure; zero or less means DefaultMaxBackoff.
@@ -118,6 +131,38 @@ func CreateLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 		WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)`, slot)
 	if err != nil {
 		return fmt.Errorf("create replication slot %s (it needs wal_level = logical): %w", slot, err)
+	}
+	return nil
+}
+
+// ErrSlotActive is returned, wrapped, by [DropLogSlot] for a slot that a
+// log relay is reading: stop it first.
+var ErrSlotActive = errors.New("postgres: the replication slot is in use")
+
+// DropLogSlot drops the replication slot slot (DefaultSlot if empty) of the
+// database db is open on, if it exists: a slot that no relay reads any more
+// holds the server's log for ever, until the disk fills or
+// max_slot_wal_keep_size invalidates it. A slot a relay is reading is
+// refused with [ErrSlotActive], and kept.
+func DropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
+	if slot == "" {
+		slot = DefaultSlot
+	}
+	var active sql.NullBool
+	err := db.QueryRowContext(ctx, `SELECT active FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&active)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil
+	case err != nil:
+		return fmt.Errorf("drop replication slot %s: %w", slot, err)
+	case active.Bool:
+		return fmt.Errorf("drop replication slot %s: %w", slot, ErrSlotActive)
+	}
+	if _, err := db.ExecContext(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot); err != nil {
+		if sqlState(err) == "55006" { // object_in_use: a relay took it meanwhile
+			return fmt.Errorf("drop replication slot %s: %w: %w", slot, ErrSlotActive, err)
+		}
+		return fmt.Errorf("drop replication slot %s: %w", slot, err)
 	}
 	return nil
 }
@@ -194,6 +239,12 @@ func (r *LogRelay) session(ctx context.Context) (delivered int, err error) {
 	if publication == "" {
 		publication = DefaultPublication
 	}
+	// Read before the stream starts: once it has, the connection takes no
+	// more queries.
+	every := orDefault(r.StatusInterval, 10*time.Second)
+	if half := senderTimeout(ctx, conn) / 2; half > 0 && half < every {
+		every = half
+	}
 	// Position 0: from where the slot says the relay confirmed.
 	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
 		PluginArgs: []string{"proto_version '1'", "publication_names '" + publication + "'"},
@@ -211,10 +262,33 @@ func (r *LogRelay) session(ctx context.Context) (delivered int, err error) {
 		relay:     r,
 		conn:      conn,
 		relations: map[uint32]*pglogrepl.RelationMessage{},
-		every:     orDefault(r.StatusInterval, 10*time.Second),
+		every:     every,
+		replyIn:   orDefault(r.ReplyTimeout, 10*time.Second),
 	}
 	err = s.run(ctx)
+	// Whatever ended the session, the server hears how far the broker
+	// accepted, so that a clean stop, or a failure after a delivery, sends
+	// again at most the transaction in flight.
+	if s.confirmed > s.toldPos {
+		final, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		s.tell(final)
+		cancel()
+	}
 	return s.delivered, err
+}
+
+// senderTimeout is the server's wal_sender_timeout, or 0 if it cannot be
+// read or is off.
+func senderTimeout(ctx context.Context, conn *pgconn.PgConn) time.Duration {
+	res, err := conn.Exec(ctx, `SELECT setting FROM pg_settings WHERE name = 'wal_sender_timeout'`).ReadAll()
+	if err != nil || len(res) != 1 || len(res[0].Rows) != 1 {
+		return 0
+	}
+	ms, err := strconv.Atoi(string(res[0].Rows[0][0]))
+	if err != nil || ms <= 0 {
+		return 0
+	}
+	return time.Duration(ms) * time.Millisecond
 }
 
 // stream is one session's state: the tables' descriptions the server sent,
@@ -225,8 +299,11 @@ type stream struct {
 	relations map[uint32]*pglogrepl.RelationMessage
 	txn       []Message
 	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
+	toldPos   pglogrepl.LSN // the position the server was last told
 	told      time.Time     // when the server was last told confirmed
+	asked     time.Time     // when a status update asked for an answer that has not come; zero if none waits
 	every     time.Duration
+	replyIn   time.Duration
 	delivered int
 }
 
@@ -238,20 +315,28 @@ const statusAfterDelivery = 100 * time.Millisecond
 
 func (s *stream) run(ctx context.Context) error {
 	for {
-		if time.Since(s.told) >= s.every {
+		if time.Now().After(s.nextTell()) {
 			if err := s.tell(ctx); err != nil {
 				return err
 			}
 		}
-		rctx, cancel := context.WithDeadline(ctx, s.told.Add(s.every))
+		deadline := s.nextTell()
+		if !s.asked.IsZero() && s.asked.Add(s.replyIn).Before(deadline) {
+			deadline = s.asked.Add(s.replyIn)
+		}
+		rctx, cancel := context.WithDeadline(ctx, deadline)
 		raw, err := s.conn.ReceiveMessage(rctx)
 		cancel()
 		switch {
 		case err != nil && pgconn.Timeout(err) && ctx.Err() == nil:
+			if !s.asked.IsZero() && time.Since(s.asked) >= s.replyIn {
+				return fmt.Errorf("log relay: the server did not answer a status update within %v: the connection is taken for dead", s.replyIn)
+			}
 			continue // time to tell the server where the relay is
 		case err != nil:
 			return fmt.Errorf("log relay: receive: %w", err)
 		}
+		s.asked = time.Time{} // the server answers: the connection lives
 		switch msg := raw.(type) {
 		case *pgproto3.ErrorResponse:
 			return fmt.Errorf("log relay: %w", pgconn.ErrorResponseToPgError(msg))
@@ -261,6 +346,16 @@ func (s *stream) run(ctx context.Context) error {
 			}
 		}
 	}
+}
+
+// nextTell is when the server is to hear next where the relay is: within
+// statusAfterDelivery of a delivery it has not heard of, and every
+// interval anyway.
+func (s *stream) nextTell() time.Time {
+	if s.confirmed > s.toldPos {
+		return s.told.Add(statusAfterDelivery)
+	}
+	return s.told.Add(s.every)
 }
 
 // handle handles one message of the replication stream.
@@ -329,6 +424,14 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
 				msg.ID, i+1, len(s.txn), err)
 		}
 		s.delivered++
+		// A large transaction takes long to publish: the server hears from
+		// the relay all the same, at the old position, so that it does not
+		// end the session at its wal_sender_timeout.
+		if time.Since(s.told) >= s.every {
+			if err := s.tell(ctx); err != nil {
+				return err
+			}
+		}
 	}
 	s.txn = s.txn[:0]
 	s.confirmed = end
@@ -339,15 +442,20 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
 }
 
 // tell sends the server the position the relay has delivered up to: the
-// server may forget the log before it, and starts there next time.
+// server may forget the log before it, and starts there next time. Before
+// the relay delivered anything the position is 0, which the server takes
+// for none: the slot keeps its own. Each update asks the server for an
+// answer, so that a connection that went silent is noticed (ReplyTimeout).
 func (s *stream) tell(ctx context.Context) error {
 	s.told = time.Now()
-	if s.confirmed == 0 {
-		return nil // nothing delivered yet: the slot keeps its position
+	if s.asked.IsZero() {
+		s.asked = s.told
 	}
-	if err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: s.confirmed}); err != nil {
+	if err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn,
+		pglogrepl.StandbyStatusUpdate{WALWritePosition: s.confirmed, ReplyRequested: true}); err != nil {
 		return fmt.Errorf("log relay: tell the server its position: %w", err)
 	}
+	s.toldPos = s.confirmed
 	return nil
 }
 

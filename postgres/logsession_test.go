@@ -1,0 +1,166 @@
+package postgres_test
+
+// The log relay's session with the server: what it confirms and when, a
+// transaction longer than the server's patience, and a connection that
+// goes silent.
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
+)
+
+// A clean stop right after a burst of deliveries confirms them all: the
+// next start sends none of them again. The status interval is an hour, so
+// only the prompt report after a delivery and the report at the stop can
+// move the slot. (Caught: 20 transactions delivered within 100 ms of the
+// last report, reported only at the next interval, and a stop that
+// reported nothing: 8 of 20 sent again.)
+func TestLogRelayCleanStopSendsNothingAgain(t *testing.T) {
+	broker := &recorder{}
+	db, relay := newLogRelay(t, broker)
+	relay.StatusInterval = time.Hour
+	stop := runLog(t, relay)
+	at := committedAt(t, db, 20)
+	waitUntil(t, "the 20 rows published", func() bool { return len(broker.Published()) == 20 })
+	stop()
+	more := committedAt(t, db, 1)
+	runLog(t, relay)
+	waitUntil(t, "the row committed while it was stopped", func() bool { return len(broker.Published()) >= 21 })
+	var again []int64
+	for _, id := range broker.IDs()[20:] {
+		if _, delivered := at[id]; delivered {
+			again = append(again, id)
+		}
+	}
+	if len(again) > 0 {
+		t.Errorf("after a clean stop the relay sent again %v, which it had delivered", again)
+	}
+	for id := range more {
+		if !slices.Contains(broker.IDs(), id) {
+			t.Errorf("row %d, committed while it was stopped, was not published", id)
+		}
+	}
+}
+
+// A transaction that takes longer to publish than the server's
+// wal_sender_timeout (30 rows at 100 ms each, a timeout of 1 s, on a server
+// of the test's own) is delivered whole, each row once, and the next
+// transaction after it: the relay reports to the server while it
+// publishes. (Caught: a relay silent while it published, whose session the
+// server ended at 1 s, the transaction sent again from its first row,
+// timing out again, for ever.)
+func TestLogRelayDeliversATransactionLongerThanTheServersTimeout(t *testing.T) {
+	ctx := context.Background()
+	srv := startOwnServer(t, "-c", "wal_sender_timeout=1s")
+	db := srv.open(t)
+	if err := postgres.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	broker := &recorder{}
+	relay := logRelayOn(t, db, srv.ConnString(), "outbox", slowBroker(broker, 100*time.Millisecond))
+	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		for i := range 30 {
+			if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": i + 1}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		_, err := postgres.InsertOutbox(ctx, tx, "PickingDone", map[string]int{"items": 30})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	runLog(t, relay)
+	waitUntil(t, "both transactions delivered", func() bool {
+		return slices.Contains(broker.IDs(), 31)
+	})
+	count := map[int64]int{}
+	for _, id := range broker.IDs() {
+		count[id]++
+	}
+	for id := int64(1); id <= 31; id++ {
+		if count[id] != 1 {
+			t.Errorf("row %d published %d times, want once", id, count[id])
+		}
+	}
+}
+
+// A connection that goes silent (the path frozen in a proxy: no data, no
+// FIN, either way) is given up once the server has not answered a status
+// update within ReplyTimeout, and the relay says so; it does not wait for
+// TCP to give up. (Caught: a relay that waited on a dead connection for as
+// long as TCP takes, about 15 minutes.)
+func TestLogRelayGivesUpASilentConnection(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	p := startProxy(t)
+	port := p.ln.Addr().(*net.TCPAddr).Port
+	broker := &recorder{}
+	relay := logRelayOn(t, db, fmt.Sprintf("host=127.0.0.1 port=%d user=%s dbname=%s sslmode=disable", port, pgtest.Config.User, name), name, broker)
+	relay.StatusInterval, relay.ReplyTimeout = 200*time.Millisecond, 500*time.Millisecond
+	logs := &logBuffer{}
+	relay.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	runLog(t, relay)
+	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 100); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the first row published", func() bool { return len(broker.Published()) == 1 })
+	p.freeze()
+	waitUntil(t, "the relay to give up the silent connection", func() bool {
+		return strings.Contains(logs.String(), "did not answer a status update within 500ms")
+	})
+	// The server's side of the frozen connection waits for its own
+	// timeout: end it, so that the slot is free to drop.
+	if _, err := db.Exec(`SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active`, name); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// DropLogSlot drops a slot no relay reads, changes nothing when there is
+// none, and refuses, keeping it, a slot a relay is reading.
+func TestDropLogSlotDropsOnlyASlotNoRelayReads(t *testing.T) {
+	ctx := context.Background()
+	broker := &recorder{}
+	db, relay := newLogRelay(t, broker)
+	stop := runLog(t, relay)
+	waitUntil(t, "the relay reading its slot", func() bool {
+		var active bool
+		db.QueryRow(`SELECT active FROM pg_replication_slots WHERE slot_name = $1`, relay.Slot).Scan(&active)
+		return active
+	})
+	if err := postgres.DropLogSlot(ctx, db, relay.Slot); !errors.Is(err, postgres.ErrSlotActive) {
+		t.Errorf("DropLogSlot of the slot a relay reads = %v, want ErrSlotActive", err)
+	}
+	stop()
+	waitUntil(t, "the slot free", func() bool {
+		var active bool
+		db.QueryRow(`SELECT active FROM pg_replication_slots WHERE slot_name = $1`, relay.Slot).Scan(&active)
+		return !active
+	})
+	for range 2 { // the second finds none, and changes nothing
+		if err := postgres.DropLogSlot(ctx, db, relay.Slot); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, relay.Slot).Scan(&n); err != nil || n != 0 {
+		t.Errorf("%d slots named %s left (%v), want none", n, relay.Slot, err)
+	}
+}
