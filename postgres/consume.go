@@ -33,8 +33,9 @@ var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates ca
 // applied before, and reports whether apply ran and committed. Delivery is
 // at least once, so every consumer needs it; apply writes the message's
 // effect in tx, and the effect and the key's record in processed_messages
-// commit together or not at all. apply gets ctx with ApplyOnce's span, so
-// that its statements join the trace.
+// commit together or not at all, durably whatever the session's
+// synchronous_commit (the consumer acks the message after it). apply gets
+// ctx with ApplyOnce's span, so that its statements join the trace.
 //
 // The key, not the id, because a consumer that hears two producers, or one
 // whose sequence was reset, sees the same id on different messages. A
@@ -95,7 +96,9 @@ func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply fu
 // and writes nothing. The caller writes the message's effect in tx only if
 // fresh, and commits; the record and the effect are kept together or not
 // at all. On an error (no key, [ErrOutOfOrder], the database's) the caller
-// rolls tx back. A message of an aggregate whose Seq is below 1 is refused
+// rolls tx back. It makes tx's commit durable (synchronous_commit = on,
+// for tx alone), so that what the consumer acks after the commit survives a
+// crash of the server. A message of an aggregate whose Seq is below 1 is refused
 // with [ErrMalformedMessage], never taken for a duplicate. It starts no span: the caller's ctx carries its own.
 func ApplyOnceIn(ctx context.Context, tx Executor, msg Message, last bool) (fresh bool, err error) {
 	if msg.Key == "" {
@@ -119,6 +122,14 @@ func ApplyOnceIn(ctx context.Context, tx Executor, msg Message, last bool) (fres
 			return false, fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",
 				msg.Key, msg.Aggregate, msg.Seq, seq, ErrOutOfOrder)
 		}
+	}
+	// The consumer acks the message once this commits, and the broker then
+	// never delivers it again: the commit must last, whatever the
+	// session's synchronous_commit (off would let a crash of the server
+	// erase an effect already acked). With synchronous standbys, it also
+	// waits for them, as on requires.
+	if _, err := tx.ExecContext(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
+		return false, fmt.Errorf("message %s: %w", msg.Key, err)
 	}
 	// Under READ COMMITTED a second delivery waits here for the first
 	// one's transaction, then finds the key and inserts nothing.
