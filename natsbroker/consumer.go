@@ -95,7 +95,10 @@ type Consumer struct {
 	Prefetch int
 
 	// MaxOutOfOrder is how many deliveries a message that arrives before
-	// its predecessor gets before it is terminated. The rule: MaxOutOfOrder
+	// its predecessor gets before it is terminated, counting those that
+	// found it out of order only (a delivery that failed for another
+	// reason, a database that was down, spends none); each Consumer counts
+	// the deliveries it saw, in memory. The rule: MaxOutOfOrder
 	// times RetryDelay must be at least twice the JetStream consumer's
 	// AckWait, since a predecessor whose delivery was lost (a server that
 	// died with it in flight, a consumer that died before its ack) comes
@@ -124,6 +127,11 @@ type Consumer struct {
 
 	tracer   trace.Tracer
 	consumed metric.Int64Counter
+
+	// outOfOrder counts, by message key, the deliveries each message has
+	// spent arriving before its predecessor: the bound counts those only,
+	// not the deliveries an outage of the handler's database spent.
+	outOfOrder map[string]int
 }
 
 // NewConsumer returns a Consumer that feeds the messages of c, a consumer
@@ -164,17 +172,25 @@ func (c *Consumer) Run(ctx context.Context) error {
 	// up, and made again to whichever server leads the consumer now, within
 	// about pullExpiry, not the client's default 30 s.
 	c.instrument()
+	c.outOfOrder = map[string]int{}
 	it, err := c.consumer.Messages(jetstream.PullMaxMessages(prefetch), jetstream.PullExpiry(pullExpiry))
 	if err != nil {
 		return fmt.Errorf("consume: %w", err)
 	}
-	stop := context.AfterFunc(ctx, it.Stop)
+	// When ctx ends the iterator drains: the messages prefetched and not
+	// yet handled are handed back at once (Nak), instead of waiting out
+	// AckWait in a buffer nobody reads.
+	stop := context.AfterFunc(ctx, it.Drain)
 	defer stop()
 	defer it.Stop()
 	for {
 		msg, err := it.Next()
 		if ctx.Err() != nil {
-			return ctx.Err()
+			if err != nil {
+				return ctx.Err() // drained
+			}
+			msg.Nak() // a stop hands it back; if this fails, AckWait does
+			continue
 		}
 		if errors.Is(err, jetstream.ErrNoHeartbeat) {
 			continue // the server was silent a while; the iterator pulls again
@@ -182,12 +198,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("consume: %w", err)
 		}
-		if err := c.handle(ctx, msg, deadline, maxOutOfOrder); err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
-			}
+		if err := c.handle(ctx, msg, deadline, maxOutOfOrder); err != nil && ctx.Err() == nil {
 			return err
-		}
+		} // after ctx ended, the loop hands the rest of the buffer back
+
 	}
 }
 
@@ -228,8 +242,12 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 	}
 	if errors.Is(err, postgres.ErrOutOfOrder) {
 		result = "out_of_order"
-		if meta, merr := msg.Metadata(); merr == nil && meta.NumDelivered >= uint64(maxOutOfOrder) {
-			err = fmt.Errorf("%w after %d deliveries: its predecessor may never come", err, meta.NumDelivered)
+		if len(c.outOfOrder) >= maxTracked {
+			clear(c.outOfOrder) // a bound on memory: the counts start again
+		}
+		c.outOfOrder[m.Key]++
+		if n := c.outOfOrder[m.Key]; n >= maxOutOfOrder {
+			err = fmt.Errorf("%w after %d deliveries out of order: its predecessor may never come", err, n)
 			result = "terminated"
 			return c.terminate(msg, m, err)
 		}
@@ -239,6 +257,7 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 		return ctx.Err()
 	case err == nil:
 		result = map[bool]string{true: "applied", false: "duplicate"}[applied]
+		delete(c.outOfOrder, m.Key)
 		return ack(msg.Ack(), "ack", msg)
 	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, errNotOutbox):
 		result = "terminated"
@@ -267,12 +286,18 @@ func (c *Consumer) instrument() {
 	}
 }
 
+// maxTracked is the most messages whose out-of-order deliveries a Consumer
+// counts at once; past it the counts start again, which delays a
+// termination and never hastens one.
+const maxTracked = 100_000
+
 // instrumentationName names this package's tracer and meter.
 const instrumentationName = "example.com/patterns/enterprise/outbox/natsbroker"
 
 // terminate tells JetStream never to deliver msg again, with err as the
 // reason, and logs it.
 func (c *Consumer) terminate(msg jetstream.Msg, m postgres.Message, err error) error {
+	delete(c.outOfOrder, m.Key)
 	if c.Logger != nil {
 		c.Logger.Error("message terminated: it can never be applied", "subject", msg.Subject(), "key", m.Key,
 			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)

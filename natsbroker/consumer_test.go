@@ -6,6 +6,7 @@ package natsbroker_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -253,5 +254,113 @@ func TestHandleThatHangsIsCutAtItsDeadline(t *testing.T) {
 	goRun(t, c.Run)
 	waitFor(t, "the order reserved after the hung Handle", func() bool {
 		return count(t, db, `SELECT count(*) FROM reservations`) == 1
+	})
+}
+
+// scripted is a Handler whose answers for a key follow a script, one a
+// delivery, and then apply; it counts what it was given.
+type scripted struct {
+	mu      sync.Mutex
+	script  map[string][]error
+	applied map[string]int
+	seen    atomic.Int64
+	block   chan struct{} // if not nil, every Handle waits on it
+}
+
+func (s *scripted) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	s.seen.Add(1)
+	if s.block != nil {
+		select {
+		case <-s.block:
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if steps := s.script[msg.Key]; len(steps) > 0 {
+		s.script[msg.Key] = steps[1:]
+		return false, steps[0]
+	}
+	s.applied[msg.Key]++
+	return true, nil
+}
+
+// The out-of-order bound counts the deliveries that found the message out
+// of order only: a message whose handling failed 12 times for another
+// reason (the handler's database down) and then once out of order is not
+// terminated, with a MaxOutOfOrder of 11, and applies on its next delivery.
+// (Caught: the bound on NumDelivered, every delivery, which terminated it
+// at its first out-of-order attempt "after 13 deliveries".)
+func TestOutOfOrderBoundCountsOutOfOrderDeliveriesOnly(t *testing.T) {
+	ctx := context.Background()
+	b := startBroker(t, nil)
+	js, _ := setUp(t, connect(t, b.url()), 0, 500*time.Millisecond)
+	pub := newPublisher(t, connect(t, b.url()))
+	down := fmt.Errorf("warehouse database: connection refused")
+	script := make([]error, 12)
+	for i := range script {
+		script[i] = down
+	}
+	script = append(script, fmt.Errorf("order/3 seq 2, but the last applied is 0: %w", postgres.ErrOutOfOrder))
+	h := &scripted{script: map[string][]error{"k3-cancelled": script}, applied: map[string]int{}}
+	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := natsbroker.NewConsumer(cons, h)
+	c.RetryDelay, c.MaxOutOfOrder = 100*time.Millisecond, 11 // the least for an AckWait of 0.5 s
+	var logs logBuffer
+	c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	goRun(t, c.Run)
+	if err := pub.Publish(ctx, postgres.Message{Key: "k3-cancelled", Aggregate: "order/3", Seq: 2, ID: 2,
+		Type: shop.OrderCancelled, Payload: `{"orderId":3,"totalCents":300}`}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the message applied, or terminated", func() bool {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		return h.applied["k3-cancelled"] == 1 || len(logs.lines("terminated")) > 0
+	})
+	if line := logs.lines("k3-cancelled"); len(line) != 0 {
+		t.Errorf("the message was terminated: %v", line)
+	}
+}
+
+// At a stop the consumer hands back what it had prefetched and not
+// handled: a consumer that starts after it gets those messages at once,
+// not after AckWait (two minutes here). Only the message whose handling
+// the stop cut short waits for AckWait, as Run's doc says. (Caught: a stop
+// that dropped the buffer: 9 messages held until AckWait ended.)
+func TestStopHandsBackWhatWasPrefetched(t *testing.T) {
+	ctx := context.Background()
+	b := startBroker(t, nil)
+	js, _ := setUp(t, connect(t, b.url()), 0, 2*time.Minute)
+	pub := newPublisher(t, connect(t, b.url()))
+	for i := range int64(20) {
+		if err := pub.Publish(ctx, postgres.Message{Key: fmt.Sprintf("k%d", i+1), ID: i + 1, Type: shop.OrderPlaced,
+			Payload: `{"orderId":1,"totalCents":100}`}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocked := &scripted{script: map[string][]error{}, applied: map[string]int{}, block: make(chan struct{})}
+	first := natsbroker.NewConsumer(cons, blocked)
+	first.Prefetch = 10
+	stop := goRun(t, first.Run)
+	waitFor(t, "the first message in Handle and the buffer full", func() bool {
+		info, err := cons.Info(ctx)
+		return err == nil && blocked.seen.Load() == 1 && info.NumAckPending == 10
+	})
+	stop()
+	next := &scripted{script: map[string][]error{}, applied: map[string]int{}}
+	goRun(t, natsbroker.NewConsumer(cons, next).Run)
+	waitFor(t, "every message but the one cut short applied by the next consumer", func() bool {
+		next.mu.Lock()
+		defer next.mu.Unlock()
+		return len(next.applied) == 19
 	})
 }
