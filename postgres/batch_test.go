@@ -146,3 +146,42 @@ func (b *eitherBroker) PublishBatch(_ context.Context, msgs []postgres.Message) 
 	b.batches++
 	return len(msgs), nil
 }
+
+// The relay as NewOutboxRelay makes it is the one a team should run: a
+// BatchPublisher gets each pass's rows in one batch, and a message the
+// broker can never take is set aside after DefaultParkAfter rejections,
+// the rows after it delivered, instead of blocking the table for ever.
+// (Caught: the article's relay as the default, one message at a time and
+// every later row blocked behind the refused one, ParkAfter 0.)
+func TestRelayAsItComesBatchesAndParksWhatCanNeverGo(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100, 200, 300)
+	batching := &eitherBroker{}
+	if n, err := postgres.NewOutboxRelay(db, batching).PublishPending(ctx); n != 3 || err != nil {
+		t.Fatalf("pass = %d, %v; want 3", n, err)
+	}
+	if batching.batches != 1 || batching.singles != 0 {
+		t.Errorf("the relay as it comes made %d batches and %d single publishes, want 1 and 0", batching.batches, batching.singles)
+	}
+
+	place(t, db, 400, 500, 600) // rows 4, 5 and 6; the broker can never take 5
+	broker := &recorder{}
+	refuse5 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.ID == 5 {
+			return fmt.Errorf("payload over the broker's limit: %w", postgres.ErrRejected)
+		}
+		return broker.Publish(ctx, m)
+	})
+	relay := postgres.NewOutboxRelay(db, refuse5)
+	for pass := 1; pass <= postgres.DefaultParkAfter+1; pass++ {
+		relay.PublishPending(ctx)
+	}
+	if ids := broker.IDs(); !slices.Equal(ids, []int64{4, 6}) {
+		t.Errorf("the broker got %v, want [4 6]: the rows after the refused one go on", ids)
+	}
+	parked, err := postgres.ListParked(ctx, db, 0)
+	if err != nil || len(parked) != 1 || parked[0].ID != 5 || parked[0].Rejections != postgres.DefaultParkAfter {
+		t.Errorf("ListParked = %+v, %v; want row 5 after %d rejections", parked, err, postgres.DefaultParkAfter)
+	}
+}
