@@ -8,6 +8,7 @@
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
 #   make lint                                staticcheck (fetched through the Go module proxy), all five modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
+#   make minimum                             the minimum real outbox (postgres/minimum): its example, the article's scenario, on a throwaway PostgreSQL
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
@@ -37,7 +38,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays natsbroker shop page measure-natsbroker
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays natsbroker shop page measure-natsbroker
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -94,6 +95,11 @@ define module-tests
 		/^ *--- PASS/ { p++ } /^ *--- FAIL/ { f++ } /^ *--- SKIP/ { s++ } \
 		END { printf "$(1): %d passed, %d failed, %d skipped\n", p, f, s; exit s > 0 }'
 endef
+
+# The minimum real outbox, postgres/minimum: its example prints the
+# article's scenario on a throwaway PostgreSQL (go test checks the output).
+minimum:
+	OUTBOX_TRANSCRIPT=1 postgres/with-server.sh bash -c 'cd postgres && $(GO) test -count=1 -v -run "^(Example|Test)" ./minimum' 2>&1 | grep -v '^=== '
 
 # The postgres/ module.
 postgres:

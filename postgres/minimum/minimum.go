@@ -1,0 +1,132 @@
+// Package minimum is the outbox at its smallest on a real PostgreSQL, the
+// step between the root package's lesson and package postgres: the order
+// and its event in one transaction, a relay pass that claims, publishes,
+// marks after the publish and stops at the first failure, a loop on a
+// ticker, and a consumer that drops a duplicate. Read it, then read what
+// package postgres adds to each part, and why (its README).
+package minimum
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+)
+
+// Schema is the three tables: the shop's, the outbox, the consumer's record.
+const Schema = `
+CREATE TABLE orders    (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, total_cents bigint NOT NULL);
+CREATE TABLE outbox    (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, type text NOT NULL,
+                        payload text NOT NULL, sent_at timestamptz);
+CREATE TABLE processed (message_id bigint PRIMARY KEY);`
+
+// Message is an outbox row as the broker carries it.
+type Message struct {
+	ID            int64
+	Type, Payload string
+}
+
+// Broker is the producer side of a broker: nil means it accepted msg.
+type Broker interface {
+	Publish(ctx context.Context, msg Message) error
+}
+
+// PlaceOrder writes the order and its OrderPlaced event in one transaction:
+// both are kept, or neither. The broker is not involved.
+func PlaceOrder(ctx context.Context, db *sql.DB, totalCents int64) (int64, error) {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, err
+	}
+	defer tx.Rollback() // does nothing after Commit
+	var id int64
+	if err := tx.QueryRowContext(ctx, `INSERT INTO orders (total_cents) VALUES ($1) RETURNING id`, totalCents).Scan(&id); err != nil {
+		return 0, err
+	}
+	payload := fmt.Sprintf(`{"orderId":%d,"totalCents":%d}`, id, totalCents)
+	if _, err := tx.ExecContext(ctx, `INSERT INTO outbox (type, payload) VALUES ('OrderPlaced', $1)`, payload); err != nil {
+		return 0, err
+	}
+	return id, tx.Commit()
+}
+
+// PublishPending is one relay pass: in one transaction it claims up to 100
+// unsent rows in id order (FOR UPDATE SKIP LOCKED: two relays claim
+// different rows), publishes each, marks it sent only after the broker
+// accepted it, stops at the first failure, and commits what it marked.
+func PublishPending(ctx context.Context, db *sql.DB, broker Broker) (int, error) {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, err
+	}
+	defer tx.Rollback()
+	rows, err := tx.QueryContext(ctx, `SELECT id, type, payload FROM outbox WHERE sent_at IS NULL
+		ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED`)
+	if err != nil {
+		return 0, err
+	}
+	var claimed []Message
+	for rows.Next() {
+		var m Message
+		if err := rows.Scan(&m.ID, &m.Type, &m.Payload); err != nil {
+			rows.Close()
+			return 0, err
+		}
+		claimed = append(claimed, m)
+	}
+	if err := rows.Err(); err != nil {
+		return 0, err
+	}
+	sent := 0
+	var pubErr error
+	for _, m := range claimed {
+		if pubErr = broker.Publish(ctx, m); pubErr != nil {
+			break // the rest wait for the next pass, in order
+		}
+		if _, err := tx.ExecContext(ctx, `UPDATE outbox SET sent_at = now() WHERE id = $1`, m.ID); err != nil {
+			return 0, err
+		}
+		sent++
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, err
+	}
+	return sent, pubErr
+}
+
+// Run makes a pass every interval until ctx ends; a failed pass is tried
+// again at the next tick.
+func Run(ctx context.Context, db *sql.DB, broker Broker, every time.Duration) error {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		PublishPending(ctx, db, broker)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// Consume applies msg once: it records the message's id and runs apply in
+// one transaction, and a message whose id was recorded before is a
+// duplicate, dropped (applied is false).
+func Consume(ctx context.Context, db *sql.DB, msg Message, apply func(tx *sql.Tx) error) (applied bool, err error) {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return false, err
+	}
+	defer tx.Rollback()
+	res, err := tx.ExecContext(ctx, `INSERT INTO processed (message_id) VALUES ($1) ON CONFLICT DO NOTHING`, msg.ID)
+	if err != nil {
+		return false, err
+	}
+	if n, err := res.RowsAffected(); err != nil || n == 0 {
+		return false, err // n == 0: a duplicate
+	}
+	if err := apply(tx); err != nil {
+		return false, err
+	}
+	return true, tx.Commit()
+}
