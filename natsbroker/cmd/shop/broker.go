@@ -29,8 +29,9 @@ import (
 // natsbroker/REFERENCE.md measures. A cluster's stream has a replica on each node, and a
 // node acks once a quorum holds the message, each in its memory and page
 // cache, synced every two minutes (the default): an acknowledged message
-// survives the loss of any one node of three, not a power cut of all of
-// them at once.
+// survives the clean loss of any one node of three, not a power cut of
+// all of them at once, nor, as Jepsen found of NATS 2.12.1, an
+// operating-system crash of a node together with delays or pauses.
 type embeddedBroker struct {
 	mu    sync.Mutex
 	nodes []*node
