@@ -102,6 +102,7 @@ type LogRelay struct {
 	Logger *slog.Logger
 
 	connString string
+	connConfig *pgconn.Config // if not nil, used instead of connString
 	broker     MessageBroker
 	wait       func(ctx context.Context, d time.Duration) bool // a seam for the tests
 }
@@ -111,6 +112,14 @@ type LogRelay struct {
 // the relay adds replication=database) and publishes to broker.
 func NewLogRelay(connString string, broker MessageBroker) *LogRelay {
 	return &LogRelay{connString: connString, broker: broker}
+}
+
+// NewLogRelayConfig is NewLogRelay with the connection as pgx's own
+// configuration: TLS, a dialer, several hosts, whatever pgconn.ParseConfig
+// and its fields allow. The relay uses a copy of cfg with replication =
+// database set.
+func NewLogRelayConfig(cfg *pgconn.Config, broker MessageBroker) *LogRelay {
+	return &LogRelay{connConfig: cfg.Copy(), broker: broker}
 }
 
 // NewLogRelay is [NewLogRelay] for o: its Slot and Publication are o's.
@@ -218,8 +227,10 @@ func (r *LogRelay) Run(ctx context.Context) error {
 // session streams from the slot's position on one replication connection
 // until it fails, and reports how many messages it delivered.
 func (r *LogRelay) session(ctx context.Context) (delivered int, err error) {
-	cfg, err := pgconn.ParseConfig(r.connString)
-	if err != nil {
+	var cfg *pgconn.Config
+	if r.connConfig != nil {
+		cfg = r.connConfig.Copy()
+	} else if cfg, err = pgconn.ParseConfig(r.connString); err != nil {
 		return 0, fmt.Errorf("log relay: %w", err)
 	}
 	cfg.RuntimeParams["replication"] = "database"

@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
@@ -162,5 +164,32 @@ func TestDropLogSlotDropsOnlyASlotNoRelayReads(t *testing.T) {
 	var n int
 	if err := db.QueryRow(`SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, relay.Slot).Scan(&n); err != nil || n != 0 {
 		t.Errorf("%d slots named %s left (%v), want none", n, relay.Slot, err)
+	}
+}
+
+// A log relay configured by pgx's own connection configuration (where TLS
+// or a dialer would be set) streams as one made from a connection string.
+func TestLogRelayFromAConnectionConfig(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	if err := postgres.CreateLogSlot(ctx, db, name); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dropSlot(t, db, name) })
+	cfg, err := pgconn.ParseConfig(logConnString(name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	broker := &recorder{}
+	relay := postgres.NewLogRelayConfig(cfg, broker)
+	relay.Slot = name
+	runLog(t, relay)
+	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 100); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the row published", func() bool { return len(broker.Published()) == 1 })
+	if cfg.RuntimeParams["replication"] != "" {
+		t.Errorf("NewLogRelayConfig changed the caller's configuration: replication = %q", cfg.RuntimeParams["replication"])
 	}
 }
