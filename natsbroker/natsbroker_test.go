@@ -4,15 +4,11 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"fmt"
 	"net"
-	"os"
 	"strconv"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -27,37 +23,16 @@ import (
 // (make natsbroker starts one), or else one pgtest.Main starts for them.
 // They start their own JetStream servers in process, each with its store
 // in a temporary folder of the test's.
-var databases atomic.Int64
-
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
 // newDatabase creates a database with the outbox's and the example's tables for t alone,
 // dropped when t ends, and opens it.
 func newDatabase(t testing.TB) *sql.DB {
 	t.Helper()
-	ctx := context.Background()
-	admin := openDB(t, pgtest.Config.Database)
-	name := fmt.Sprintf("natsbroker_test_%d_%d", os.Getpid(), databases.Add(1))
-	if _, err := admin.ExecContext(ctx, "CREATE DATABASE "+name); err != nil {
+	db := pgtest.Open(t, pgtest.NewBlankDatabase(t), "")
+	if err := errors.Join(postgres.Migrate(context.Background(), db), shop.Migrate(context.Background(), db)); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		if _, err := admin.ExecContext(ctx, "DROP DATABASE "+name+" WITH (FORCE)"); err != nil {
-			t.Error(err)
-		}
-	})
-	db := openDB(t, name)
-	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
-		t.Fatal(err)
-	}
-	return db
-}
-
-func openDB(t testing.TB, name string) *sql.DB {
-	cfg := pgtest.Config.Copy()
-	cfg.Database = name
-	db := stdlib.OpenDB(*cfg)
-	t.Cleanup(func() { db.Close() })
 	return db
 }
 

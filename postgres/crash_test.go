@@ -32,18 +32,7 @@ import (
 func TestAsyncCommitProducersGetNoEventForAnOrderACrashErased(t *testing.T) {
 	ctx := context.Background()
 	const orders = 5
-	srv := startOwnServer(t, "-c", "synchronous_commit=off", "-c", "wal_writer_delay=10000",
-		"-c", "bgwriter_lru_maxpages=0", "-c", "autovacuum=off")
-	db := srv.open(t)
-	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
-		t.Fatal(err)
-	}
-	// The schema is made durable, and the log starts a new segment, so that
-	// the orders' few kilobytes fill no page of it: a full page would nudge
-	// the WAL writer.
-	if _, err := db.Exec(`CHECKPOINT; SELECT pg_switch_wal()`); err != nil {
-		t.Fatal(err)
-	}
+	srv, db := startLazyServer(t)
 	service := shop.NewOrderService(db)
 	for range orders {
 		if _, err := service.PlaceOrder(ctx, 2500); err != nil {
@@ -77,6 +66,27 @@ func TestAsyncCommitProducersGetNoEventForAnOrderACrashErased(t *testing.T) {
 			t.Errorf("the broker holds %s of order %d, which the crash erased", m.Type, order.ID)
 		}
 	}
+}
+
+// startLazyServer starts a server of t's own whose commits do not wait for
+// the disk (synchronous_commit = off) and whose log nothing else flushes
+// in a test's second (the WAL writer slowed to 10 s, the background writer
+// and autovacuum off), with the outbox's and the example's tables, durable,
+// and the log at a new segment, so that the test's few kilobytes fill no
+// page of it (a full page would nudge the WAL writer).
+func startLazyServer(t *testing.T) (*ownServer, *sql.DB) {
+	t.Helper()
+	ctx := context.Background()
+	srv := startOwnServer(t, "-c", "synchronous_commit=off", "-c", "wal_writer_delay=10000",
+		"-c", "bgwriter_lru_maxpages=0", "-c", "autovacuum=off")
+	db := srv.open(t)
+	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CHECKPOINT; SELECT pg_switch_wal()`); err != nil {
+		t.Fatal(err)
+	}
+	return srv, db
 }
 
 // ownServer is a PostgreSQL server of one test's own (pgtest.Start),
@@ -136,15 +146,7 @@ func (s *ownServer) open(t *testing.T) *sql.DB {
 // with the session's setting: 0 of 5 left after the crash.)
 func TestAppliedMessagesSurviveACrashWhateverTheSessionsCommitSetting(t *testing.T) {
 	ctx := context.Background()
-	srv := startOwnServer(t, "-c", "synchronous_commit=off", "-c", "wal_writer_delay=10000",
-		"-c", "bgwriter_lru_maxpages=0", "-c", "autovacuum=off")
-	db := srv.open(t)
-	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := db.Exec(`CHECKPOINT; SELECT pg_switch_wal()`); err != nil {
-		t.Fatal(err)
-	}
+	srv, db := startLazyServer(t)
 	warehouse := shop.NewWarehouse(db)
 	for i := range int64(5) {
 		msg := postgres.Message{ID: i + 1, Key: fmt.Sprintf("7f1e9c2a-0000-4000-8000-00000000000%d", i+1), Type: shop.OrderPlaced,
