@@ -18,6 +18,8 @@
 //	-replicas  OUTBOX_REPLICAS         the stream's replicas (1; 3 on a cluster of three)
 //	-retention OUTBOX_RETENTION        how long a sent row is kept before cleanup deletes it (168h; 0 keeps them)
 //	-cleanup-every OUTBOX_CLEANUP_EVERY how often cleanup runs (1m)
+//	-processed-retention OUTBOX_PROCESSED_RETENTION  how long the consumers' keys in this database are kept
+//	                                   (0, the default, leaves them to the consumers; else at least the stream's max age)
 //	-http      OUTBOX_HTTP_ADDR        where /healthz, /readyz and /metrics are served (none if empty)
 //
 // /healthz answers 200 while the process runs; /readyz answers 200 only once
@@ -65,6 +67,7 @@ type config struct {
 	table, stream, prefix, http string
 	replicas                    int
 	retention, cleanupEvery     time.Duration
+	processedRetention          time.Duration
 }
 
 func main() {
@@ -106,6 +109,8 @@ func parse(cmd string, args []string) (config, []string, error) {
 	fs.StringVar(&c.prefix, "subject-prefix", env("OUTBOX_SUBJECT_PREFIX", natsbroker.SubjectPrefix), "the subjects' prefix (OUTBOX_SUBJECT_PREFIX)")
 	fs.StringVar(&c.http, "http", env("OUTBOX_HTTP_ADDR", ""), "address of /healthz, /readyz and /metrics (OUTBOX_HTTP_ADDR)")
 	replicas, retention, every := env("OUTBOX_REPLICAS", "1"), env("OUTBOX_RETENTION", "168h"), env("OUTBOX_CLEANUP_EVERY", "1m")
+	processed := env("OUTBOX_PROCESSED_RETENTION", "0")
+	fs.StringVar(&processed, "processed-retention", processed, "how long consumers' keys in this database are kept; 0 leaves them (OUTBOX_PROCESSED_RETENTION)")
 	fs.StringVar(&replicas, "replicas", replicas, "the stream's replicas (OUTBOX_REPLICAS)")
 	fs.StringVar(&retention, "retention", retention, "how long sent rows are kept; 0 keeps them (OUTBOX_RETENTION)")
 	fs.StringVar(&every, "cleanup-every", every, "how often cleanup runs (OUTBOX_CLEANUP_EVERY)")
@@ -119,6 +124,9 @@ func parse(cmd string, args []string) (config, []string, error) {
 	}
 	if c.retention, err = time.ParseDuration(retention); err != nil || c.retention < 0 {
 		errs = append(errs, fmt.Errorf("-retention %q: want a duration, 0 or more", retention))
+	}
+	if c.processedRetention, err = time.ParseDuration(processed); err != nil || c.processedRetention < 0 {
+		errs = append(errs, fmt.Errorf("-processed-retention %q: want a duration, 0 or more", processed))
 	}
 	if c.cleanupEvery, err = time.ParseDuration(every); err != nil || c.cleanupEvery <= 0 {
 		errs = append(errs, fmt.Errorf("-cleanup-every %q: want a positive duration", every))
@@ -290,8 +298,8 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 		r := outbox.NewRelay(db, publisher)
 		r.Logger, r.MeterProvider = log, meters
 		go func() { done <- r.Run(ctx) }()
-		if c.retention > 0 {
-			go cleanup(ctx, c, outbox, db, log)
+		if c.retention > 0 || c.processedRetention > 0 {
+			go cleanup(ctx, c, outbox, db, js, stream.Name, log)
 		}
 	}
 	err = <-done
@@ -299,9 +307,11 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 	return err
 }
 
-// cleanup deletes the rows sent longer than the retention ago, every
-// cleanupEvery, until ctx ends.
-func cleanup(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB, log *slog.Logger) {
+// cleanup deletes the rows sent longer than the retention ago and, if
+// asked, the consumers' keys older than processedRetention (never shorter
+// than the stream keeps its messages: natsbroker.ForgetProcessed refuses
+// it), every cleanupEvery, until ctx ends.
+func cleanup(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB, js jetstream.JetStream, stream string, log *slog.Logger) {
 	t := time.NewTicker(c.cleanupEvery)
 	defer t.Stop()
 	for {
@@ -310,12 +320,23 @@ func cleanup(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB,
 			return
 		case <-t.C:
 		}
-		n, err := outbox.DeleteSent(ctx, db, c.retention, 0)
-		switch {
-		case err != nil && ctx.Err() == nil:
-			log.Error("outbox-relay: cleanup failed", "err", err, "deleted", n)
-		case n > 0:
-			log.Info("outbox-relay: cleanup", "deleted", n, "retention", c.retention.String())
+		if c.retention > 0 {
+			n, err := outbox.DeleteSent(ctx, db, c.retention, 0)
+			switch {
+			case err != nil && ctx.Err() == nil:
+				log.Error("outbox-relay: cleanup failed", "err", err, "deleted", n)
+			case n > 0:
+				log.Info("outbox-relay: cleanup", "deleted", n, "retention", c.retention.String())
+			}
+		}
+		if c.processedRetention > 0 {
+			n, err := natsbroker.ForgetProcessed(ctx, js, stream, db, c.processedRetention, 0)
+			switch {
+			case err != nil && ctx.Err() == nil:
+				log.Error("outbox-relay: forgetting processed keys failed", "err", err, "forgotten", n)
+			case n > 0:
+				log.Info("outbox-relay: processed keys forgotten", "forgotten", n, "retention", c.processedRetention.String())
+			}
 		}
 	}
 }

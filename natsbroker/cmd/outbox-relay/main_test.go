@@ -189,7 +189,13 @@ func TestRelayProcessStopsOnSIGTERMAndStartsAgainLosingNothing(t *testing.T) {
 		t.Fatalf("migrate exited %d:\n%s", code, out)
 	}
 	addr := freeAddr(t)
-	relayArgs := []string{"run", "-http", addr, "-retention", "1ms", "-cleanup-every", "100ms"}
+	// Consumers' keys older than the stream keeps its messages (a week),
+	// which the cleanup forgets, and a recent one, which it keeps.
+	if _, err := e.db.Exec(`INSERT INTO processed_messages (message_key, processed_at)
+		VALUES ('old-1', now() - interval '8 days'), ('old-2', now() - interval '9 days'), ('recent', now())`); err != nil {
+		t.Fatal(err)
+	}
+	relayArgs := []string{"run", "-http", addr, "-retention", "1ms", "-cleanup-every", "100ms", "-processed-retention", "169h"}
 	first := e.start(relayArgs...)
 	waitFor(t, "/readyz to answer 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
 
@@ -244,6 +250,12 @@ func TestRelayProcessStopsOnSIGTERMAndStartsAgainLosingNothing(t *testing.T) {
 	waitFor(t, "the cleanup to delete every sent row", func() bool { return e.count(`SELECT count(*) FROM outbox`) == 0 })
 	if got := e.streamMsgs(); got != uint64(total) {
 		t.Errorf("the stream holds %d messages for %d rows, want each once", got, total)
+	}
+	waitFor(t, "the two consumer keys older than the stream's week forgotten", func() bool {
+		return e.count(`SELECT count(*) FROM processed_messages`) == 1
+	})
+	if n := e.count(`SELECT count(*) FROM processed_messages WHERE message_key = 'recent'`); n != 1 {
+		t.Errorf("the recent consumer key was forgotten")
 	}
 	if !strings.Contains(second.stderr.String(), `"msg":"outbox-relay: cleanup"`) {
 		t.Errorf("the second relay never logged a cleanup:\n%s", second.stderr)
