@@ -298,19 +298,18 @@ func ExampleOutboxRelay_PublishPending() {
 
 // ---- Showing the transcripts ----
 
-// TestMain runs the tests and examples as usual. Then, if everything passed
-// and -run selected Example or Example_crashPoints, it runs those again with
-// their standard output sent to standard error, so that `go test -run
-// Example` shows what they print: go test prints nothing of a passing
-// example's output, and it shows the test binary's standard error when run
-// in the package's folder without a package argument, or with -v; with a
-// package argument and no -v it keeps a passing package's output to itself.
+// TestMain first, if -run selects Example or Example_crashPoints, runs
+// those with their standard output sent to standard error, so that `go test
+// -run Example` shows what they print, before the verdict; then it runs the
+// tests and examples as usual, which check that output. go test prints
+// nothing of a passing example's output, and it shows the test binary's
+// standard error when run in the package's folder without a package
+// argument, or with -v; with a package argument and no -v it keeps a
+// passing package's output to itself.
 func TestMain(m *testing.M) {
-	code := m.Run()
-	if code == 0 {
-		showTranscripts(flag.Lookup("test.run").Value.String())
-	}
-	os.Exit(code)
+	flag.Parse() // -run, before m.Run would parse it
+	showTranscripts(flag.Lookup("test.run").Value.String())
+	os.Exit(m.Run())
 }
 
 func showTranscripts(run string) {
