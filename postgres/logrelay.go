@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 )
@@ -46,9 +47,11 @@ var ErrSlotLost = errors.New("postgres: the log relay's replication slot was inv
 // committed transaction's rows in commit order. A row that committed after a
 // higher id is published after it, as it committed, so the trap of the
 // polling relay (ids are not commit order) cannot happen. It never updates a
-// row: no mark, no dead index entry, no vacuum debt; sent_at stays NULL, so
-// the table is a record of what was written, which [DeleteSent] does not
-// touch and [ReadLag] counts as unsent: nothing cleans it up yet.
+// row unless MarkIn is set: no mark, no dead index entry, no vacuum debt;
+// sent_at then stays NULL, so [DeleteSent] does not touch the rows and
+// [ReadLag] counts them as unsent. With MarkIn, each transaction delivered
+// is marked, one statement, and the table is counted and cleaned up as the
+// polling relay's.
 //
 // Its place in the log is the slot's: the server keeps every record from
 // the slot's position on, and sends again, after a reconnect or a restart,
@@ -100,6 +103,16 @@ type LogRelay struct {
 
 	// Logger, if not nil, is told of each failed session.
 	Logger *slog.Logger
+
+	// MarkIn, if not nil, is the outbox's database opened with pgx's
+	// stdlib driver: the relay then marks the rows of each transaction it
+	// delivered sent (sent_at), in one statement, before it confirms the
+	// transaction to the slot. So ReadLag counts only the rows not yet
+	// delivered, and DeleteSent cleans up the delivered ones, as for the
+	// polling relay, at the cost of a write a transaction. A mark that
+	// fails is logged and leaves the rows counted as unsent; they were
+	// delivered, and are not sent again for it.
+	MarkIn *sql.DB
 
 	connString string
 	connConfig *pgconn.Config // if not nil, used instead of connString
@@ -309,6 +322,7 @@ type stream struct {
 	conn      *pgconn.PgConn
 	relations map[uint32]*pglogrepl.RelationMessage
 	txn       []Message
+	tables    []string      // each txn row's table, as an SQL identifier
 	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
 	toldPos   pglogrepl.LSN // the position the server was last told
 	told      time.Time     // when the server was last told confirmed
@@ -404,7 +418,7 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 		case *pglogrepl.RelationMessage:
 			s.relations[m.RelationID] = m
 		case *pglogrepl.BeginMessage:
-			s.txn = s.txn[:0]
+			s.txn, s.tables = s.txn[:0], s.tables[:0]
 		case *pglogrepl.InsertMessage:
 			rel, ok := s.relations[m.RelationID]
 			if !ok {
@@ -415,6 +429,7 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 				return err
 			}
 			s.txn = append(s.txn, msg)
+			s.tables = append(s.tables, pgx.Identifier{rel.Namespace, rel.RelationName}.Sanitize())
 		case *pglogrepl.CommitMessage:
 			return s.deliver(ctx, m.TransactionEndLSN)
 		}
@@ -444,12 +459,35 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
 			}
 		}
 	}
-	s.txn = s.txn[:0]
+	s.mark(ctx)
+	s.txn, s.tables = s.txn[:0], s.tables[:0]
 	s.confirmed = end
 	if time.Since(s.told) >= statusAfterDelivery {
 		return s.tell(ctx)
 	}
 	return nil
+}
+
+// mark marks the delivered transaction's rows sent in MarkIn, if set, one
+// statement a table, and logs a failure.
+func (s *stream) mark(ctx context.Context) {
+	db := s.relay.MarkIn
+	if db == nil || len(s.txn) == 0 {
+		return
+	}
+	ids := map[string][]int64{}
+	for i, msg := range s.txn {
+		ids[s.tables[i]] = append(ids[s.tables[i]], msg.ID)
+	}
+	mctx, cancel := context.WithTimeout(ctx, orDefault(s.relay.PublishTimeout, DefaultPassTimeout))
+	defer cancel()
+	for table, batch := range ids {
+		_, err := db.ExecContext(mctx, `UPDATE `+table+` SET sent_at = clock_timestamp() WHERE id = ANY($1) AND sent_at IS NULL`, batch)
+		if err != nil && s.relay.Logger != nil {
+			s.relay.Logger.Error("outbox: log relay could not mark delivered rows sent; they stay counted as unsent",
+				"table", table, "rows", len(batch), "err", err)
+		}
+	}
 }
 
 // tell sends the server the position the relay has delivered up to: the

@@ -13,6 +13,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -191,5 +192,44 @@ func TestLogRelayFromAConnectionConfig(t *testing.T) {
 	waitUntil(t, "the row published", func() bool { return len(broker.Published()) == 1 })
 	if cfg.RuntimeParams["replication"] != "" {
 		t.Errorf("NewLogRelayConfig changed the caller's configuration: replication = %q", cfg.RuntimeParams["replication"])
+	}
+}
+
+// With MarkIn, what the log relay delivered is neither lag nor kept for
+// ever: ReadLag counts no row once all are delivered, and DeleteSent
+// removes them; a row not yet delivered (the broker refusing it) stays
+// unsent and is never deleted. (Caught: the log relay marking nothing,
+// "Unsent: 20" for ever after 20 rows were delivered, DeleteSent
+// removing none.)
+func TestLogRelayRowsDeliveredAreNotLagAndAreCleanedUp(t *testing.T) {
+	ctx := context.Background()
+	var refuseFrom, refused atomic.Int64 // ids from refuseFrom on are refused; 0: none
+	broker := &recorder{}
+	gate := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if from := refuseFrom.Load(); from != 0 && m.ID >= from {
+			refused.Add(1)
+			return fmt.Errorf("broker down: %w", postgres.ErrBrokerUnavailable)
+		}
+		return broker.Publish(ctx, m)
+	})
+	db, relay := newLogRelay(t, gate)
+	relay.MarkIn = db
+	runLog(t, relay)
+	committedAt(t, db, 20)
+	waitUntil(t, "the 20 rows published and marked", func() bool {
+		lag, err := postgres.ReadLag(ctx, db)
+		return err == nil && len(broker.Published()) == 20 && lag.Unsent == 0
+	})
+	refuseFrom.Store(21)
+	committedAt(t, db, 1) // row 21, which the broker refuses
+	waitUntil(t, "row 21 tried and refused", func() bool { return refused.Load() > 0 })
+	if n, err := postgres.DeleteSent(ctx, db, 0, 0); n != 20 || err != nil {
+		t.Errorf("DeleteSent = %d, %v; want the 20 delivered rows", n, err)
+	}
+	if lag, err := postgres.ReadLag(ctx, db); err != nil || lag.Unsent != 1 {
+		t.Errorf("ReadLag = %+v, %v; want row 21 alone unsent", lag, err)
+	}
+	if n := count(t, db, `SELECT count(*) FROM outbox WHERE id = 21`); n != 1 {
+		t.Error("row 21, never delivered, was deleted")
 	}
 }

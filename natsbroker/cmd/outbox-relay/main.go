@@ -291,16 +291,15 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 	done := make(chan error, 1)
 	if c.mode == "log" {
 		r := outbox.NewLogRelay(c.database, publisher)
-		r.Logger = log
+		r.Logger, r.MarkIn = log, db // marked rows are not lag, and are cleaned up
 		go func() { done <- r.Run(ctx) }()
-		log.Info("outbox-relay: log mode marks no row sent: cleanup by retention is off")
 	} else {
 		r := outbox.NewRelay(db, publisher)
 		r.Logger, r.MeterProvider = log, meters
 		go func() { done <- r.Run(ctx) }()
-		if c.retention > 0 || c.processedRetention > 0 {
-			go cleanup(ctx, c, outbox, db, js, stream.Name, log)
-		}
+	}
+	if c.retention > 0 || c.processedRetention > 0 {
+		go cleanup(ctx, c, outbox, db, js, stream.Name, log)
 	}
 	err = <-done
 	log.Info("outbox-relay: stopped", "err", err)

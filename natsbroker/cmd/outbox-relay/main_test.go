@@ -314,7 +314,8 @@ func TestRelayProcessReadinessAndOperatorCommands(t *testing.T) {
 }
 
 // -mode log runs the log relay: migrate creates its slot, run streams the
-// rows committed after it, and SIGTERM stops it cleanly.
+// rows committed after it, marks them, and cleans them up, and SIGTERM
+// stops it cleanly.
 func TestRelayProcessInLogMode(t *testing.T) {
 	e := newEnv(t)
 	if code, out := e.runOnce("migrate", "-mode", "log"); code != 0 {
@@ -322,7 +323,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	}
 	t.Cleanup(func() { e.db.Exec(`SELECT pg_drop_replication_slot('outbox')`) })
 	addr := freeAddr(t)
-	p := e.start("run", "-mode", "log", "-http", addr)
+	p := e.start("run", "-mode", "log", "-http", addr, "-retention", "1ms", "-cleanup-every", "100ms")
 	waitFor(t, "/readyz to answer 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
 	ctx := context.Background()
 	for i := range 20 {
@@ -334,6 +335,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 		}
 	}
 	waitFor(t, "20 messages in the stream", func() bool { return e.streamMsgs() == 20 })
+	waitFor(t, "the delivered rows marked and cleaned up", func() bool { return e.count(`SELECT count(*) FROM outbox`) == 0 })
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
