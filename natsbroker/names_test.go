@@ -3,7 +3,9 @@ package natsbroker_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -128,6 +130,39 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 		}
 		if info.State.Msgs != want {
 			t.Errorf("stream %s holds %d messages, want %d", name, info.State.Msgs, want)
+		}
+	}
+}
+
+// CheckStream refuses a stream that is not as configured, each difference
+// named: its subjects, storage, replicas, age limit and duplicate window.
+// (Caught: a CheckStream that ignored the duplicate window, so a stream
+// whose window an operator shortened passed, and copies past it reached
+// the consumers.)
+func TestCheckStreamRefusesAStreamNotAsConfigured(t *testing.T) {
+	ctx := context.Background()
+	b := startBroker(t, nil)
+	js, err := jetstream.New(connect(t, b.url()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.CreateOrUpdateStream(ctx, natsbroker.StreamConfig(2*time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	if err := natsbroker.CheckStream(ctx, js, natsbroker.StreamConfig(2*time.Minute)); err != nil {
+		t.Fatalf("CheckStream of the stream as made = %v", err)
+	}
+	for what, edit := range map[string]func(*jetstream.StreamConfig){
+		"drops duplicates within": func(c *jetstream.StreamConfig) { c.Duplicates = 5 * time.Minute },
+		"takes subjects":          func(c *jetstream.StreamConfig) { c.Subjects = []string{"other.>"} },
+		"storage":                 func(c *jetstream.StreamConfig) { c.Storage = jetstream.MemoryStorage },
+		"replicas":                func(c *jetstream.StreamConfig) { c.Replicas = 3 },
+		"keeps messages":          func(c *jetstream.StreamConfig) { c.MaxAge = time.Hour },
+	} {
+		want := natsbroker.StreamConfig(2 * time.Minute)
+		edit(&want)
+		if err := natsbroker.CheckStream(ctx, js, want); !errors.Is(err, natsbroker.ErrStreamConfig) || !strings.Contains(err.Error(), what) {
+			t.Errorf("CheckStream against a stream that differs in %q = %v, want ErrStreamConfig saying so", what, err)
 		}
 	}
 }

@@ -14,15 +14,20 @@ import (
 // The trace context of the transaction that wrote a row is stored with it
 // and reaches the broker in Message.TraceContext, also with no tracer
 // provider set (the relay's spans are then no-ops, and the stored context
-// passes through); a row written outside any trace stores NULL and carries
-// nothing.
+// passes through), tracestate too; a row written outside any trace stores
+// NULL and carries nothing. (Caught: tracestate not stored.)
 func TestTraceContextGoesFromTheTransactionToTheBroker(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
+	state, err := trace.ParseTraceState("vendor=opaque-value")
+	if err != nil {
+		t.Fatal(err)
+	}
 	traced := trace.ContextWithSpanContext(ctx, trace.NewSpanContext(trace.SpanContextConfig{
 		TraceID:    trace.TraceID{0x4b, 0xf9, 0x2f, 0x35, 0x77, 0xb3, 0x4d, 0xa6, 0xa3, 0xce, 0x92, 0x9d, 0x0e, 0x0e, 0x47, 0x36},
 		SpanID:     trace.SpanID{0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7},
 		TraceFlags: trace.FlagsSampled,
+		TraceState: state,
 		Remote:     true,
 	}))
 	const traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -53,6 +58,9 @@ func TestTraceContextGoesFromTheTransactionToTheBroker(t *testing.T) {
 		t.Fatalf("pass = %d, %v; want 2", n, err)
 	}
 	got := broker.Published()
+	if got[0].TraceContext["tracestate"] != "vendor=opaque-value" {
+		t.Errorf("the broker got tracestate %q, want the transaction's, vendor=opaque-value", got[0].TraceContext["tracestate"])
+	}
 	if got[0].TraceContext["traceparent"] != traceparent || got[1].TraceContext != nil {
 		t.Errorf("the broker got trace contexts %v and %v; want the first order's, and none", got[0].TraceContext, got[1].TraceContext)
 	}
