@@ -35,10 +35,9 @@ var ErrNoSlot = errors.New("postgres: the log relay's replication slot does not 
 // invalidated the relay's replication slot: the slot fell further behind
 // than max_slot_wal_keep_size allows and the server removed log it had not
 // yet read, so the inserts in that log can no longer be streamed. The rows
-// are still in the table: drop the slot, create it again, and publish the
-// rows written since the last delivered one with a polling [OutboxRelay]
-// (consumers drop what was delivered twice, by key) before the log relay
-// takes over again.
+// are still in the table: [Outbox.RecoverLogSlot] makes the slot anew and
+// publishes the rows the relay did not mark (consumers drop what goes
+// twice, by key), and the log relay takes over again.
 var ErrSlotLost = errors.New("postgres: the log relay's replication slot was invalidated")
 
 // LogRelay is the other relay: instead of polling the table it reads the
@@ -187,6 +186,45 @@ func DropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 		return fmt.Errorf("drop replication slot %s: %w", slot, err)
 	}
 	return nil
+}
+
+// RecoverLogSlot is [Outbox.RecoverLogSlot] for [DefaultOutbox].
+func RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageBroker) (int, error) {
+	return DefaultOutbox.RecoverLogSlot(ctx, db, broker)
+}
+
+// RecoverLogSlot makes the log relay's slot (o's Slot) anew and delivers
+// every row that may not have been delivered: after the slot was lost
+// ([ErrSlotLost]: the server removed log it had not read), or when there
+// is none ([ErrNoSlot]: a promoted standby, since PostgreSQL 15 keeps slots
+// on the primary only). It drops the slot if it is there (refusing, with
+// [ErrSlotActive], one a relay reads), creates it, and only then publishes,
+// with a polling relay of o, every row not marked sent, in passes until
+// none is left: a row committed before the new slot is in the table
+// unmarked and goes now; one committed after it is streamed by the log
+// relay, and may go both ways: at least once, the consumers drop the
+// copies. It relies on the log relay's marks (LogRelay.MarkIn): without
+// them every row ever written goes again. It returns how many rows it
+// published; on an error, call it again.
+func (o *Outbox) RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageBroker) (int, error) {
+	if err := DropLogSlot(ctx, db, o.Slot()); err != nil {
+		return 0, err
+	}
+	if err := CreateLogSlot(ctx, db, o.Slot()); err != nil {
+		return 0, err
+	}
+	relay := o.NewRelay(db, broker)
+	total := 0
+	for {
+		n, err := relay.PublishPending(ctx)
+		total += n
+		switch {
+		case err != nil && !errors.Is(err, ErrRejected):
+			return total, fmt.Errorf("recover log slot %s: publish what it may have missed: %w", o.Slot(), err)
+		case n == 0:
+			return total, err // a refusal, if any, is said: the row stays in the table, parked in time
+		}
+	}
 }
 
 // Run streams the outbox's inserts and publishes them until ctx ends, then

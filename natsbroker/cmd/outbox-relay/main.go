@@ -292,7 +292,7 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 	if c.mode == "log" {
 		r := outbox.NewLogRelay(c.database, publisher)
 		r.Logger, r.MarkIn = log, db // marked rows are not lag, and are cleaned up
-		go func() { done <- r.Run(ctx) }()
+		go func() { done <- runLog(ctx, r, outbox, db, publisher, log) }()
 	} else {
 		r := outbox.NewRelay(db, publisher)
 		r.Logger, r.MeterProvider = log, meters
@@ -304,6 +304,31 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 	err = <-done
 	log.Info("outbox-relay: stopped", "err", err)
 	return err
+}
+
+// runLog runs the log relay until ctx ends; when its slot is lost, or
+// missing (a promoted standby), it makes it anew and publishes what the
+// relay may have missed (postgres.RecoverLogSlot), then streams on.
+func runLog(ctx context.Context, r *postgres.LogRelay, outbox *postgres.Outbox, db *sql.DB,
+	publisher postgres.MessageBroker, log *slog.Logger) error {
+	for {
+		err := r.Run(ctx)
+		if !errors.Is(err, postgres.ErrSlotLost) && !errors.Is(err, postgres.ErrNoSlot) {
+			return err
+		}
+		log.Warn("outbox-relay: the log relay's slot is gone: making it anew, and publishing what it may have missed", "err", err)
+		n, err := outbox.RecoverLogSlot(ctx, db, publisher)
+		if err != nil {
+			log.Error("outbox-relay: recovering the slot failed; trying again in 2 s", "err", err, "published", n)
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(2 * time.Second):
+			}
+			continue
+		}
+		log.Info("outbox-relay: slot recovered", "slot", outbox.Slot(), "published", n)
+	}
 }
 
 // cleanup deletes the rows sent longer than the retention ago and, if

@@ -8,6 +8,7 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -257,9 +258,9 @@ func TestRelayProcessStopsOnSIGTERMAndStartsAgainLosingNothing(t *testing.T) {
 	if n := e.count(`SELECT count(*) FROM processed_messages WHERE message_key = 'recent'`); n != 1 {
 		t.Errorf("the recent consumer key was forgotten")
 	}
-	if !strings.Contains(second.stderr.String(), `"msg":"outbox-relay: cleanup"`) {
-		t.Errorf("the second relay never logged a cleanup:\n%s", second.stderr)
-	}
+	waitFor(t, "the second relay to log a cleanup", func() bool {
+		return strings.Contains(second.stderr.String(), `"msg":"outbox-relay: cleanup"`)
+	})
 	t.Logf("%d rows written, %d while the relay was stopped at SIGTERM after %d; the stream holds %d", total, total-atStop, atStop, e.streamMsgs())
 }
 
@@ -321,7 +322,11 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	if code, out := e.runOnce("migrate", "-mode", "log"); code != 0 {
 		t.Fatalf("migrate -mode log exited %d:\n%s", code, out)
 	}
-	t.Cleanup(func() { e.db.Exec(`SELECT pg_drop_replication_slot('outbox')`) })
+	t.Cleanup(func() { // after the relays' processes are gone: their sessions end a moment later
+		waitFor(t, "the slot dropped", func() bool {
+			return !errors.Is(postgres.DropLogSlot(context.Background(), e.db, "outbox"), postgres.ErrSlotActive)
+		})
+	})
 	addr := freeAddr(t)
 	p := e.start("run", "-mode", "log", "-http", addr, "-retention", "1ms", "-cleanup-every", "100ms")
 	waitFor(t, "/readyz to answer 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
@@ -342,6 +347,25 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	if code := p.wait(t); code != 0 {
 		t.Fatalf("after SIGTERM the log relay exited %d:\n%s", code, p.stderr)
 	}
+
+	// The slot gone, as on a promoted standby: run makes it anew and
+	// publishes what was committed meanwhile.
+	waitFor(t, "the slot free", func() bool {
+		return !errors.Is(postgres.DropLogSlot(ctx, e.db, "outbox"), postgres.ErrSlotActive)
+	})
+	for i := range 5 {
+		if err := postgres.Transaction(ctx, e.db, func(tx *sql.Tx) error {
+			_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"orderId": 21 + i})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	again := e.start("run", "-mode", "log")
+	waitFor(t, "the 5 rows committed without a slot in the stream", func() bool { return e.streamMsgs() == 25 })
+	waitFor(t, "the relay to log its recovery", func() bool {
+		return strings.Contains(again.stderr.String(), `"msg":"outbox-relay: slot recovered"`)
+	})
 }
 
 // syncBuffer is a bytes.Buffer safe for a process's output and the test.
