@@ -113,6 +113,17 @@ type LogRelay struct {
 	// delivered, and are not sent again for it.
 	MarkIn *sql.DB
 
+	// ParkAfter, with MarkIn, is how many rejections (broker errors
+	// wrapping ErrRejected, counted in the row's rejections as the polling
+	// relay counts them) set a row aside, parked: the relay then skips it
+	// and delivers the rest of its transaction, and those after it. Zero
+	// never parks: a message the broker can never take stops the relay,
+	// which tries its transaction again once a backoff. A parked row is
+	// listed by ListParked; put back (Unpark), it is published by a
+	// polling pass (OutboxRelay.PublishPending, or RecoverLogSlot), since
+	// the log relay has gone past it.
+	ParkAfter int
+
 	connString string
 	connConfig *pgconn.Config // if not nil, used instead of connString
 	broker     MessageBroker
@@ -251,7 +262,7 @@ func (r *LogRelay) Run(ctx context.Context) error {
 	}
 	failures := 0
 	for {
-		delivered, err := r.session(ctx)
+		completed, err := r.session(ctx)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -261,13 +272,14 @@ func (r *LogRelay) Run(ctx context.Context) error {
 			}
 			return err
 		}
-		if delivered > 0 {
+		if completed > 0 { // progress of the slot, not messages sent again
+
 			failures = 0
 		}
 		failures++
 		d := backoff(failures, maxBackoff, rand.Float64)
 		if r.Logger != nil {
-			r.Logger.Error("outbox: log relay session failed", "err", err, "delivered", delivered, "retry_in", d)
+			r.Logger.Error("outbox: log relay session failed", "err", err, "transactions_delivered", completed, "retry_in", d)
 		}
 		if !wait(ctx, d) {
 			return ctx.Err()
@@ -277,7 +289,7 @@ func (r *LogRelay) Run(ctx context.Context) error {
 
 // session streams from the slot's position on one replication connection
 // until it fails, and reports how many messages it delivered.
-func (r *LogRelay) session(ctx context.Context) (delivered int, err error) {
+func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 	var cfg *pgconn.Config
 	if r.connConfig != nil {
 		cfg = r.connConfig.Copy()
@@ -336,7 +348,7 @@ func (r *LogRelay) session(ctx context.Context) (delivered int, err error) {
 		s.tell(final)
 		cancel()
 	}
-	return s.delivered, err
+	return s.completed, err
 }
 
 // senderTimeout is the server's wal_sender_timeout, or 0 if it cannot be
@@ -368,6 +380,7 @@ type stream struct {
 	every     time.Duration
 	replyIn   time.Duration
 	delivered int
+	completed int // transactions delivered whole and confirmed: the session's progress
 }
 
 // statusAfterDelivery is how soon after a delivered transaction the server
@@ -483,6 +496,9 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
 		pctx, cancel := context.WithTimeout(ctx, timeout)
 		err := s.relay.broker.Publish(pctx, msg)
 		cancel()
+		if err != nil && errors.Is(err, ErrRejected) && s.park(ctx, i, err) {
+			continue // set aside: the rest of the transaction goes on
+		}
 		if err != nil {
 			return fmt.Errorf("publish message %d, %d of a transaction of %d, which goes again whole: %w",
 				msg.ID, i+1, len(s.txn), err)
@@ -500,10 +516,39 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
 	s.mark(ctx)
 	s.txn, s.tables = s.txn[:0], s.tables[:0]
 	s.confirmed = end
+	s.completed++
 	if time.Since(s.told) >= statusAfterDelivery {
 		return s.tell(ctx)
 	}
 	return nil
+}
+
+// park counts the broker's refusal of the transaction's row i in MarkIn
+// and, once the row's rejections reach ParkAfter, parks it, logs it and
+// reports true: the relay then skips it. Without MarkIn or ParkAfter, or if
+// the count cannot be written, it reports false, and the refusal stops the
+// session as any failure does.
+func (s *stream) park(ctx context.Context, i int, refusal error) bool {
+	r := s.relay
+	if r.MarkIn == nil || r.ParkAfter <= 0 {
+		return false
+	}
+	msg := s.txn[i]
+	var parked bool
+	err := r.MarkIn.QueryRowContext(ctx, `UPDATE `+s.tables[i]+`
+		SET attempts = attempts + 1, rejections = rejections + 1, last_error = $2,
+		    parked_at = CASE WHEN rejections + 1 >= $3 THEN clock_timestamp() END
+		WHERE id = $1 RETURNING parked_at IS NOT NULL`, msg.ID, refusal.Error(), r.ParkAfter).Scan(&parked)
+	if err != nil {
+		if r.Logger != nil {
+			r.Logger.Error("outbox: log relay could not count a rejection", "id", msg.ID, "err", err)
+		}
+		return false
+	}
+	if parked && r.Logger != nil {
+		r.Logger.Warn("outbox: message parked after too many rejections", "id", msg.ID, "key", msg.Key, "err", refusal)
+	}
+	return parked
 }
 
 // mark marks the delivered transaction's rows sent in MarkIn, if set, one
@@ -520,7 +565,7 @@ func (s *stream) mark(ctx context.Context) {
 	mctx, cancel := context.WithTimeout(ctx, orDefault(s.relay.PublishTimeout, DefaultPassTimeout))
 	defer cancel()
 	for table, batch := range ids {
-		_, err := db.ExecContext(mctx, `UPDATE `+table+` SET sent_at = clock_timestamp() WHERE id = ANY($1) AND sent_at IS NULL`, batch)
+		_, err := db.ExecContext(mctx, `UPDATE `+table+` SET sent_at = clock_timestamp() WHERE id = ANY($1) AND sent_at IS NULL AND parked_at IS NULL`, batch)
 		if err != nil && s.relay.Logger != nil {
 			s.relay.Logger.Error("outbox: log relay could not mark delivered rows sent; they stay counted as unsent",
 				"table", table, "rows", len(batch), "err", err)

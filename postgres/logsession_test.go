@@ -311,3 +311,59 @@ func seenAll(broker *recorder, rows map[int64]string) bool {
 	}
 	return true
 }
+
+// A message the broker can never take, in the middle of a transaction:
+// with MarkIn and ParkAfter 2, its second refusal parks it, the rest of
+// its transaction and the transactions after it are delivered, and
+// ListParked shows it. The transaction before it is not sent again, and
+// the refused row is tried twice, not in a loop. (Caught: the transaction
+// before it sent again and again, the row after it never delivered,
+// nothing parked.)
+func TestLogRelayParksWhatTheBrokerCanNeverTake(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	broker := &recorder{}
+	var tries atomic.Int64
+	refuse2 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.ID == 2 {
+			tries.Add(1)
+			return fmt.Errorf("payload over the broker's limit: %w", postgres.ErrRejected)
+		}
+		return broker.Publish(ctx, m)
+	})
+	relay := logRelayOn(t, db, logConnString(name), name, refuse2)
+	relay.MarkIn, relay.ParkAfter = db, 2
+	insert := func(n int) {
+		t.Helper()
+		if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+			for range n {
+				if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": 1}); err != nil {
+					return err
+				}
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insert(1) // row 1
+	insert(2) // rows 2 and 3: the broker refuses 2
+	insert(1) // row 4
+	runLog(t, relay)
+	waitUntil(t, "rows 1, 3 and 4 delivered", func() bool { return seenAll(broker, map[int64]string{1: "", 3: "", 4: ""}) })
+	count := map[int64]int{}
+	for _, id := range broker.IDs() {
+		count[id]++
+	}
+	if count[1] != 1 || count[3] != 1 || count[4] != 1 {
+		t.Errorf("publishes by id: %v; want 1, 3 and 4 once each", count)
+	}
+	if n := tries.Load(); n != 2 {
+		t.Errorf("row 2 tried %d times, want 2: parked at its second refusal", n)
+	}
+	parked, err := postgres.ListParked(ctx, db, 0)
+	if err != nil || len(parked) != 1 || parked[0].ID != 2 || parked[0].Rejections != 2 || !strings.Contains(parked[0].LastError, "over the broker's limit") {
+		t.Errorf("ListParked = %+v, %v; want row 2 after 2 rejections, with the broker's error", parked, err)
+	}
+}

@@ -292,6 +292,7 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 	if c.mode == "log" {
 		r := outbox.NewLogRelay(c.database, publisher)
 		r.Logger, r.MarkIn = log, db // marked rows are not lag, and are cleaned up
+		r.ParkAfter = postgres.DefaultParkAfter
 		go func() { done <- runLog(ctx, r, outbox, db, publisher, log) }()
 	} else {
 		r := outbox.NewRelay(db, publisher)
