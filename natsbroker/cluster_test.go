@@ -241,6 +241,12 @@ func drainThroughAFault(t *testing.T, c *cluster, fault func()) {
 			} else {
 				state = err.Error()
 			}
+			if cons, err := stream.Consumer(ctx, "warehouse"); err == nil {
+				if ci, err := cons.Info(ctx); err == nil {
+					state += fmt.Sprintf("; consumer: %d pending, %d awaiting an ack, %d redelivered, %d pulls waiting",
+						ci.NumPending, ci.NumAckPending, ci.NumRedelivered, ci.NumWaiting)
+				}
+			}
 			t.Fatalf("after 90 s: %d of %d events unsent, %d applied; stream: %s", unsent, events, h.applied.Load(), state)
 		}
 	}

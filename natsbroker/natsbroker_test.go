@@ -184,7 +184,11 @@ func runConsumerDone(t testing.TB, nc *nats.Conn, h natsbroker.Handler) (stop fu
 	exited := make(chan struct{})
 	stop = goRun(t, func(ctx context.Context) error {
 		defer close(exited)
-		return c.Run(ctx)
+		err := c.Run(ctx)
+		if ctx.Err() == nil {
+			t.Logf("the consumer's Run returned before its stop: %v", err) // said, for a test that then waits in vain
+		}
+		return err
 	})
 	return stop, exited
 }
