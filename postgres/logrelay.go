@@ -14,6 +14,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // DefaultSlot and DefaultPublication name what a [LogRelay] reads when its
@@ -124,6 +126,16 @@ type LogRelay struct {
 	// the log relay has gone past it.
 	ParkAfter int
 
+	// TracerProvider and MeterProvider are where the relay reports (nil:
+	// otel's global ones): the polling relay's instruments and spans, with
+	// outbox.relay "log"; a transaction's delivery is its pass. They are
+	// read when Run starts.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+
+	table string          // the outbox table, for the measurements' outbox.table
+	tel   *relayTelemetry // made by Run
+
 	connString string
 	connConfig *pgconn.Config // if not nil, used instead of connString
 	broker     MessageBroker
@@ -134,7 +146,7 @@ type LogRelay struct {
 // connString names (a libpq connection string or URL, as pgx parses it;
 // the relay adds replication=database) and publishes to broker.
 func NewLogRelay(connString string, broker MessageBroker) *LogRelay {
-	return &LogRelay{connString: connString, broker: broker}
+	return &LogRelay{connString: connString, broker: broker, table: DefaultOutbox.table}
 }
 
 // NewLogRelayConfig is NewLogRelay with the connection as pgx's own
@@ -142,12 +154,12 @@ func NewLogRelay(connString string, broker MessageBroker) *LogRelay {
 // and its fields allow. The relay uses a copy of cfg with replication =
 // database set.
 func NewLogRelayConfig(cfg *pgconn.Config, broker MessageBroker) *LogRelay {
-	return &LogRelay{connConfig: cfg.Copy(), broker: broker}
+	return &LogRelay{connConfig: cfg.Copy(), broker: broker, table: DefaultOutbox.table}
 }
 
 // NewLogRelay is [NewLogRelay] for o: its Slot and Publication are o's.
 func (o *Outbox) NewLogRelay(connString string, broker MessageBroker) *LogRelay {
-	return &LogRelay{connString: connString, broker: broker, Slot: o.Slot(), Publication: o.Publication()}
+	return &LogRelay{connString: connString, broker: broker, Slot: o.Slot(), Publication: o.Publication(), table: o.table}
 }
 
 // CreateLogSlot creates the replication slot slot (DefaultSlot if empty)
@@ -246,6 +258,7 @@ func (o *Outbox) RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageB
 // mend it: the slot does not exist ([ErrNoSlot]), was invalidated
 // ([ErrSlotLost]), or the role may not replicate.
 func (r *LogRelay) Run(ctx context.Context) error {
+	r.tel = newRelayTelemetry(r.TracerProvider, r.MeterProvider, r.table, "log")
 	maxBackoff := orDefault(r.MaxBackoff, DefaultMaxBackoff)
 	wait := r.wait
 	if wait == nil {
@@ -490,11 +503,21 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 
 // deliver publishes the committed transaction's rows in their order and,
 // once the broker accepted all of them, confirms its end.
-func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
+func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 	timeout := orDefault(s.relay.PublishTimeout, DefaultPassTimeout)
+	tel, start := s.relay.tel, time.Now()
+	var span trace.Span // a transaction's delivery is the log relay's pass
+	if len(s.txn) > 0 {
+		ctx, span = tel.tracer.Start(ctx, "outbox log relay transaction", trace.WithTimestamp(start))
+	}
+	res := passResult{claimed: len(s.txn)}
+	defer func() { tel.endPass(ctx, span, start, res, err) }()
+	system := messagingSystem(s.relay.broker)
 	for i, msg := range s.txn {
 		pctx, cancel := context.WithTimeout(ctx, timeout)
-		err := s.relay.broker.Publish(pctx, msg)
+		sent, sendSpan := tel.startSend(ctx, system, msg)
+		err := s.relay.broker.Publish(pctx, sent)
+		tel.endSend(pctx, sendSpan, err)
 		cancel()
 		if err != nil && errors.Is(err, ErrRejected) && s.park(ctx, i, err) {
 			continue // set aside: the rest of the transaction goes on
@@ -504,6 +527,7 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
 				msg.ID, i+1, len(s.txn), err)
 		}
 		s.delivered++
+		res.published++
 		// A large transaction takes long to publish: the server hears from
 		// the relay all the same, at the old position, so that it does not
 		// end the session at its wal_sender_timeout.
@@ -514,6 +538,7 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) error {
 		}
 	}
 	s.mark(ctx)
+	res.marked = res.published
 	s.txn, s.tables = s.txn[:0], s.tables[:0]
 	s.confirmed = end
 	s.completed++

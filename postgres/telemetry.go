@@ -67,35 +67,40 @@ func ContextWithTrace(ctx context.Context, carrier map[string]string) context.Co
 
 // relayTelemetry is what a relay reports through, made once per relay.
 type relayTelemetry struct {
-	table        attribute.KeyValue // outbox.table, on every measurement
+	table, kind  attribute.KeyValue // outbox.table and outbox.relay, on every measurement
 	tracer       trace.Tracer
 	passDuration metric.Float64Histogram
 	sent         metric.Int64Counter
 }
 
 func (r *OutboxRelay) telemetry() *relayTelemetry {
-	r.telemetryOnce.Do(func() {
-		tp, mp := r.TracerProvider, r.MeterProvider
-		if tp == nil {
-			tp = otel.GetTracerProvider()
-		}
-		if mp == nil {
-			mp = otel.GetMeterProvider()
-		}
-		meter := mp.Meter(InstrumentationName)
-		t := &relayTelemetry{tracer: tp.Tracer(InstrumentationName), table: attribute.String("outbox.table", r.outbox.table)}
-		var err1, err2 error
-		t.passDuration, err1 = meter.Float64Histogram("outbox.relay.pass.duration", metric.WithUnit("s"),
-			metric.WithDescription("How long a relay pass took, from its BEGIN to its COMMIT; its count is the passes made."),
-			metric.WithExplicitBucketBoundaries(PassDurationBuckets...))
-		t.sent, err2 = meter.Int64Counter("messaging.client.sent.messages", metric.WithUnit("{message}"),
-			metric.WithDescription("Messages the relay handed to the broker: accepted, or failed with error.type unavailable, rejected or budget."))
-		if err := errors.Join(err1, err2); err != nil {
-			otel.Handle(err) // the instruments are then no-ops; the relay runs on
-		}
-		r.tel = t
-	})
+	r.telemetryOnce.Do(func() { r.tel = newRelayTelemetry(r.TracerProvider, r.MeterProvider, r.outbox.table, "polling") })
 	return r.tel
+}
+
+// newRelayTelemetry makes a relay's tracer and instruments from tp and mp
+// (nil: otel's global ones); every measurement carries the outbox's table
+// and the relay's kind, outbox.relay: polling or log.
+func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, table, kind string) *relayTelemetry {
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	meter := mp.Meter(InstrumentationName)
+	t := &relayTelemetry{tracer: tp.Tracer(InstrumentationName),
+		table: attribute.String("outbox.table", table), kind: attribute.String("outbox.relay", kind)}
+	var err1, err2 error
+	t.passDuration, err1 = meter.Float64Histogram("outbox.relay.pass.duration", metric.WithUnit("s"),
+		metric.WithDescription("How long a relay pass took, from its BEGIN to its COMMIT (the log relay: a transaction's delivery); its count is the passes made."),
+		metric.WithExplicitBucketBoundaries(PassDurationBuckets...))
+	t.sent, err2 = meter.Int64Counter("messaging.client.sent.messages", metric.WithUnit("{message}"),
+		metric.WithDescription("Messages the relay handed to the broker: accepted, or failed with error.type unavailable, rejected or budget."))
+	if err := errors.Join(err1, err2); err != nil {
+		otel.Handle(err) // the instruments are then no-ops; the relay runs on
+	}
+	return t
 }
 
 // PassDurationBuckets are the bucket boundaries, in seconds, of the
@@ -176,12 +181,12 @@ func (t *relayTelemetry) startSend(passCtx context.Context, system string, msg M
 func (t *relayTelemetry) endSend(pubCtx context.Context, span trace.Span, err error) {
 	ctx := context.WithoutCancel(pubCtx)
 	if err == nil {
-		t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), t.table))
+		t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), t.table, t.kind))
 		span.End()
 		return
 	}
 	kind := errorType(pubCtx, err)
-	t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), attribute.String("error.type", kind), t.table))
+	t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), attribute.String("error.type", kind), t.table, t.kind))
 	span.SetAttributes(attribute.String("error.type", kind))
 	span.SetStatus(codes.Error, err.Error())
 	span.End()
@@ -189,7 +194,7 @@ func (t *relayTelemetry) endSend(pubCtx context.Context, span trace.Span, err er
 
 // endPass records the pass's duration and ends its span, if it has one.
 func (t *relayTelemetry) endPass(ctx context.Context, span trace.Span, start time.Time, res passResult, err error) {
-	t.passDuration.Record(context.WithoutCancel(ctx), time.Since(start).Seconds(), metric.WithAttributes(t.table))
+	t.passDuration.Record(context.WithoutCancel(ctx), time.Since(start).Seconds(), metric.WithAttributes(t.table, t.kind))
 	if span == nil {
 		return
 	}

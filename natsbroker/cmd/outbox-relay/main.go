@@ -291,7 +291,7 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 	done := make(chan error, 1)
 	if c.mode == "log" {
 		r := outbox.NewLogRelay(c.database, publisher)
-		r.Logger, r.MarkIn = log, db // marked rows are not lag, and are cleaned up
+		r.Logger, r.MarkIn, r.MeterProvider = log, db, meters // marked rows are not lag, and are cleaned up
 		r.ParkAfter = postgres.DefaultParkAfter
 		go func() { done <- runLog(ctx, r, outbox, db, publisher, log) }()
 	} else {

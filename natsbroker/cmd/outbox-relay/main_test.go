@@ -341,6 +341,10 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	}
 	waitFor(t, "20 messages in the stream", func() bool { return e.streamMsgs() == 20 })
 	waitFor(t, "the delivered rows marked and cleaned up", func() bool { return e.count(`SELECT count(*) FROM outbox`) == 0 })
+	if _, body := get("http://" + addr + "/metrics"); !strings.Contains(body, `outbox_relay="log"`) ||
+		!strings.Contains(body, "messaging_client_sent_messages_total") {
+		t.Errorf("/metrics lacks the log relay's sent messages:\n%.3000s", body)
+	}
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
