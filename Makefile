@@ -13,7 +13,7 @@
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, a throwaway PostgreSQL (-race)
-#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
+#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #
@@ -168,8 +168,10 @@ natsbroker:
 # on each, and POST /broker/down then stops one node. SHOP_DATA=FOLDER keeps
 # the database (FOLDER/postgres) and the broker's store (FOLDER/jetstream):
 # make shop SHOP_DATA=FOLDER again resumes on them, and the outbox catches up
-# with whatever was left unsent.
+# with whatever was left unsent. SHOP_RELAY=log runs the log relay instead
+# of the polling relay (migrate creates its slot).
 SHOP_ADDR  ?= 127.0.0.1:8080
+SHOP_RELAY ?= polling
 SHOP_NODES ?= 1
 SHOP_DATA  ?=
 shop:
@@ -177,8 +179,8 @@ shop:
 	postgres/with-server.sh bash -c 'dir=$$(mktemp -d "$${TMPDIR:-/tmp}/shop.XXXXXX") && trap "rm -rf $$dir" EXIT && \
 		store="$${SHOP_DATA:-$$dir}/jetstream" && \
 		(cd natsbroker/cmd/shop && $(GO) build -o "$$dir/shop" .) && \
-		"$$dir/shop" migrate -store "$$store" -nodes $(SHOP_NODES) && \
-		"$$dir/shop" serve -store "$$store" -nodes $(SHOP_NODES) -addr $(SHOP_ADDR)'
+		"$$dir/shop" migrate -store "$$store" -nodes $(SHOP_NODES) -relay $(SHOP_RELAY) && \
+		"$$dir/shop" serve -store "$$store" -nodes $(SHOP_NODES) -addr $(SHOP_ADDR) -relay $(SHOP_RELAY)'
 
 # The shop's live page in a real browser: headless Chromium (Debian's
 # chromium, installed here where it is missing) driven by chromedp, on a

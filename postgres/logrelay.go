@@ -133,6 +133,11 @@ type LogRelay struct {
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
 
+	// OnPass, if not nil, is called after each transaction's delivery, in
+	// Run's goroutine, with what it did, as OutboxRelay.OnPass is after a
+	// pass: for a live view of the relay. It must return quickly.
+	OnPass func(PassReport)
+
 	table string          // the outbox table, for the measurements' outbox.table
 	tel   *relayTelemetry // made by Run
 
@@ -511,7 +516,12 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 		ctx, span = tel.tracer.Start(ctx, "outbox log relay transaction", trace.WithTimestamp(start))
 	}
 	res := passResult{claimed: len(s.txn)}
-	defer func() { tel.endPass(ctx, span, start, res, err) }()
+	defer func() {
+		tel.endPass(ctx, span, start, res, err)
+		if s.relay.OnPass != nil {
+			s.relay.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Err: err})
+		}
+	}()
 	system := messagingSystem(s.relay.broker)
 	for i, msg := range s.txn {
 		pctx, cancel := context.WithTimeout(ctx, timeout)

@@ -212,7 +212,7 @@ func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
 		defer ln.Close()
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		return serve(ctx, ln, dbs, store, 1, io.Discard)
+		return serve(ctx, ln, dbs, store, 1, io.Discard, "polling")
 	}
 	if err := serveOnce(t.TempDir()); !errors.Is(err, postgres.ErrSchemaVersion) {
 		t.Errorf("serve on a blank database = %v, want ErrSchemaVersion", err)

@@ -283,9 +283,9 @@ func (c *countingHandler) Handle(ctx context.Context, msg postgres.Message) (boo
 // relayRunner runs the relay's loop, and stops and starts it again when the
 // page asks: a relay killed and started again resumes from the table.
 type relayRunner struct {
-	relay *postgres.OutboxRelay
-	ctx   context.Context // the shop's: a relay outlives no shop
-	errs  chan<- error    // where a relay that stopped on its own says why
+	relay interface{ Run(context.Context) error } // the polling relay or the log relay
+	ctx   context.Context                         // the shop's: a relay outlives no shop
+	errs  chan<- error                            // where a relay that stopped on its own says why
 
 	mu     sync.Mutex
 	cancel context.CancelFunc

@@ -91,11 +91,11 @@ func TestShopResumesOnItsOwnData(t *testing.T) {
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		out := &syncBuffer{}
-		if err := migrate(ctx, dbs.shop, store, 1, out); err != nil {
+		if err := migrate(ctx, dbs.shop, store, 1, out, "polling"); err != nil {
 			t.Fatal(err)
 		}
 		served := make(chan error, 1)
-		go func() { served <- serve(ctx, ln, dbs, store, 1, out) }()
+		go func() { served <- serve(ctx, ln, dbs, store, 1, out, "polling") }()
 		base = "http://" + ln.Addr().String()
 		waitFor(t, "the shop to listen", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
 		return base, func() {

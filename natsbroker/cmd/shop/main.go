@@ -8,6 +8,9 @@
 //	shop migrate -store DIR [-nodes N]              applies the database's migrations and provisions the stream and the consumer
 //	shop serve -store DIR [-nodes N] [-addr ADDR]   checks both, refuses to start if either is not as it expects, and serves
 //
+// -relay log runs the log relay (postgres.LogRelay, reading the server's
+// log; migrate creates its slot) instead of the polling relay.
+//
 // -nodes 3 runs the embedded JetStream as a cluster of three, the stream
 // and its consumer with three replicas; POST /broker/down then stops one
 // node, the stream's leader, and the shop goes on through the other two.
@@ -51,7 +54,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 || (os.Args[1] != "migrate" && os.Args[1] != "serve") {
-		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR [-nodes N] | shop serve -store DIR [-nodes N] [-addr ADDR]")
+		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR [-nodes N] [-relay polling|log] | shop serve -store DIR [-nodes N] [-addr ADDR] [-relay polling|log]")
 		os.Exit(2)
 	}
 	cmd := os.Args[1]
@@ -59,12 +62,17 @@ func main() {
 	addr := flags.String("addr", "127.0.0.1:8080", "where serve's HTTP service listens")
 	store := flags.String("store", "", "the folder of the embedded JetStream server's store")
 	nodes := flags.Int("nodes", 1, "how many JetStream servers: 1, or 3 for a cluster")
+	relayKind := flags.String("relay", "polling", "which relay: polling, or log (reading the server's log)")
 	flags.Parse(os.Args[2:])
+	if *relayKind != "polling" && *relayKind != "log" {
+		fmt.Fprintf(os.Stderr, "shop: -relay %q: want polling or log\n", *relayKind)
+		os.Exit(2)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	shutdown, err := setUpTracing(ctx, os.Stdout)
 	if err == nil {
-		err = run(ctx, cmd, *addr, *store, *nodes, os.Getenv("OUTBOX_POSTGRES_URL"))
+		err = run(ctx, cmd, *addr, *store, *nodes, os.Getenv("OUTBOX_POSTGRES_URL"), *relayKind)
 		flush, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		err = errors.Join(err, shutdown(flush))
 		cancel()
@@ -75,7 +83,7 @@ func main() {
 	}
 }
 
-func run(ctx context.Context, cmd, addr, store string, nodes int, databaseURL string) error {
+func run(ctx context.Context, cmd, addr, store string, nodes int, databaseURL, relayKind string) error {
 	if databaseURL == "" {
 		return errors.New("OUTBOX_POSTGRES_URL is not set: run make shop")
 	}
@@ -89,13 +97,13 @@ func run(ctx context.Context, cmd, addr, store string, nodes int, databaseURL st
 	dbs := openPools(cfg)
 	defer dbs.Close()
 	if cmd == "migrate" {
-		return migrate(ctx, dbs.shop, store, nodes, os.Stdout)
+		return migrate(ctx, dbs.shop, store, nodes, os.Stdout, relayKind)
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
 	}
-	return serve(ctx, ln, dbs, store, nodes, os.Stdout)
+	return serve(ctx, ln, dbs, store, nodes, os.Stdout, relayKind)
 }
 
 // pools are the shop's connection pools to its database, one for each of
@@ -106,6 +114,7 @@ func run(ctx context.Context, cmd, addr, store string, nodes int, databaseURL st
 // than half an hour, or idle longer than five minutes.
 type pools struct {
 	shop, relay, warehouse *sql.DB
+	cfg                    *pgx.ConnConfig // what they were opened with: the log relay's connection too
 }
 
 // maxConns is the most connections the shop opens to the database.
@@ -122,7 +131,7 @@ func openPools(cfg *pgx.ConnConfig) *pools {
 		db.SetConnMaxIdleTime(5 * time.Minute)
 		return db
 	}
-	return &pools{shop: open("shop", maxConns-5), relay: open("outbox-relay", 3), warehouse: open("warehouse", 2)}
+	return &pools{shop: open("shop", maxConns-5), relay: open("outbox-relay", 3), warehouse: open("warehouse", 2), cfg: cfg}
 }
 
 // Close closes the three pools.
@@ -143,9 +152,14 @@ func streamConfig(nodes int) jetstream.StreamConfig {
 // migrate is the step before serve: it brings the database's outbox tables
 // to postgres.SchemaVersion and the shop's to shop.SchemaVersion, and creates (or updates) the stream and the
 // warehouse's durable consumer on the broker whose store is in store.
-func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Writer) error {
+func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Writer, relayKind string) error {
 	if err := postgres.Migrate(ctx, db); err != nil {
 		return err
+	}
+	if relayKind == "log" { // the log relay's slot, before any order it must see
+		if err := postgres.CreateLogSlot(ctx, db, postgres.DefaultSlot); err != nil {
+			return err
+		}
 	}
 	if err := shop.Migrate(ctx, db); err != nil {
 		return err
@@ -227,7 +241,7 @@ func newServer(h http.Handler) *http.Server {
 // and the warehouse, serves HTTP on ln until ctx ends, then stops them all.
 // Spans go to otel's global tracer provider (setUpTracing's); metrics to a
 // meter provider of serve's own, at GET /metrics.
-func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes int, out io.Writer) error {
+func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes int, out io.Writer, relayKind string) error {
 	db := dbs.shop
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -278,15 +292,22 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 	relay.MaxBackoff = 2 * time.Second // a demo: back quickly after /broker/up
 	relay.Logger = logger
 	relay.MeterProvider = m.provider
+	var runs interface{ Run(context.Context) error } = relay
+	logRelay := postgres.NewLogRelayConfig(&dbs.cfg.Config, lossy)
+	if relayKind == "log" { // -relay log: the other relay, reading the server's log
+		logRelay.MarkIn, logRelay.ParkAfter = dbs.relay, postgres.DefaultParkAfter
+		logRelay.MaxBackoff, logRelay.Logger, logRelay.MeterProvider = 2*time.Second, logger, m.provider
+		runs = logRelay
+	}
 	counted := &countingHandler{Handler: shop.NewWarehouse(dbs.warehouse)}
 	warehouse := natsbroker.NewConsumer(cons, counted)
 	warehouse.Logger = logger
 	warehouse.MeterProvider = m.provider
 	errs := make(chan error, 3)
 	orders := shop.NewOrderService(db)
-	runner := &relayRunner{relay: relay, ctx: ctx, errs: errs}
+	runner := &relayRunner{relay: runs, ctx: ctx, errs: errs}
 	view := &live{db: db, orders: orders, broker: broker, js: js, publisher: publisher, lossy: lossy, warehouse: counted, relay: runner, stopped: ctx.Done()}
-	relay.OnPass = view.onPass
+	relay.OnPass, logRelay.OnPass = view.onPass, view.onPass
 	routes := http.NewServeMux()
 	routes.Handle("GET /metrics", m.handler)
 	view.routes(routes)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
@@ -34,11 +36,11 @@ func TestShopOverHTTP(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	var out syncBuffer
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 1, &out); err != nil {
+	if err := migrate(ctx, dbs.shop, store, 1, &out, "polling"); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 1, &out) }()
+	go func() { served <- serve(ctx, ln, dbs, store, 1, &out, "polling") }()
 	base := "http://" + ln.Addr().String()
 	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
 
@@ -257,11 +259,11 @@ func TestShopOnAClusterGoesOnWithANodeDown(t *testing.T) {
 	defer cancel()
 	var out syncBuffer
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 3, &out); err != nil {
+	if err := migrate(ctx, dbs.shop, store, 3, &out, "polling"); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 3, &out) }()
+	go func() { served <- serve(ctx, ln, dbs, store, 3, &out, "polling") }()
 	base := "http://" + ln.Addr().String()
 	waitFor(t, "the shop to say it listens", func() bool {
 		select {
@@ -293,6 +295,51 @@ func TestShopOnAClusterGoesOnWithANodeDown(t *testing.T) {
 	reserved(2)
 	call(t, "POST", base+"/broker/up", "", 200, `{"broker":"up"}`)
 	reserved(3)
+	cancel()
+	if err := <-served; err != nil {
+		t.Errorf("serve = %v, want nil after the context ended", err)
+	}
+}
+
+// The shop with the log relay (-relay log, make shop SHOP_RELAY=log):
+// migrate creates its slot; an order is reserved; with the broker down an
+// order waits, unsent, and once it is back it is reserved and /orders
+// says it was sent (the log relay marks what it delivered); the live
+// view's relay counts the log relay's deliveries as its passes.
+func TestShopOverHTTPWithTheLogRelay(t *testing.T) {
+	db, dbs := newDatabase(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var out syncBuffer
+	store := t.TempDir()
+	if err := migrate(ctx, dbs.shop, store, 1, &out, "log"); err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- serve(ctx, ln, dbs, store, 1, &out, "log") }()
+	t.Cleanup(func() { // after the shop stopped: its replication session ends a moment later
+		waitFor(t, "the slot dropped", func() bool {
+			return !errors.Is(postgres.DropLogSlot(context.Background(), db, postgres.DefaultSlot), postgres.ErrSlotActive)
+		})
+	})
+	base := "http://" + ln.Addr().String()
+	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
+	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
+	waitFor(t, "order 1 reserved, and marked sent", func() bool {
+		return get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
+	})
+	call(t, "POST", base+"/broker/down", "", 200, `{"broker":"down"}`)
+	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":2}`)
+	if got := get(t, base+"/orders/2"); got != `{"orderId":2,"totalCents":4000,"sent":false,"reserved":false}` {
+		t.Errorf("order 2 with the broker down = %s, want it unsent", got)
+	}
+	call(t, "POST", base+"/broker/up", "", 200, `{"broker":"up"}`)
+	waitFor(t, "order 2 reserved, and marked sent", func() bool {
+		return get(t, base+"/orders/2") == `{"orderId":2,"totalCents":4000,"sent":true,"reserved":true}`
+	})
 	cancel()
 	if err := <-served; err != nil {
 		t.Errorf("serve = %v, want nil after the context ended", err)

@@ -32,11 +32,11 @@ func startShop(t *testing.T) (string, *sql.DB, *syncBuffer) {
 	ctx, cancel := context.WithCancel(context.Background())
 	out := &syncBuffer{}
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 1, out); err != nil {
+	if err := migrate(ctx, dbs.shop, store, 1, out, "polling"); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 1, out) }()
+	go func() { served <- serve(ctx, ln, dbs, store, 1, out, "polling") }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-served; err != nil {
