@@ -18,7 +18,11 @@
 // own before the services start; [ReadLag] for a gauge; [DeleteSent] and
 // [ForgetProcessed] for bounded cleanup; parking of the messages a broker
 // rejects for ever ([ErrRejected], [OutboxRelay.ParkAfter], [ListParked],
-// [Unpark]).
+// [Unpark], [DropParked]). The package's functions work on the table
+// outbox ([DefaultOutbox]); an [Outbox] of another name ([NewOutbox]) has
+// the same as methods, so that two outboxes share a database. [LogRelay]
+// is the other relay, which reads the server's log. Package pgtest, below
+// this one, gives tests a real server.
 //
 // What a real database adds, and the in-memory one of the lesson cannot
 // show, is in the doc comments of [OutboxRelay], [Transaction] and
