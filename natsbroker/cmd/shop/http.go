@@ -49,7 +49,7 @@ const badBody = `body must be one JSON object {"totalCents": a whole number of c
 // redeliveries from JetStream, asked for at most brokerTimeout. GET
 // /outbox/parked lists the parked rows, and POST /outbox/parked/{id}/unpark
 // puts one back.
-func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer jetstream.Consumer) http.Handler {
+func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer jetstream.Consumer, warehouse *countingHandler) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
 		var body struct {
@@ -161,6 +161,9 @@ func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer
 		case err != nil && !errors.Is(err, sql.ErrNoRows):
 			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
 			return
+		}
+		if warehouse != nil { // what the warehouse applied, and the copies it dropped by key
+			view["warehouse"] = map[string]int64{"applied": warehouse.applied.Load(), "duplicates": warehouse.duplicates.Load()}
 		}
 		if consumer != nil {
 			// The broker gets a short bound of its own: while it is down the

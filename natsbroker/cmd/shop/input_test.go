@@ -97,7 +97,7 @@ func (p placer) PlaceOrderWithKey(ctx context.Context, _ string, _ int64) (int64
 // order. (Caught: a bare 500, which tells a client nothing it can act on.)
 func TestUnknownCommitTellsTheClientHowToRetry(t *testing.T) {
 	unknown := fmt.Errorf("commit: %w: %w", postgres.ErrCommitUnknown, errors.New("connection reset"))
-	srv := httptest.NewServer(newHandler(nil, placer{err: unknown}, nil, nil))
+	srv := httptest.NewServer(newHandler(nil, placer{err: unknown}, nil, nil, nil))
 	defer srv.Close()
 	const outcome = `"error":"the database did not answer the commit: whether the order was placed is unknown"`
 	for _, tc := range []struct{ key, retry string }{
@@ -135,7 +135,7 @@ func TestDatabaseThatDoesNotAnswerGetsA503AtTheDeadline(t *testing.T) {
 		}
 	}}
 	hang.err = context.DeadlineExceeded // what the driver returns at the deadline
-	srv := httptest.NewServer(newHandler(nil, hang, nil, nil))
+	srv := httptest.NewServer(newHandler(nil, hang, nil, nil, nil))
 	defer srv.Close()
 	defer close(giveUp) // before Close, which waits for the handler
 	client := &http.Client{Timeout: 4 * requestTimeout}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/metric"
 
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
@@ -37,7 +38,8 @@ type live struct {
 	lossy     *lossyPublisher
 	warehouse *countingHandler
 	relay     *relayRunner
-	stopped   <-chan struct{} // closed when the shop stops: the streams end
+	meters    metric.MeterProvider // the warehouse's, for a replay's counts too
+	stopped   <-chan struct{}      // closed when the shop stops: the streams end
 
 	mu     sync.Mutex
 	passes []pass // the latest passes that did something, newest first
@@ -220,6 +222,16 @@ func (l *live) routes(mux *http.ServeMux) {
 			writeJSON(w, http.StatusOK, map[string]any{"orderId": id, "cancelled": true})
 		}
 	})
+	mux.HandleFunc("POST /warehouse/replay", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), time.Minute)
+		defer cancel()
+		replayed, duplicates, err := l.replay(ctx)
+		if err != nil {
+			writeJSON(w, http.StatusServiceUnavailable, problem("replay: "+err.Error()))
+			return
+		}
+		writeJSON(w, http.StatusOK, map[string]int64{"replayed": replayed, "duplicates": duplicates})
+	})
 	mux.HandleFunc("POST /broker/lose-next-ack", func(w http.ResponseWriter, r *http.Request) {
 		l.lossy.loseNext.Store(true)
 		writeJSON(w, http.StatusOK, map[string]bool{"loseNextAck": true})
@@ -332,4 +344,50 @@ func (r *relayRunner) Running() bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.done != nil
+}
+
+// replay delivers the whole stream again to the warehouse, through a
+// consumer of its own that lives for the replay: what a consumer reset to
+// the start, or a copy that came after the broker's duplicate window, makes
+// the warehouse see. Each message it applied before is dropped by its key
+// and counted as a duplicate, on the page, in /outbox and in /metrics. It
+// returns how many messages went through, and how many of those were
+// duplicates.
+func (l *live) replay(ctx context.Context) (replayed, duplicates int64, err error) {
+	stream, err := l.js.Stream(ctx, natsbroker.Stream)
+	if err != nil {
+		return 0, 0, err
+	}
+	cfg := natsbroker.ConsumerConfig("", 30*time.Second)
+	cfg.InactiveThreshold = time.Minute // ephemeral: gone a minute after the replay, whatever happens
+	cons, err := stream.CreateConsumer(ctx, cfg)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer stream.DeleteConsumer(context.WithoutCancel(ctx), cons.CachedInfo().Name)
+	applied, dups := l.warehouse.applied.Load(), l.warehouse.duplicates.Load()
+	c := natsbroker.NewConsumer(cons, l.warehouse)
+	c.MeterProvider = l.meters
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(rctx) }()
+	defer func() { stop(); <-done }()
+	for {
+		info, err := cons.Info(ctx)
+		if err != nil {
+			return 0, 0, err
+		}
+		if info.NumPending == 0 && info.NumAckPending == 0 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return 0, 0, ctx.Err()
+		case err := <-done:
+			return 0, 0, fmt.Errorf("the replay's consumer stopped: %w", err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	duplicates = l.warehouse.duplicates.Load() - dups
+	return l.warehouse.applied.Load() - applied + duplicates, duplicates, nil
 }

@@ -306,12 +306,13 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 	errs := make(chan error, 3)
 	orders := shop.NewOrderService(db)
 	runner := &relayRunner{relay: runs, ctx: ctx, errs: errs}
-	view := &live{db: db, orders: orders, broker: broker, js: js, publisher: publisher, lossy: lossy, warehouse: counted, relay: runner, stopped: ctx.Done()}
+	view := &live{db: db, orders: orders, broker: broker, js: js, publisher: publisher, lossy: lossy, warehouse: counted, relay: runner,
+		meters: m.provider, stopped: ctx.Done()}
 	relay.OnPass, logRelay.OnPass = view.onPass, view.onPass
 	routes := http.NewServeMux()
 	routes.Handle("GET /metrics", m.handler)
 	view.routes(routes)
-	routes.Handle("/", traced(newHandler(db, orders, broker, cons)))
+	routes.Handle("/", traced(newHandler(db, orders, broker, cons, counted)))
 	srv := newServer(routes)
 
 	var wg sync.WaitGroup

@@ -345,3 +345,56 @@ func TestShopOverHTTPWithTheLogRelay(t *testing.T) {
 		t.Errorf("serve = %v, want nil after the context ended", err)
 	}
 }
+
+// The consumer's duplicate, where a person sees it: POST /warehouse/replay
+// delivers the whole stream again to the warehouse, as a consumer reset to
+// the start or a copy past the broker's duplicate window would, and the
+// warehouse drops each copy by its key: no reservation twice, the copies
+// counted in the answer, in /outbox and in /metrics. (The lost ack the
+// page offers is dropped by JetStream's duplicate window before any
+// consumer sees it.)
+func TestWarehouseDropsEveryCopyOfAReplay(t *testing.T) {
+	db, dbs := newDatabase(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var out syncBuffer
+	store := t.TempDir()
+	if err := migrate(ctx, dbs.shop, store, 1, &out, "polling"); err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- serve(ctx, ln, dbs, store, 1, &out, "polling") }()
+	base := "http://" + ln.Addr().String()
+	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
+	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
+	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":2}`)
+	waitFor(t, "both orders reserved", func() bool {
+		return get(t, base+"/orders/2") == `{"orderId":2,"totalCents":4000,"sent":true,"reserved":true}` &&
+			get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
+	})
+	call(t, "POST", base+"/warehouse/replay", "", 200, `{"duplicates":2,"replayed":2}`)
+	var reservations int
+	if err := db.QueryRow(`SELECT count(*) FROM reservations`).Scan(&reservations); err != nil || reservations != 2 {
+		t.Errorf("%d reservations (%v) after the replay, want 2", reservations, err)
+	}
+	var view struct{ Warehouse map[string]int64 }
+	if got := get(t, base+"/outbox"); json.Unmarshal([]byte(got), &view) != nil || view.Warehouse["duplicates"] != 2 || view.Warehouse["applied"] != 2 {
+		t.Errorf("GET /outbox after the replay = %s, want the warehouse's 2 applied and 2 duplicates", got)
+	}
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), `outbox_result="duplicate"`) {
+		t.Errorf("/metrics counts no duplicate:\n%.2000s", body)
+	}
+	cancel()
+	if err := <-served; err != nil {
+		t.Errorf("serve = %v, want nil after the context ended", err)
+	}
+}
