@@ -4,8 +4,10 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"log/slog"
 	"net"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -181,6 +183,7 @@ func runConsumerDone(t testing.TB, nc *nats.Conn, h natsbroker.Handler) (stop fu
 	}
 	c := natsbroker.NewConsumer(cons, h)
 	c.RetryDelay = 100 * time.Millisecond
+	c.Logger = slog.New(slog.NewTextHandler(testLog{t}, nil)) // a termination is said in the test's log
 	exited := make(chan struct{})
 	stop = goRun(t, func(ctx context.Context) error {
 		defer close(exited)
@@ -245,4 +248,12 @@ func streamMessages(t testing.TB, stream jetstream.Stream) uint64 {
 		t.Fatal(err)
 	}
 	return info.State.Msgs
+}
+
+// testLog writes a logger's lines to the test's log.
+type testLog struct{ t testing.TB }
+
+func (l testLog) Write(p []byte) (int, error) {
+	l.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
 }
