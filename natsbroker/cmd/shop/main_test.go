@@ -5,7 +5,6 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -18,7 +17,6 @@ import (
 
 	"github.com/jackc/pgx/v5/stdlib"
 
-	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
@@ -307,26 +305,7 @@ func TestShopOnAClusterGoesOnWithANodeDown(t *testing.T) {
 // says it was sent (the log relay marks what it delivered); the live
 // view's relay counts the log relay's deliveries as its passes.
 func TestShopOverHTTPWithTheLogRelay(t *testing.T) {
-	db, dbs := newDatabase(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	var out syncBuffer
-	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 1, &out, "log"); err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 1, &out, "log") }()
-	t.Cleanup(func() { // after the shop stopped: its replication session ends a moment later
-		waitFor(t, "the slot dropped", func() bool {
-			return !errors.Is(postgres.DropLogSlot(context.Background(), db, postgres.DefaultSlot), postgres.ErrSlotActive)
-		})
-	})
-	base := "http://" + ln.Addr().String()
-	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
+	base, _, _ := startShopWith(t, "log")
 	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
 	waitFor(t, "order 1 reserved, and marked sent", func() bool {
 		return get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
@@ -340,10 +319,6 @@ func TestShopOverHTTPWithTheLogRelay(t *testing.T) {
 	waitFor(t, "order 2 reserved, and marked sent", func() bool {
 		return get(t, base+"/orders/2") == `{"orderId":2,"totalCents":4000,"sent":true,"reserved":true}`
 	})
-	cancel()
-	if err := <-served; err != nil {
-		t.Errorf("serve = %v, want nil after the context ended", err)
-	}
 }
 
 // The consumer's duplicate, where a person sees it: POST /warehouse/replay
@@ -354,21 +329,7 @@ func TestShopOverHTTPWithTheLogRelay(t *testing.T) {
 // page offers is dropped by JetStream's duplicate window before any
 // consumer sees it.)
 func TestWarehouseDropsEveryCopyOfAReplay(t *testing.T) {
-	db, dbs := newDatabase(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	var out syncBuffer
-	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 1, &out, "polling"); err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 1, &out, "polling") }()
-	base := "http://" + ln.Addr().String()
-	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
+	base, db, _ := startShop(t)
 	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
 	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":2}`)
 	waitFor(t, "both orders reserved", func() bool {
@@ -392,9 +353,5 @@ func TestWarehouseDropsEveryCopyOfAReplay(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(body), `outbox_result="duplicate"`) {
 		t.Errorf("/metrics counts no duplicate:\n%.2000s", body)
-	}
-	cancel()
-	if err := <-served; err != nil {
-		t.Errorf("serve = %v, want nil after the context ended", err)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"database/sql"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -17,12 +18,20 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+
+	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 // startShop migrates a database and a broker store of t's own and serves
 // the shop on loopback until t ends; it returns the shop's base URL, the
 // database, and what the shop printed.
 func startShop(t *testing.T) (string, *sql.DB, *syncBuffer) {
+	t.Helper()
+	return startShopWith(t, "polling")
+}
+
+// startShopWith is startShop with the relay of relayKind, polling or log.
+func startShopWith(t *testing.T, relayKind string) (string, *sql.DB, *syncBuffer) {
 	t.Helper()
 	db, dbs := newDatabase(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -32,15 +41,20 @@ func startShop(t *testing.T) (string, *sql.DB, *syncBuffer) {
 	ctx, cancel := context.WithCancel(context.Background())
 	out := &syncBuffer{}
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 1, out, "polling"); err != nil {
+	if err := migrate(ctx, dbs.shop, store, 1, out, relayKind); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 1, out, "polling") }()
+	go func() { served <- serve(ctx, ln, dbs, store, 1, out, relayKind) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-served; err != nil {
 			t.Errorf("serve: %v", err)
+		}
+		if relayKind == "log" { // its slot, before the database goes: the replication session ends a moment after the shop
+			waitFor(t, "the log relay's slot dropped", func() bool {
+				return !errors.Is(postgres.DropLogSlot(context.Background(), db, postgres.DefaultSlot), postgres.ErrSlotActive)
+			})
 		}
 	})
 	base := "http://" + ln.Addr().String()
