@@ -61,7 +61,7 @@ var ErrSlotLost = errors.New("postgres: the log relay's replication slot was inv
 // broker accepted, so what a crash or a broker failure sends again is the
 // transactions after the last one confirmed, at least once, with the same
 // keys; consumers drop the copies. The server hears of each delivery within
-// 100 ms and at the end of every session, a clean stop included, so a
+// 100 ms and when a session ends on a connection that still works, a clean stop included, so a
 // restart sends again at most the transaction in flight. It holds no transaction on the server,
 // but its slot holds log: as long as the relay is behind or gone, the server
 // keeps the log it has not read, bounded only by max_slot_wal_keep_size (an
@@ -361,7 +361,9 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 	// Whatever ended the session, the server hears how far the broker
 	// accepted, so that a clean stop, or a failure after a delivery, sends
 	// again at most the transaction in flight.
-	if s.confirmed > s.toldPos {
+	// A connection that failed is being closed by pgconn, in a goroutine of
+	// its own: nothing more may be written to it.
+	if s.confirmed > s.toldPos && !conn.IsClosed() {
 		final, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		s.tell(final)
 		cancel()
