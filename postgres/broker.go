@@ -75,9 +75,10 @@ type MessageBroker interface {
 // at once, without waiting for each acknowledgement before it sends the next
 // message, as JetStream's asynchronous publish and Kafka's producer do. A
 // relay pass with [OutboxRelay.PerAggregate] publishes its batch through
-// PublishBatch when its broker has one; one without it publishes a message
-// at a time, since a broker may store a batch's messages after one it
-// refused, ahead of it.
+// PublishBatch when its broker has one, and a [LogRelay] a transaction's
+// rows, in batches that hold no aggregate twice; a polling relay without
+// PerAggregate publishes a message at a time, since a broker may store a
+// batch's messages after one it refused, ahead of it.
 //
 // PublishBatch publishes msgs, in their order, and returns how many of them,
 // counted from the first, the broker accepted, and, if that is fewer than

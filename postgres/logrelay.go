@@ -45,14 +45,15 @@ var ErrSlotLost = errors.New("postgres: the log relay's replication slot was inv
 // LogRelay is the other relay: instead of polling the table it reads the
 // outbox's inserts from PostgreSQL's log, by logical decoding (the pgoutput
 // plugin, through a publication of the outbox's inserts), and publishes each
-// committed transaction's rows in commit order. A row that committed after a
+// committed transaction's rows in commit order (through a [BatchPublisher],
+// in batches that hold no aggregate twice). A row that committed after a
 // higher id is published after it, as it committed, so the trap of the
 // polling relay (ids are not commit order) cannot happen. It never updates a
 // row unless MarkIn is set: no mark, no dead index entry, no vacuum debt;
 // sent_at then stays NULL, so [DeleteSent] does not touch the rows and
-// [ReadLag] counts them as unsent. With MarkIn, each transaction delivered
-// is marked, one statement, and the table is counted and cleaned up as the
-// polling relay's.
+// [ReadLag] counts them as unsent. With MarkIn, what it delivered is
+// marked, beside the stream, and the table is counted and cleaned up as
+// the polling relay's.
 //
 // Its place in the log is the slot's: the server keeps every record from
 // the slot's position on, and sends again, after a reconnect or a restart,
@@ -79,8 +80,9 @@ type LogRelay struct {
 	// empty means DefaultSlot and DefaultPublication.
 	Slot, Publication string
 
-	// PublishTimeout bounds each publish; zero or less means
-	// DefaultPassTimeout. A publish that runs out fails as any other.
+	// PublishTimeout bounds each publish, a batch's too, and each mark;
+	// zero or less means DefaultPassTimeout. A publish that runs out
+	// fails as any other.
 	PublishTimeout time.Duration
 
 	// StatusInterval is how often, at most, the relay tells the server how
@@ -106,13 +108,16 @@ type LogRelay struct {
 	Logger *slog.Logger
 
 	// MarkIn, if not nil, is the outbox's database opened with pgx's
-	// stdlib driver: the relay then marks the rows of each transaction it
-	// delivered sent (sent_at), in one statement, before it confirms the
-	// transaction to the slot. So ReadLag counts only the rows not yet
-	// delivered, and DeleteSent cleans up the delivered ones, as for the
-	// polling relay, at the cost of a write a transaction. A mark that
-	// fails is logged and leaves the rows counted as unsent; they were
-	// delivered, and are not sent again for it.
+	// stdlib driver: the relay then marks the rows it delivered sent
+	// (sent_at), beside the stream, so that it never waits for the write:
+	// one mark at a time, each of every row delivered since the one before
+	// began, in one statement a table. The server hears of a transaction
+	// only once its rows are marked, and a session's end waits for its
+	// marks. So ReadLag counts only the rows not yet delivered (or
+	// delivered a moment ago), and DeleteSent cleans up the delivered
+	// ones, as for the polling relay. A mark that fails is logged and
+	// leaves the rows counted as unsent; they were delivered, and are not
+	// sent again for it.
 	MarkIn *sql.DB
 
 	// ParkAfter, with MarkIn, is how many rejections (broker errors
@@ -134,8 +139,10 @@ type LogRelay struct {
 	MeterProvider  metric.MeterProvider
 
 	// OnPass, if not nil, is called after each transaction's delivery, in
-	// Run's goroutine, with what it did, as OutboxRelay.OnPass is after a
-	// pass: for a live view of the relay. It must return quickly.
+	// Run's goroutine, with what it did (Claimed, Published, Err), as
+	// OutboxRelay.OnPass is after a pass: for a live view of the relay.
+	// With MarkIn it is called too after each mark, with Marked and Err
+	// alone. It must return quickly.
 	OnPass func(PassReport)
 
 	table string          // the outbox table, for the measurements' outbox.table
@@ -357,16 +364,22 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 		every:     every,
 		replyIn:   orDefault(r.ReplyTimeout, 10*time.Second),
 	}
+	if r.MarkIn != nil {
+		s.marks = newMarks(r)
+	}
 	err = s.run(ctx)
 	// Whatever ended the session, the server hears how far the broker
 	// accepted, so that a clean stop, or a failure after a delivery, sends
 	// again at most the transaction in flight.
 	// A connection that failed is being closed by pgconn, in a goroutine of
 	// its own: nothing more may be written to it.
-	if s.confirmed > s.toldPos && !conn.IsClosed() {
-		final, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	final, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	if s.marks != nil {
+		s.marks.finish(context.WithoutCancel(ctx))
+	}
+	if s.safe() > s.toldPos && !conn.IsClosed() {
 		s.tell(final)
-		cancel()
 	}
 	return s.completed, err
 }
@@ -393,9 +406,10 @@ type stream struct {
 	relations map[uint32]*pglogrepl.RelationMessage
 	txn       []Message
 	tables    []string      // each txn row's table, as an SQL identifier
+	marks     *marks        // with MarkIn, the marking of what was delivered
 	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
 	toldPos   pglogrepl.LSN // the position the server was last told
-	told      time.Time     // when the server was last told confirmed
+	told      time.Time     // when the server was last told where the relay is
 	asked     time.Time     // when a status update asked for an answer that has not come; zero if none waits
 	every     time.Duration
 	replyIn   time.Duration
@@ -411,6 +425,9 @@ const statusAfterDelivery = 100 * time.Millisecond
 
 func (s *stream) run(ctx context.Context) error {
 	for {
+		if s.marks != nil {
+			s.marks.poll(ctx)
+		}
 		if time.Now().After(s.nextTell()) {
 			if err := s.tell(ctx); err != nil {
 				return err
@@ -524,22 +541,31 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 			s.relay.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Err: err})
 		}
 	}()
-	system := messagingSystem(s.relay.broker)
-	for i, msg := range s.txn {
+	bp, batches := s.relay.broker.(BatchPublisher)
+	var tables []string // the rows delivered, for the marks
+	var ids []int64
+	for i := 0; i < len(s.txn); {
+		n := 1
+		if batches {
+			n = batchOf(s.txn[i:], DefaultBatchSize)
+		}
 		pctx, cancel := context.WithTimeout(ctx, timeout)
-		sent, sendSpan := tel.startSend(ctx, system, msg)
-		err := s.relay.broker.Publish(pctx, sent)
-		tel.endSend(pctx, sendSpan, err)
+		accepted, err := s.publish(pctx, bp, s.txn[i:i+n])
 		cancel()
+		for j := i; j < i+accepted; j++ {
+			tables, ids = append(tables, s.tables[j]), append(ids, s.txn[j].ID)
+		}
+		s.delivered += accepted
+		res.published += accepted
+		i += accepted
 		if err != nil && errors.Is(err, ErrRejected) && s.park(ctx, i, err) {
+			i++
 			continue // set aside: the rest of the transaction goes on
 		}
 		if err != nil {
 			return fmt.Errorf("publish message %d, %d of a transaction of %d, which goes again whole: %w",
-				msg.ID, i+1, len(s.txn), err)
+				s.txn[i].ID, i+1, len(s.txn), err)
 		}
-		s.delivered++
-		res.published++
 		// A large transaction takes long to publish: the server hears from
 		// the relay all the same, at the old position, so that it does not
 		// end the session at its wal_sender_timeout.
@@ -549,8 +575,11 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 			}
 		}
 	}
-	s.mark(ctx)
-	res.marked = res.published
+	if s.marks != nil && len(ids) > 0 {
+		s.marks.delivered(ctx, tables, ids, end)
+	} else if s.marks == nil {
+		res.marked = res.published // confirmed, as far as the relay goes
+	}
 	s.txn, s.tables = s.txn[:0], s.tables[:0]
 	s.confirmed = end
 	s.completed++
@@ -558,6 +587,43 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 		return s.tell(ctx)
 	}
 	return nil
+}
+
+// publish publishes msgs, one message or, through bp, a batch, and
+// returns how many the broker accepted, from the first, and, if not all,
+// the error of the first it did not accept.
+func (s *stream) publish(ctx context.Context, bp BatchPublisher, msgs []Message) (int, error) {
+	tel := s.relay.tel
+	if len(msgs) > 1 {
+		return publishBatch(ctx, tel, bp, msgs)
+	}
+	sent, span := tel.startSend(ctx, messagingSystem(s.relay.broker), msgs[0])
+	err := s.relay.broker.Publish(ctx, sent)
+	tel.endSend(ctx, span, err)
+	if err != nil {
+		return 0, err
+	}
+	return 1, nil
+}
+
+// batchOf is how many of msgs, from the first and at most limit, go in one
+// batch: up to the first message whose aggregate is already in it. A batch
+// is sent before any of its acks is read, so the broker may store a message
+// after one it refused; with no aggregate twice in a batch, that breaks no
+// order a consumer relies on (rows with no aggregate are in no order).
+func batchOf(msgs []Message, limit int) int {
+	seen := map[string]bool{}
+	n := 0
+	for _, m := range msgs[:min(len(msgs), limit)] {
+		if m.Aggregate != "" {
+			if seen[m.Aggregate] {
+				break
+			}
+			seen[m.Aggregate] = true
+		}
+		n++
+	}
+	return n
 }
 
 // park counts the broker's refusal of the transaction's row i in MarkIn
@@ -588,43 +654,35 @@ func (s *stream) park(ctx context.Context, i int, refusal error) bool {
 	return parked
 }
 
-// mark marks the delivered transaction's rows sent in MarkIn, if set, one
-// statement a table, and logs a failure.
-func (s *stream) mark(ctx context.Context) {
-	db := s.relay.MarkIn
-	if db == nil || len(s.txn) == 0 {
-		return
+// safe is the position the server may hear of: how far the relay
+// delivered, or, with MarkIn, how far it delivered and marked.
+func (s *stream) safe() pglogrepl.LSN {
+	if s.marks == nil || s.marks.idle() {
+		return s.confirmed
 	}
-	ids := map[string][]int64{}
-	for i, msg := range s.txn {
-		ids[s.tables[i]] = append(ids[s.tables[i]], msg.ID)
-	}
-	mctx, cancel := context.WithTimeout(ctx, orDefault(s.relay.PublishTimeout, DefaultPassTimeout))
-	defer cancel()
-	for table, batch := range ids {
-		_, err := db.ExecContext(mctx, `UPDATE `+table+` SET sent_at = clock_timestamp() WHERE id = ANY($1) AND sent_at IS NULL AND parked_at IS NULL`, batch)
-		if err != nil && s.relay.Logger != nil {
-			s.relay.Logger.Error("outbox: log relay could not mark delivered rows sent; they stay counted as unsent",
-				"table", table, "rows", len(batch), "err", err)
-		}
-	}
+	return s.marks.markedTo
 }
 
-// tell sends the server the position the relay has delivered up to: the
-// server may forget the log before it, and starts there next time. Before
-// the relay delivered anything the position is 0, which the server takes
-// for none: the slot keeps its own. Each update asks the server for an
-// answer, so that a connection that went silent is noticed (ReplyTimeout).
+// tell sends the server the position the relay has delivered up to (safe,
+// or the position it told before if that is further): the server may
+// forget the log before it, and starts there next time. Before the relay
+// delivered anything the position is 0, which the server takes for none:
+// the slot keeps its own. Each update asks the server for an answer, so
+// that a connection that went silent is noticed (ReplyTimeout).
 func (s *stream) tell(ctx context.Context) error {
+	if s.marks != nil {
+		s.marks.poll(ctx)
+	}
+	pos := max(s.safe(), s.toldPos)
 	s.told = time.Now()
 	if s.asked.IsZero() {
 		s.asked = s.told
 	}
 	if err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn,
-		pglogrepl.StandbyStatusUpdate{WALWritePosition: s.confirmed, ReplyRequested: true}); err != nil {
+		pglogrepl.StandbyStatusUpdate{WALWritePosition: pos, ReplyRequested: true}); err != nil {
 		return fmt.Errorf("log relay: tell the server its position: %w", err)
 	}
-	s.toldPos = s.confirmed
+	s.toldPos = pos
 	return nil
 }
 

@@ -686,13 +686,25 @@ func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) 
 		return 1, nil
 	}
 	batch := make([]Message, len(msgs))
+	for i, m := range msgs {
+		batch[i] = m.Message
+	}
+	return publishBatch(ctx, tel, bp, batch)
+}
+
+// publishBatch publishes msgs through bp, each in a send span, and returns
+// how many the broker accepted, from the first, and, if not all, the error
+// of the first it did not accept. A broker that misreports is taken for one
+// that is down.
+func publishBatch(ctx context.Context, tel *relayTelemetry, bp BatchPublisher, msgs []Message) (int, error) {
+	batch := make([]Message, len(msgs))
 	spans := make([]trace.Span, len(msgs))
 	for i, m := range msgs {
-		batch[i], spans[i] = tel.startSend(ctx, messagingSystem(r.broker), m.Message)
+		batch[i], spans[i] = tel.startSend(ctx, messagingSystem(bp), m)
 	}
 	n, err := bp.PublishBatch(ctx, batch)
 	switch {
-	case n < 0 || n > len(msgs): // a broker that misreports is taken for one that is down
+	case n < 0 || n > len(msgs):
 		err = fmt.Errorf("broker says it accepted %d of %d messages: %w", n, len(msgs), ErrBrokerUnavailable)
 		n = 0
 	case n < len(msgs) && err == nil:

@@ -56,7 +56,7 @@ type pass struct {
 
 // onPass keeps the passes that claimed something or failed.
 func (l *live) onPass(r postgres.PassReport) {
-	if r.Claimed == 0 && r.Err == nil {
+	if r.Claimed == 0 && r.Marked == 0 && r.Err == nil {
 		return
 	}
 	p := pass{At: time.Now().Format("15:04:05.000"), Claimed: r.Claimed, Published: r.Published, Marked: r.Marked}
