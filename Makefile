@@ -12,6 +12,7 @@
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
+#   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
@@ -38,7 +39,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays natsbroker shop page measure-natsbroker
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays failover natsbroker shop page measure-natsbroker
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -148,6 +149,17 @@ measure-relays:
 	@rm -f measure-relays.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-relays.txt
 
+# A failover on this machine (TestFailover): a primary and a streaming
+# standby, each a throwaway server of the test's own, producers, the polling
+# relay and a dual write running, the primary killed with SIGKILL and the
+# standby promoted, once with the standby synchronous and once asynchronous
+# and behind; into postgres/figures/failover.txt, for postgres/REFERENCE.md.
+failover:
+	cd postgres && { echo "cpu: $$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"; \
+		$(GO) test -count=1 -v -run '^TestFailover$$' . 2>&1; } \
+		| grep -E '^(cpu:|--- |    failover_test|ok|FAIL)' | tee figures/failover.txt
+	@! grep -E '^(--- )?FAIL' postgres/figures/failover.txt
+
 # The natsbroker/ module: the outbox end to end through NATS JetStream, which
 # its tests embed (each with its store in a temporary folder); then the shop
 # program's module, natsbroker/cmd/shop, which holds the SDKs, exporters and
@@ -212,4 +224,5 @@ measure-natsbroker:
 	{ $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' natsbroker/figures/measure-natsbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(cluster3 cluster3-always)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:RelayTracing -col '/trace@(none stored sdk)' natsbroker/figures/measure-natsbroker.txt; } | tee natsbroker/figures/measure-natsbroker.stat.txt

@@ -25,14 +25,15 @@ import (
 // server that syncs its store to disk before each ack (broker=one-always,
 // sync_interval: always), and a cluster of three with the stream and its
 // consumer replicated three times (broker=cluster3, an ack once two of the
-// three stored it). With ack=each the relay waits for each message's ack
+// three stored it), and the same whose servers sync before each ack
+// (broker=cluster3-always, as the shop's cluster runs). With ack=each the relay waits for each message's ack
 // before it publishes the next (the Publisher without its PublishBatch, as a
 // relay without PerAggregate publishes); with ack=batch it publishes the
 // pass's batch asynchronously and then waits for the acks. The relay keeps
 // order per aggregate in both. Rows are written in chunks of 1,000 with the
 // timer stopped.
 func BenchmarkDrain(b *testing.B) {
-	for _, broker := range []string{"one", "one-always", "cluster3"} {
+	for _, broker := range []string{"one", "one-always", "cluster3", "cluster3-always"} {
 		for _, mode := range []string{"each", "batch"} {
 			b.Run("broker="+broker+"/ack="+mode, func(b *testing.B) {
 				url := ""
@@ -47,6 +48,10 @@ func BenchmarkDrain(b *testing.B) {
 					url = br.url()
 				case "cluster3":
 					c := startCluster(b, 3)
+					setUpReplicated(b, c)
+					url = c.url()
+				case "cluster3-always":
+					c := startClusterWith(b, 3, func(o *server.Options) { o.SyncAlways = true })
 					setUpReplicated(b, c)
 					url = c.url()
 				}

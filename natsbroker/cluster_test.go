@@ -34,6 +34,13 @@ type cluster struct {
 // waits until JetStream has a meta leader; they stop when t ends.
 func startCluster(t testing.TB, n int) *cluster {
 	t.Helper()
+	return startClusterWith(t, n, nil)
+}
+
+// startClusterWith is startCluster with each server's options edited by
+// edit, if not nil.
+func startClusterWith(t testing.TB, n int, edit func(*server.Options)) *cluster {
+	t.Helper()
 	routePorts := make([]int, n)
 	var routes []string
 	for i := range routePorts {
@@ -53,6 +60,11 @@ func startCluster(t testing.TB, n int) *cluster {
 			Cluster:    server.ClusterOpts{Name: "outbox", Host: "127.0.0.1", Port: routePorts[i]},
 			Routes:     urls(t, routes),
 		}})
+	}
+	for _, b := range c.nodes {
+		if edit != nil {
+			edit(&b.opts)
+		}
 	}
 	for _, b := range c.nodes {
 		b.start() // ready once it listens; its routes connect as the others start
@@ -102,7 +114,7 @@ func (c *cluster) streamLeader() *broker {
 
 // setUpReplicated creates the stream and the warehouse's durable consumer
 // with three replicas each.
-func setUpReplicated(t testing.TB, c *cluster) (jetstream.JetStream, jetstream.Stream) {
+func setUpReplicated(t testing.TB, c interface{ url() string }) (jetstream.JetStream, jetstream.Stream) {
 	t.Helper()
 	ctx := context.Background()
 	js, err := jetstream.New(connect(t, c.url()))
@@ -180,7 +192,7 @@ func (o *ordered) Handle(ctx context.Context, msg postgres.Message) (bool, error
 // promises past the broker's door: every row marked sent is in the stream,
 // nothing is stored twice, each aggregate's events reached the warehouse in
 // seq order and once, and the durable consumer went on.
-func drainThroughAFault(t *testing.T, c *cluster, fault func()) {
+func drainThroughAFault(t *testing.T, c interface{ url() string }, fault func()) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	_, stream := setUpReplicated(t, c)

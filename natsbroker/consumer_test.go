@@ -23,7 +23,8 @@ import (
 // notes when it came and what the warehouse said, by key.
 type deliveries struct {
 	warehouse *shop.Warehouse
-	delay     time.Duration // the fault: a handler this slow
+	delay     time.Duration                    // the fault: a handler this slow
+	hang      func(postgres.Message, int) bool // the fault: if it says so for a delivery (its number, from 1), Handle waits for its deadline
 	mu        sync.Mutex
 	at        map[string][]time.Time
 	errs      map[string][]error
@@ -36,8 +37,16 @@ func newDeliveries(wh *shop.Warehouse) *deliveries {
 func (d *deliveries) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
 	d.mu.Lock()
 	d.at[msg.Key] = append(d.at[msg.Key], time.Now())
+	n := len(d.at[msg.Key])
 	d.mu.Unlock()
 	time.Sleep(d.delay)
+	if d.hang != nil && d.hang(msg, n) {
+		<-ctx.Done()
+		d.mu.Lock()
+		d.errs[msg.Key] = append(d.errs[msg.Key], ctx.Err())
+		d.mu.Unlock()
+		return false, ctx.Err()
+	}
 	applied, err := d.warehouse.Handle(ctx, msg)
 	d.mu.Lock()
 	d.errs[msg.Key] = append(d.errs[msg.Key], err)
@@ -186,6 +195,61 @@ func TestPrefetchFitsWithinAckWait(t *testing.T) {
 	}
 	t.Logf("%d deliveries of %d messages, %d again after a failed attempt, %d unasked for", delivered, orders,
 		delivered-orders-unasked, unasked)
+}
+
+// A Handle that hangs is cut at its deadline, a share of AckWait, so that
+// the messages prefetched behind it are handled before AckWait runs out:
+// 20 orders, AckWait 2 s, Prefetch 10, and the first delivery of the
+// first message hangs until its context ends. Only that message goes
+// twice; every other is delivered once. (Caught: each Handle given all of
+// AckWait, which held the nine behind it until JetStream delivered them
+// again.)
+func TestAHungHandleLeavesTheRestOfThePrefetchInTime(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	js, _ := setUp(t, connect(t, b.url()), 0, 2*time.Second)
+	service := shop.NewOrderService(db)
+	const orders = 20
+	for range orders {
+		if _, err := service.PlaceOrder(ctx, 100); err != nil {
+			t.Fatal(err)
+		}
+	}
+	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
+	for sent := 0; sent < orders; {
+		n, err := relay.PublishPending(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent += n
+	}
+	h := newDeliveries(shop.NewWarehouse(db))
+	var first atomic.Value // the key of the first message delivered
+	h.hang = func(m postgres.Message, n int) bool {
+		first.CompareAndSwap(nil, m.Key)
+		return n == 1 && first.Load() == m.Key
+	}
+	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := natsbroker.NewConsumer(cons, h)
+	c.Prefetch = 10
+	goRun(t, c.Run)
+	waitFor(t, "every order reserved", func() bool {
+		return count(t, db, `SELECT count(*) FROM reservations`) == orders
+	})
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for key, at := range h.at {
+		if key != first.Load() && len(at) != 1 {
+			t.Errorf("%s delivered %d times, behind a Handle that hung", key, len(at))
+		}
+	}
+	if n := len(h.at[first.Load().(string)]); n != 2 {
+		t.Errorf("the message whose Handle hung was delivered %d times, want 2", n)
+	}
 }
 
 // logBuffer collects a logger's lines; safe for the consumer's goroutine.

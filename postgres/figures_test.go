@@ -31,6 +31,7 @@ var documents = []string{"../README.md", "README.md", "REFERENCE.md", "../natsbr
 var targets = map[string][]string{
 	"measure-postgres":   {"figures/measure-postgres.txt"},
 	"measure-relays":     {"figures/measure-relays.txt", "figures/measure-relays.stat.txt"},
+	"failover":           {"figures/failover.txt"},
 	"bench-postgres":     {"figures/bench-postgres.txt", "figures/bench-postgres.stat.txt"},
 	"measure-natsbroker": {"../natsbroker/figures/measure-natsbroker.txt", "../natsbroker/figures/measure-natsbroker.stat.txt"},
 }

@@ -564,3 +564,55 @@ func TestLogRelayMarksBesideTheStream(t *testing.T) {
 		t.Errorf("%d publishes, want 4", n)
 	}
 }
+
+// The relay answers the server's requests for a reply at once, not only at
+// its own interval: the interval is set from wal_sender_timeout as the
+// session starts, and an operator may lower the timeout while it runs.
+// With an interval of 30 s (half the default timeout), the timeout lowered
+// to 2 s and the server's configuration reloaded: the server asks for a
+// reply every second, and the same session (one walsender process)
+// answers five of them. (Caught: the request ignored, which the server
+// ended the session for after 2 s.)
+func TestLogRelayAnswersTheServersRequestForAReply(t *testing.T) {
+	ctx := context.Background()
+	srv := startOwnServer(t)
+	db := srv.open(t)
+	if err := postgres.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	relay := logRelayOn(t, db, srv.ConnString(), "outbox", &recorder{})
+	relay.StatusInterval = time.Hour
+	relay.ReplyTimeout = time.Hour
+	runLog(t, relay)
+	walsender := func() (pid int, replied time.Time) {
+		t.Helper()
+		err := db.QueryRow(`SELECT COALESCE(r.pid, 0), COALESCE(r.reply_time, 'epoch')
+			FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
+			WHERE s.slot_name = 'outbox'`).Scan(&pid, &replied)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return pid, replied
+	}
+	var pid int
+	waitUntil(t, "the relay streaming", func() bool { pid, _ = walsender(); return pid != 0 })
+	for _, q := range []string{`ALTER SYSTEM SET wal_sender_timeout = '2s'`, `SELECT pg_reload_conf()`} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, last := walsender()
+	for i := range 5 {
+		waitUntil(t, fmt.Sprintf("answer %d to the server", i+1), func() bool {
+			now, replied := walsender()
+			if now != pid {
+				t.Fatalf("the walsender changed from %d to %d: the server ended the session for want of a reply", pid, now)
+			}
+			if replied.After(last) {
+				last = replied
+				return true
+			}
+			return false
+		})
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -194,11 +195,14 @@ const FailingAfter = 5
 // makes sure, within its budget, that the server has flushed its log past
 // every commit the claim could see (pg_current_wal_flush_lsn against the
 // pg_current_wal_insert_lsn, read as the claim began). Where everything is
-// flushed already, as it is when producers commit synchronously and no
-// other transaction is writing, it costs nothing but two function calls in
-// the claim; otherwise it makes the server flush, with a synchronous commit
-// of a one-record transaction on a second connection of its pool, before
-// it publishes: a pass may need two connections at once. With synchronous
+// flushed already it costs nothing but two function calls in the claim;
+// otherwise it looks again, a few times in a few milliseconds, since with
+// producers that commit synchronously what was not flushed is the log of
+// transactions still open, which their commits flush a moment later; and
+// only if the log is still not flushed makes the server flush, with a
+// synchronous commit of a one-record transaction on a second connection of
+// its pool, before it publishes: a pass may need two connections at once.
+// With synchronous producers few passes flush ([PassReport].Flushed). With synchronous
 // standbys that commit also waits for them. What it cannot see is an
 // asynchronous standby: after a failover to one, the new primary may lack
 // changes whose events were published, with this relay and with the dual
@@ -269,6 +273,22 @@ type OutboxRelay struct {
 	// row costs one index lookup more (BenchmarkDeliverOrdered measures the
 	// drain rate with and without it; REFERENCE.md quotes it).
 	PerAggregate bool
+
+	// Standbys names the standby servers (their application_name, as the
+	// primary's pg_stat_replication shows it) that a pass waits for: it
+	// publishes only once each of them has flushed the primary's log past
+	// the commits of the rows it claimed, so that a failover to any of
+	// them never loses a change whose event went out. A synchronous standby
+	// (synchronous_standby_names) has what a commit acknowledged already,
+	// and costs nothing more here; an asynchronous one is what it is for:
+	// without it, a failover to a standby that was behind loses changes
+	// whose events were published: phantom events, of rows the new primary
+	// never had, whose ids and aggregates it may hand out again. A pass whose
+	// standbys do not catch up within its budget (one disconnected, or far
+	// behind) publishes nothing and fails with [ErrStandbyBehind]: events
+	// wait while a standby is away; decide whether that is what you want,
+	// or name fewer. Empty: the pass waits for the primary's own log only.
+	Standbys []string
 
 	// PollInterval, MaxBackoff, PollOnly and Logger configure Run: how long
 	// it waits for a notification before it passes anyway and the longest
@@ -382,6 +402,8 @@ func (r *OutboxRelay) validate(run bool) error {
 		return bad("PassTimeout is %v: a pass needs a budget (DefaultPassTimeout is %v)", r.PassTimeout, DefaultPassTimeout)
 	case r.ParkAfter < 0:
 		return bad("ParkAfter is %d: 0 never parks, n parks after n rejections", r.ParkAfter)
+	case slices.Contains(r.Standbys, ""):
+		return bad("Standbys holds an empty name")
 	case run && r.PollInterval <= 0:
 		return bad("PollInterval is %v (DefaultPollInterval is %v)", r.PollInterval, DefaultPollInterval)
 	case run && r.MaxBackoff <= 0:
@@ -457,9 +479,12 @@ func (r *OutboxRelay) PublishPending(ctx context.Context) (int, error) {
 
 // PassReport is what one relay pass did, as [OutboxRelay.OnPass] is told:
 // the rows it claimed, the messages the broker accepted, those it marked
-// sent and committed (its progress), the rows it parked, and its error.
+// sent and committed (its progress), the rows it parked, whether it made
+// the server flush its log before it published (Flushed: see
+// [OutboxRelay] on why), and its error.
 type PassReport struct {
 	Claimed, Published, Marked, Parked int
+	Flushed                            bool
 	Err                                error
 }
 
@@ -469,6 +494,7 @@ type passResult struct {
 	marked    int       // marked sent, and committed: the pass's progress
 	claimed   int       // rows the pass claimed
 	full      bool      // it claimed a whole batch
+	flushed   bool      // it made the server flush its log
 	parked    []int64   // ids of the rows it parked, if it committed
 	failing   []failure // the rows whose attempts reached FailingAfter, if it committed
 	// fatal is set when a statement failed in a way no retry mends: a
@@ -484,7 +510,8 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	defer func() { tel.endPass(ctx, span, start, res, err) }()
 	if r.OnPass != nil {
 		defer func() {
-			r.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Parked: len(res.parked), Err: err})
+			r.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Parked: len(res.parked),
+				Flushed: res.flushed, Err: err})
 		}()
 	}
 	defer func() { res.fatal = err != nil && cannotPass(err) }()
@@ -517,8 +544,17 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		// The publishes' context carries the pass's span, their link.
 		pubCtx, span = tel.tracer.Start(pubCtx, "outbox relay pass", trace.WithTimestamp(start))
 	}
+	if len(msgs) > 0 && len(r.Standbys) > 0 {
+		if err := r.waitForStandbys(pubCtx, tx, wal.inserted); err != nil {
+			if ctx.Err() != nil {
+				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
+			}
+			return res, fmt.Errorf("relay pass: %w", err)
+		}
+	}
 	if len(msgs) > 0 && !wal.flushed {
-		if err := r.flush(pubCtx, tx, wal.inserted); err != nil {
+		var err error
+		if res.flushed, err = r.flush(pubCtx, tx, wal.inserted); err != nil {
 			if ctx.Err() != nil {
 				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
 			}
@@ -634,23 +670,91 @@ func why(txCtx context.Context, err error) string {
 	return ""
 }
 
+// ErrStandbyBehind is returned, wrapped, by [OutboxRelay.PublishPending]
+// when a pass's standbys (OutboxRelay.Standbys) had not flushed the log
+// past its rows' commits within its budget: it published nothing, and the
+// rows wait for a later pass.
+var ErrStandbyBehind = errors.New("postgres: a standby the relay waits for is behind")
+
+// standbysFlushed says whether every standby of $2, by application_name,
+// is connected and has flushed the log up to $1.
+const standbysFlushed = `SELECT count(DISTINCT application_name) = cardinality($2::text[])
+FROM pg_stat_replication WHERE application_name = ANY($2::text[]) AND flush_lsn >= $1::pg_lsn`
+
+// waitForStandbys waits until every standby of r.Standbys has flushed the
+// log up to lsn, looking again after 1 ms, then twice as long each time up
+// to 50 ms, until ctx ends.
+func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx *sql.Tx, lsn string) error {
+	names := slices.Compact(slices.Sorted(slices.Values(r.Standbys)))
+	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
+		var caught bool
+		err := tx.QueryRowContext(ctx, standbysFlushed, lsn, names).Scan(&caught)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			return fmt.Errorf("read the standbys' positions: %w", err)
+		case err == nil && caught:
+			return nil
+		}
+		if err != nil || !pause(ctx, wait) {
+			return fmt.Errorf("%w: %v had not all flushed the log to %s, past the claimed rows' commits, within the pass's budget",
+				ErrStandbyBehind, names, lsn)
+		}
+	}
+}
+
+// pause waits for d, and reports false if ctx ended first.
+func pause(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// flushLooks is how often a pass looks again whether the server has
+// flushed its log far enough before it makes it flush: each look is a
+// round trip on the pass's connection, and with producers that commit
+// synchronously the log is flushed far enough within a few of them in all
+// but a few passes in a hundred (make measure-relays, flushed-%).
+const flushLooks = 5
+
+// flushLookAfter is the wait before the second look; each next one waits
+// twice as long (all five looks: 3.75 ms at most).
+const flushLookAfter = 250 * time.Microsecond
+
 // flush makes sure the server has flushed its log up to lsn before the pass
-// publishes: it commits flushWAL on a second connection of the relay's pool
-// (the pass's is inside its transaction), then checks on the pass's. The flush is needed
-// only when some producer commits asynchronously, or when a transaction
-// that is still open has written to the log since the last flush.
-func (r *OutboxRelay) flush(ctx context.Context, tx *sql.Tx, lsn string) error {
+// publishes, and reports whether it had to make it flush. The log that was
+// not flushed as the claim began is mostly that of producers still in their
+// transactions, whose synchronous commits flush it a moment later: so it
+// first looks again, flushLooks times at most, on the pass's connection.
+// Only if the log is still not flushed that far does it commit flushWAL on
+// a second connection of the relay's pool (the pass's is inside its
+// transaction), then check again. That is needed when some producer commits
+// asynchronously, or when nothing commits after a write to the log (a
+// transaction still open, vacuum).
+func (r *OutboxRelay) flush(ctx context.Context, tx *sql.Tx, lsn string) (flushed bool, err error) {
+	var done bool
+	for look := range flushLooks {
+		if look > 0 && !pause(ctx, flushLookAfter<<(look-1)) {
+			return false, ctx.Err()
+		}
+		if err := tx.QueryRowContext(ctx, walFlushed, lsn).Scan(&done); err != nil || done {
+			return false, err
+		}
+	}
 	if _, err := r.db.ExecContext(ctx, flushWAL); err != nil {
-		return err
+		return true, err
 	}
-	var flushed bool
-	if err := tx.QueryRowContext(ctx, walFlushed, lsn).Scan(&flushed); err != nil {
-		return err
+	if err := tx.QueryRowContext(ctx, walFlushed, lsn).Scan(&done); err != nil {
+		return true, err
 	}
-	if !flushed {
-		return errors.New("the server's log is still not flushed after a synchronous commit")
+	if !done {
+		return true, errors.New("the server's log is still not flushed after a synchronous commit: is the pool's every connection to the same server?")
 	}
-	return nil
+	return true, nil
 }
 
 // cannotPass reports whether err holds a server error that the same

@@ -22,7 +22,9 @@ import (
 // arrival), the delay from each order's commit to its event's arrival
 // (median, 99th percentile, slowest), the log written per order while the
 // producers ran, and, at the end, the outbox's dead tuples and the size of
-// its index of unsent rows. relay=log runs as the relay process deploys it,
+// its index of unsent rows; for relay=poll, its passes with rows while the
+// producers ran and the share of them that made the server flush its log
+// (PassReport.Flushed). relay=log runs as the relay process deploys it,
 // marking what it delivered (MarkIn); relay=log-unmarked marks nothing, to
 // show what the marks cost. Each relay has delivered one order
 // before the producers start, so that the figures are of a relay running,
@@ -80,12 +82,22 @@ func measureRelay(b *testing.B, kind string) {
 	name := newDatabaseName(b)
 	db := open(b, name, "")
 	broker := &arrivals{at: map[int64]time.Time{}}
+	var measuring atomic.Bool
+	var passes, flushes atomic.Int64 // the polling relay's passes with rows, while the producers ran, and those that flushed
 	runCtx, stopRelay := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	switch kind {
 	case "poll":
 		relay := postgres.NewOutboxRelay(open(b, name, "relay"), broker)
 		relay.PollInterval = time.Second
+		relay.OnPass = func(r postgres.PassReport) {
+			if r.Claimed > 0 && measuring.Load() {
+				passes.Add(1)
+				if r.Flushed {
+					flushes.Add(1)
+				}
+			}
+		}
 		go func() { done <- relay.Run(runCtx) }()
 	case "log", "log-unmarked":
 		if err := postgres.CreateLogSlot(ctx, db, name); err != nil {
@@ -132,6 +144,7 @@ func measureRelay(b *testing.B, kind string) {
 	committed := map[int64]time.Time{}
 	var placed atomic.Int64
 	start := time.Now()
+	measuring.Store(true)
 	for range producers {
 		wg.Go(func() {
 			service := shop.NewOrderService(db)
@@ -151,6 +164,7 @@ func measureRelay(b *testing.B, kind string) {
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
+	measuring.Store(false)
 	if err := db.QueryRow(`SELECT pg_current_wal_insert_lsn()::text`).Scan(&walEnd); err != nil {
 		b.Fatal(err)
 	}
@@ -194,6 +208,10 @@ func measureRelay(b *testing.B, kind string) {
 	b.ReportMetric(float64(delays[len(delays)*99/100].Microseconds())/1000, "p99-ms")
 	b.ReportMetric(float64(delays[len(delays)-1].Microseconds())/1000, "max-ms")
 	b.ReportMetric(walBytes/float64(n), "wal-B/order")
+	if kind == "poll" {
+		b.ReportMetric(float64(passes.Load()), "passes")
+		b.ReportMetric(100*float64(flushes.Load())/float64(passes.Load()), "flushed-%")
+	}
 	b.ReportMetric(float64(dead), "dead-tuples")
 	b.ReportMetric(float64(indexBytes)/1024, "unsent-index-kB")
 }

@@ -199,7 +199,7 @@ func (t *relayTelemetry) endPass(ctx context.Context, span trace.Span, start tim
 		return
 	}
 	span.SetAttributes(attribute.Int("outbox.claimed", res.claimed), attribute.Int("outbox.published", res.published),
-		attribute.Int("outbox.marked", res.marked))
+		attribute.Int("outbox.marked", res.marked), attribute.Bool("outbox.flushed", res.flushed))
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 	}

@@ -139,6 +139,75 @@ func Start(opts ...string) (*Server, error) {
 	return s, nil
 }
 
+// StartStandby makes a streaming standby of s (pg_basebackup -R of its
+// data, with the log streamed, and primary_conninfo naming s with the
+// application_name name, as s's pg_stat_replication and
+// synchronous_standby_names know it) in a temporary folder of its own,
+// and starts it with the postgres options opts. Remove stops and removes
+// it; if the process that started it dies first, a watcher process does.
+func (s *Server) StartStandby(name string, opts ...string) (*Server, error) {
+	dir, err := os.MkdirTemp("", "outbox-standby.")
+	if err != nil {
+		return nil, err
+	}
+	sb := &Server{Dir: dir, bindir: s.bindir, as: s.as, opts: strings.Join(opts, " ")}
+	if err := os.Chmod(dir, 0o755); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	if len(s.as) > 0 {
+		info, err := os.Stat(s.Dir)
+		if err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+		if err := os.Chown(dir, int(info.Sys().(*syscall.Stat_t).Uid), -1); err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+	}
+	if err := sb.watch(); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	conninfo := "host=" + s.Dir + " user=postgres application_name=" + name
+	// -R: standby.signal, and primary_conninfo from conninfo.
+	if err := sb.Run("pg_basebackup", "-D", filepath.Join(dir, "data"), "-R", "-X", "stream", "--no-sync", "-d", conninfo); err != nil {
+		sb.Remove()
+		return nil, err
+	}
+	if err := sb.Ctl("start"); err != nil {
+		sb.Remove()
+		return nil, err
+	}
+	return sb, nil
+}
+
+// Kill kills the server's postmaster and every process it started with
+// SIGKILL, as a machine that dies would: nothing is flushed, nobody is
+// told. Remove still removes its folder.
+func (s *Server) Kill() error {
+	pidFile, err := os.ReadFile(filepath.Join(s.Dir, "data", "postmaster.pid"))
+	if err != nil {
+		return err
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(pidFile), "\n", 2)[0]))
+	if err != nil {
+		return fmt.Errorf("postmaster.pid: %w", err)
+	}
+	// Stopped first, so that it starts no process while its children go.
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		return err
+	}
+	children, _ := exec.Command("pgrep", "-P", strconv.Itoa(pid)).Output()
+	for _, c := range strings.Fields(string(children)) {
+		if n, err := strconv.Atoi(c); err == nil {
+			syscall.Kill(n, syscall.SIGKILL)
+		}
+	}
+	return syscall.Kill(pid, syscall.SIGKILL)
+}
+
 // watch starts a process that removes the server once this process is
 // gone, whatever ended it: a test binary that panics, times out or is
 // killed runs no deferred call.

@@ -43,6 +43,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -68,6 +69,7 @@ type config struct {
 	replicas                    int
 	retention, cleanupEvery     time.Duration
 	processedRetention          time.Duration
+	standbys                    []string // polling mode: the standbys a pass waits for
 }
 
 func main() {
@@ -114,11 +116,21 @@ func parse(cmd string, args []string) (config, []string, error) {
 	fs.StringVar(&replicas, "replicas", replicas, "the stream's replicas (OUTBOX_REPLICAS)")
 	fs.StringVar(&retention, "retention", retention, "how long sent rows are kept; 0 keeps them (OUTBOX_RETENTION)")
 	fs.StringVar(&every, "cleanup-every", every, "how often cleanup runs (OUTBOX_CLEANUP_EVERY)")
+	standbys := env("OUTBOX_STANDBYS", "")
+	fs.StringVar(&standbys, "standbys", standbys, "polling mode: the standbys' application_names, comma-separated, that a pass waits for before it publishes (OUTBOX_STANDBYS)")
 	if err := fs.Parse(args); err != nil {
 		return c, nil, err
 	}
 	var errs []error
 	var err error
+	for name := range strings.SplitSeq(standbys, ",") {
+		if name = strings.TrimSpace(name); name != "" {
+			c.standbys = append(c.standbys, name)
+		}
+	}
+	if len(c.standbys) > 0 && c.mode == "log" {
+		errs = append(errs, errors.New("-standbys is for -mode polling: the log relay cannot wait for a standby (PostgreSQL 17 can, for it: synchronized_standby_slots)"))
+	}
 	if c.replicas, err = strconv.Atoi(replicas); err != nil || c.replicas < 1 {
 		errs = append(errs, fmt.Errorf("-replicas %q: want 1 or more", replicas))
 	}
@@ -296,7 +308,7 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 		go func() { done <- runLog(ctx, r, outbox, db, publisher, log) }()
 	} else {
 		r := outbox.NewRelay(db, publisher)
-		r.Logger, r.MeterProvider = log, meters
+		r.Logger, r.MeterProvider, r.Standbys = log, meters, c.standbys
 		go func() { done <- r.Run(ctx) }()
 	}
 	if c.retention > 0 || c.processedRetention > 0 {

@@ -305,7 +305,7 @@ func TestRelayProcessReadinessAndOperatorCommands(t *testing.T) {
 	if code, out := e.runOnce("drop", fmt.Sprint(id)); code != 1 || !strings.Contains(out, "no parked outbox row") {
 		t.Errorf("a second drop exited %d and said %q; want 1 and ErrNotParked", code, out)
 	}
-	for _, bad := range [][]string{{"run", "-retention", "-1s"}, {"run", "-mode", "push"}, {"run", "-table", "Bad Name"}, {"drop"}} {
+	for _, bad := range [][]string{{"run", "-retention", "-1s"}, {"run", "-mode", "push"}, {"run", "-table", "Bad Name"}, {"run", "-mode", "log", "-standbys", "s1"}, {"drop"}} {
 		code, out := e.runOnce(bad...)
 		if code == 0 {
 			t.Errorf("outbox-relay %v exited 0; want a refusal", bad)
