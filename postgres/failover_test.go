@@ -214,10 +214,7 @@ func failover(t *testing.T, mode string) {
 		waitUntil(t, fmt.Sprintf("%d more orders acknowledged", n), func() bool {
 			mu.Lock()
 			defer mu.Unlock()
-			if len(outboxAcked) >= n {
-				return true
-			}
-			return false
+			return len(outboxAcked) >= n
 		})
 	}
 	placed(300)

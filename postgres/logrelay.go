@@ -62,9 +62,10 @@ var ErrSlotLost = errors.New("postgres: the log relay's replication slot was inv
 // broker accepted, so what a crash or a broker failure sends again is the
 // transactions after the last one confirmed, at least once, with the same
 // keys; consumers drop the copies. The server hears of each delivery within
-// 100 ms and when a session ends on a connection that still works, a clean stop included, so a
-// restart sends again at most the transaction in flight. It holds no transaction on the server,
-// but its slot holds log: as long as the relay is behind or gone, the server
+// 100 ms (with MarkIn, of its mark) and when a session ends on a connection
+// that still works, a clean stop included, so a restart sends again at most
+// the transaction in flight. It holds no transaction on the server, but its
+// slot holds log: as long as the relay is behind or gone, the server
 // keeps the log it has not read, bounded only by max_slot_wal_keep_size (an
 // invalidated slot is [ErrSlotLost]). Watch pg_replication_slots. A slot has
 // one reader: one LogRelay per slot runs at a time (a second one waits, as
