@@ -47,3 +47,6 @@ func SetMigrationLockWait(d time.Duration) (restore func()) {
 	migrationLockWait = d
 	return func() { migrationLockWait = MigrationLockWait }
 }
+
+// DeleteSentQuery is one batch of DeleteSent, for EXPLAIN.
+const DeleteSentQuery = deleteSent

@@ -76,26 +76,36 @@ func (o *Outbox) ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
 	return lag, nil
 }
 
-// deleteSent deletes, in id order, up to $3 rows with ids above $1 that were
-// sent more than $2 microseconds ago, and says how many and the highest id.
-// Walking the primary key from the last batch's highest id keeps every batch
-// as cheap as the first, instead of stepping again over the rows the batches
-// before it deleted, which stay in the index until vacuum.
+// deleteSent looks at the next $3 rows in id order after id $1, a window,
+// and deletes those of them that were sent more than $2 microseconds ago.
+// It says how many it deleted, the window's highest id and its size, and
+// whether the window held a row written less than $2 ago: such a row cannot
+// have been sent earlier, and the rows after it are mostly as young, so the
+// cleanup stops there. Each batch reads one window of the primary key, so a
+// cleanup reads the rows up to the first young one and one window more,
+// whatever the table holds after it: with nothing to delete, one window. A
+// row older than one before it (written by a transaction that began
+// earlier) waits for the next cleanup that reaches it.
 const deleteSent = `
-WITH gone AS (
+WITH cutoff AS (SELECT clock_timestamp() - $2 * interval '1 microsecond' AS t),
+window_ AS (
+    SELECT id, sent_at, created_at FROM outbox
+    WHERE id > $1
+    ORDER BY id
+    LIMIT $3),
+gone AS (
     DELETE FROM outbox
-    WHERE id IN (
-        SELECT id FROM outbox
-        WHERE id > $1 AND sent_at < clock_timestamp() - $2 * interval '1 microsecond'
-        ORDER BY id
-        LIMIT $3)
+    WHERE id IN (SELECT id FROM window_, cutoff WHERE sent_at < cutoff.t)
     RETURNING id)
-SELECT count(*), COALESCE(max(id), 0) FROM gone`
+SELECT (SELECT count(*) FROM gone), COALESCE((SELECT max(id) FROM window_), 0), (SELECT count(*) FROM window_),
+       COALESCE((SELECT bool_or(created_at >= cutoff.t) FROM window_, cutoff), false)`
 
 // DeleteSent deletes the outbox rows of db that were sent longer than
 // retention ago, at most batchSize rows a transaction (zero or less means
-// [DefaultCleanupBatch]), each batch its own short transaction, until none is
-// left, and returns how many it deleted. It never deletes a row that is not
+// [DefaultCleanupBatch]), each batch its own short transaction, walking the
+// table in id order up to the rows written less than retention ago, and
+// returns how many it deleted. It reads what it deletes and a batch more,
+// however many younger rows follow. It never deletes a row that is not
 // sent, and is safe to run beside relays, producers and another
 // DeleteSent. A negative retention is refused.
 //
@@ -114,12 +124,13 @@ func (o *Outbox) DeleteSent(ctx context.Context, db *sql.DB, retention time.Dura
 	batchSize = orDefault(batchSize, DefaultCleanupBatch)
 	var total, after int64
 	for {
-		var n, last int64
-		if err := db.QueryRowContext(ctx, o.sql.deleteSent, after, retention.Microseconds(), batchSize).Scan(&n, &last); err != nil {
+		var n, last, looked int64
+		var young bool
+		if err := db.QueryRowContext(ctx, o.sql.deleteSent, after, retention.Microseconds(), batchSize).Scan(&n, &last, &looked, &young); err != nil {
 			return total, fmt.Errorf("delete sent rows of %s: %w", o.table, err)
 		}
 		total += n
-		if n < int64(batchSize) {
+		if young || looked < int64(batchSize) {
 			return total, nil
 		}
 		after = last

@@ -8,9 +8,11 @@ package postgres_test
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -407,4 +409,62 @@ func TestTwoProducersWithTheSameIDsThroughOneWarehouse(t *testing.T) {
 	if !slices.Equal(applied, []bool{true, true, true, true}) {
 		t.Errorf("the warehouse applied %v, want all four", applied)
 	}
+}
+
+// A cleanup with nothing to delete reads one window of rows, however many
+// rows the table holds: 5,000 rows sent a moment ago, a retention of an
+// hour, batches of 100; EXPLAIN ANALYZE of the batch shows its scan of the
+// outbox reading at most 100 rows, and DeleteSent deletes none. (Caught: a
+// cleanup whose last batch walked every row after the last one it deleted,
+// 5,000 rows read to delete nothing.)
+func TestCleanupWithNothingToDeleteReadsOneWindow(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload, sent_at)
+		SELECT 'ItemPicked', '{}', clock_timestamp() FROM generate_series(1, 5000); ANALYZE outbox`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := postgres.DeleteSent(ctx, db, time.Hour, 100); n != 0 || err != nil {
+		t.Fatalf("DeleteSent = %d, %v; want nothing deleted", n, err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	var plan string
+	if err := tx.QueryRowContext(ctx, `EXPLAIN (ANALYZE, FORMAT JSON) `+postgres.DeleteSentQuery, 0, time.Hour.Microseconds(), 100).Scan(&plan); err != nil {
+		t.Fatal(err)
+	}
+	var nodes []struct {
+		Plan planNode `json:"Plan"`
+	}
+	if err := json.Unmarshal([]byte(plan), &nodes); err != nil {
+		t.Fatal(err)
+	}
+	read := 0.0
+	var walk func(n planNode)
+	walk = func(n planNode) {
+		if n.Relation == "outbox" && strings.Contains(n.Type, "Scan") {
+			read += (n.Rows + n.Removed) * n.Loops
+		}
+		for _, c := range n.Plans {
+			walk(c)
+		}
+	}
+	walk(nodes[0].Plan)
+	t.Logf("a batch with nothing to delete read %v rows of the outbox", read)
+	if read > 100 {
+		t.Errorf("a batch with nothing to delete read %v rows of 5,000; want at most its window of 100", read)
+	}
+}
+
+// planNode is a node of EXPLAIN (FORMAT JSON)'s plan.
+type planNode struct {
+	Type     string     `json:"Node Type"`
+	Relation string     `json:"Relation Name"`
+	Rows     float64    `json:"Actual Rows"`
+	Removed  float64    `json:"Rows Removed by Filter"`
+	Loops    float64    `json:"Actual Loops"`
+	Plans    []planNode `json:"Plans"`
 }
