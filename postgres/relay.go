@@ -544,14 +544,6 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		// The publishes' context carries the pass's span, their link.
 		pubCtx, span = tel.tracer.Start(pubCtx, "outbox relay pass", trace.WithTimestamp(start))
 	}
-	if len(msgs) > 0 && len(r.Standbys) > 0 {
-		if err := r.waitForStandbys(pubCtx, tx, wal.inserted); err != nil {
-			if ctx.Err() != nil {
-				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
-			}
-			return res, fmt.Errorf("relay pass: %w", err)
-		}
-	}
 	if len(msgs) > 0 && !wal.flushed {
 		var err error
 		if res.flushed, err = r.flush(pubCtx, tx, wal.inserted); err != nil {
@@ -559,6 +551,15 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
 			}
 			return res, fmt.Errorf("relay pass: flush the server's log to %s, past the claimed rows' commits: %w", wal.inserted, err)
+		}
+	}
+	// The standbys get only what the primary flushed: first the flush.
+	if len(msgs) > 0 && len(r.Standbys) > 0 {
+		if err := r.waitForStandbys(pubCtx, tx, wal.inserted); err != nil {
+			if ctx.Err() != nil {
+				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
+			}
+			return res, fmt.Errorf("relay pass: %w", err)
 		}
 	}
 
