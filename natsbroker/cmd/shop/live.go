@@ -43,7 +43,17 @@ type live struct {
 
 	mu     sync.Mutex
 	passes []pass // the latest passes that did something, newest first
+
+	state *snapshot[state] // read, one period old at most, for every viewer at once
 }
+
+// statePeriod is how often the page's state is read, for all viewers.
+const statePeriod = 200 * time.Millisecond
+
+// sentCountCap is how far the page counts the outbox's sent rows: beyond
+// it, it says "at least", so that a table of sent rows kept a week costs
+// the page no more than this.
+const sentCountCap = 10000
 
 // pass is a relay pass as the page lists it.
 type pass struct {
@@ -78,6 +88,7 @@ type state struct {
 	Outbox struct {
 		Unsent        int64   `json:"unsent"`
 		Sent          int64   `json:"sent"`
+		SentMore      bool    `json:"sentMore,omitempty"` // more than Sent, which is sentCountCap
 		Parked        int64   `json:"parked"`
 		OldestSeconds float64 `json:"oldestWaitSeconds"`
 	} `json:"outbox"`
@@ -133,8 +144,12 @@ func (l *live) read(ctx context.Context) (state, error) {
 		return s, err
 	}
 	s.Outbox.Unsent, s.Outbox.Parked, s.Outbox.OldestSeconds = lag.Unsent, lag.Parked, lag.Oldest.Seconds()
-	if err := l.db.QueryRowContext(ctx, `SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL`).Scan(&s.Outbox.Sent); err != nil {
+	if err := l.db.QueryRowContext(ctx, `SELECT count(*) FROM (SELECT FROM outbox WHERE sent_at IS NOT NULL LIMIT $1) s`,
+		sentCountCap+1).Scan(&s.Outbox.Sent); err != nil {
 		return s, err
+	}
+	if s.Outbox.Sent > sentCountCap {
+		s.Outbox.Sent, s.Outbox.SentMore = sentCountCap, true
 	}
 	s.Relay.Running = l.relay.Running()
 	l.mu.Lock()
@@ -172,11 +187,11 @@ func (l *live) events(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-store")
 	var last []byte
-	tick := time.NewTicker(200 * time.Millisecond)
+	tick := time.NewTicker(statePeriod)
 	defer tick.Stop()
 	for {
 		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
-		s, err := l.read(ctx)
+		s, err := l.state.get(ctx)
 		cancel()
 		if err == nil {
 			b, _ := json.Marshal(s)

@@ -308,6 +308,7 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 	runner := &relayRunner{relay: runs, ctx: ctx, errs: errs}
 	view := &live{db: db, orders: orders, broker: broker, js: js, publisher: publisher, lossy: lossy, warehouse: counted, relay: runner,
 		meters: m.provider, stopped: ctx.Done()}
+	view.state = &snapshot[state]{period: statePeriod, read: view.read, now: time.Now}
 	relay.OnPass, logRelay.OnPass = view.onPass, view.onPass
 	routes := http.NewServeMux()
 	routes.Handle("GET /metrics", m.handler)
