@@ -132,10 +132,20 @@ func (o *Outbox) CheckSchema(ctx context.Context, db *sql.DB) error {
 
 // Insert is [InsertOutbox] into o's table.
 func (o *Outbox) Insert(ctx context.Context, tx Executor, eventType string, payload any) (int64, error) {
-	return o.insert(ctx, tx, sql.NullString{}, 0, eventType, payload)
+	return o.insert(ctx, sqlQueryRow(tx), sql.NullString{}, 0, eventType, payload)
+}
+
+// InsertPgx is [InsertOutboxPgx] into o's table.
+func (o *Outbox) InsertPgx(ctx context.Context, tx PgxQuerier, eventType string, payload any) (int64, error) {
+	return o.insert(ctx, pgxQueryRow(tx), sql.NullString{}, 0, eventType, payload)
 }
 
 // InsertFor is [InsertOutboxFor] into o's table.
 func (o *Outbox) InsertFor(ctx context.Context, tx Executor, aggregate string, seq int64, eventType string, payload any) (int64, error) {
-	return o.insert(ctx, tx, sql.NullString{String: aggregate, Valid: true}, seq, eventType, payload)
+	return o.insert(ctx, sqlQueryRow(tx), sql.NullString{String: aggregate, Valid: true}, seq, eventType, payload)
+}
+
+// InsertForPgx is [InsertOutboxForPgx] into o's table.
+func (o *Outbox) InsertForPgx(ctx context.Context, tx PgxQuerier, aggregate string, seq int64, eventType string, payload any) (int64, error) {
+	return o.insert(ctx, pgxQueryRow(tx), sql.NullString{String: aggregate, Valid: true}, seq, eventType, payload)
 }

@@ -46,6 +46,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // ErrCommitUnknown is wrapped by the error of a commit whose outcome is
@@ -166,7 +168,45 @@ func InsertOutboxFor(ctx context.Context, tx Executor, aggregate string, seq int
 	return DefaultOutbox.InsertFor(ctx, tx, aggregate, seq, eventType, payload)
 }
 
-func (o *Outbox) insert(ctx context.Context, tx Executor, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
+// PgxQuerier is what [InsertOutboxPgx] and [InsertOutboxForPgx] need of
+// the caller's transaction when it is pgx's own rather than database/sql's:
+// pgx.Tx has it, and so have *pgx.Conn and pgxpool's pool and connection.
+// As with [Executor], give it the transaction that writes the change.
+type PgxQuerier interface {
+	QueryRow(ctx context.Context, query string, args ...any) pgx.Row
+}
+
+// InsertOutboxPgx is [InsertOutbox] in a transaction of pgx's own (a
+// pgx.Tx), for a team that uses pgx or pgxpool directly.
+func InsertOutboxPgx(ctx context.Context, tx PgxQuerier, eventType string, payload any) (int64, error) {
+	return DefaultOutbox.InsertPgx(ctx, tx, eventType, payload)
+}
+
+// InsertOutboxForPgx is [InsertOutboxFor] in a transaction of pgx's own.
+func InsertOutboxForPgx(ctx context.Context, tx PgxQuerier, aggregate string, seq int64, eventType string, payload any) (int64, error) {
+	return DefaultOutbox.InsertForPgx(ctx, tx, aggregate, seq, eventType, payload)
+}
+
+// rowScanner is a row that a statement returned: *sql.Row, or pgx.Row.
+type rowScanner interface{ Scan(dest ...any) error }
+
+// queryRow runs a statement that returns one row, in the caller's
+// transaction, database/sql's or pgx's.
+type queryRow func(ctx context.Context, query string, args ...any) rowScanner
+
+func sqlQueryRow(tx Executor) queryRow {
+	return func(ctx context.Context, query string, args ...any) rowScanner {
+		return tx.QueryRowContext(ctx, query, args...)
+	}
+}
+
+func pgxQueryRow(tx PgxQuerier) queryRow {
+	return func(ctx context.Context, query string, args ...any) rowScanner {
+		return tx.QueryRow(ctx, query, args...)
+	}
+}
+
+func (o *Outbox) insert(ctx context.Context, tx queryRow, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
 	if !routable(eventType) {
 		return 0, fmt.Errorf("%w: %q", ErrInvalidEventType, eventType)
 	}
@@ -182,10 +222,10 @@ func (o *Outbox) insert(ctx context.Context, tx Executor, aggregate sql.NullStri
 	// statement then names only the columns of migration 1, and writes on
 	// a database that migration 3 has not reached yet.
 	if parent, state := storedTraceContext(ctx); parent != "" {
-		err = tx.QueryRowContext(ctx, o.sql.insertTracedRow, eventType, string(data), aggregate, seq,
+		err = tx(ctx, o.sql.insertTracedRow, eventType, string(data), aggregate, seq,
 			parent, sql.NullString{String: state, Valid: state != ""}).Scan(&id)
 	} else {
-		err = tx.QueryRowContext(ctx, o.sql.insertRow, eventType, string(data), aggregate, seq).Scan(&id)
+		err = tx(ctx, o.sql.insertRow, eventType, string(data), aggregate, seq).Scan(&id)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("insert into %s: %w", o.table, err)
