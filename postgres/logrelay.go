@@ -374,13 +374,13 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 	// again at most the transaction in flight.
 	// A connection that failed is being closed by pgconn, in a goroutine of
 	// its own: nothing more may be written to it.
-	final, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-	defer cancel()
 	if s.marks != nil {
-		s.marks.finish(context.WithoutCancel(ctx))
+		s.marks.finish(context.WithoutCancel(ctx)) // each mark bounded by PublishTimeout
 	}
 	if s.safe() > s.toldPos && !conn.IsClosed() {
+		final, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		s.tell(final)
+		cancel()
 	}
 	return s.completed, err
 }
