@@ -5,6 +5,7 @@ package natsbroker_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -152,22 +153,8 @@ func TestPrefetchFitsWithinAckWait(t *testing.T) {
 	db := newDatabase(t)
 	b := startBroker(t, nil)
 	js, _ := setUp(t, connect(t, b.url()), 0, 2*time.Second)
-	service := shop.NewOrderService(db)
 	const orders = 200
-	for range orders {
-		if _, err := service.PlaceOrder(ctx, 100); err != nil {
-			t.Fatal(err)
-		}
-	}
-	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
-	relay.PerAggregate = true
-	for sent := 0; sent < orders; {
-		n, err := relay.PublishPending(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sent += n
-	}
+	placeAndPublish(t, db, b.url(), orders)
 	h := newDeliveries(shop.NewWarehouse(db))
 	h.delay = 25 * time.Millisecond
 	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
@@ -209,21 +196,8 @@ func TestAHungHandleLeavesTheRestOfThePrefetchInTime(t *testing.T) {
 	db := newDatabase(t)
 	b := startBroker(t, nil)
 	js, _ := setUp(t, connect(t, b.url()), 0, 2*time.Second)
-	service := shop.NewOrderService(db)
 	const orders = 20
-	for range orders {
-		if _, err := service.PlaceOrder(ctx, 100); err != nil {
-			t.Fatal(err)
-		}
-	}
-	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
-	for sent := 0; sent < orders; {
-		n, err := relay.PublishPending(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sent += n
-	}
+	placeAndPublish(t, db, b.url(), orders)
 	h := newDeliveries(shop.NewWarehouse(db))
 	var first atomic.Value // the key of the first message delivered
 	h.hang = func(m postgres.Message, n int) bool {
@@ -249,6 +223,27 @@ func TestAHungHandleLeavesTheRestOfThePrefetchInTime(t *testing.T) {
 	}
 	if n := len(h.at[first.Load().(string)]); n != 2 {
 		t.Errorf("the message whose Handle hung was delivered %d times, want 2", n)
+	}
+}
+
+// placeAndPublish places n orders in db and publishes their events to the
+// broker at url, all of them, before it returns.
+func placeAndPublish(t *testing.T, db *sql.DB, url string, n int) {
+	t.Helper()
+	ctx := context.Background()
+	service := shop.NewOrderService(db)
+	for range n {
+		if _, err := service.PlaceOrder(ctx, 100); err != nil {
+			t.Fatal(err)
+		}
+	}
+	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, url)))
+	for sent := 0; sent < n; {
+		k, err := relay.PublishPending(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent += k
 	}
 }
 

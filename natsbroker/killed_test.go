@@ -124,23 +124,29 @@ func (c *procCluster) url() string {
 	return strings.Join(us, ",")
 }
 
+// streamCluster is the outbox stream's cluster as a live node says, or nil.
+func streamCluster(js jetstream.JetStream) *jetstream.ClusterInfo {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, natsbroker.Stream)
+	if err != nil {
+		return nil
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return nil
+	}
+	return info.Cluster
+}
+
 // leader is the node that leads the outbox's stream, as a live node says.
 func (c *procCluster) leader(js jetstream.JetStream) *procNode {
 	c.t.Helper()
 	var leader *procNode
 	waitFor(c.t, "the stream to have a leader", func() bool {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		s, err := js.Stream(ctx, natsbroker.Stream)
-		if err != nil {
-			return false
-		}
-		info, err := s.Info(ctx)
-		if err != nil || info.Cluster == nil {
-			return false
-		}
+		cluster := streamCluster(js)
 		for _, n := range c.nodes {
-			if n.name == info.Cluster.Leader && n.cmd != nil {
+			if cluster != nil && n.name == cluster.Leader && n.cmd != nil {
 				leader = n
 			}
 		}
@@ -180,17 +186,11 @@ func killLeadersMidDrain(t *testing.T, syncInterval string) {
 			t.Logf("%s leads; starting %s again from its store", next.name, leader.name)
 			c.start(leader)
 			waitFor(t, leader.name+" current again", func() bool {
-				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-				defer cancel()
-				s, err := js.Stream(ctx, natsbroker.Stream)
-				if err != nil {
+				cluster := streamCluster(js)
+				if cluster == nil {
 					return false
 				}
-				info, err := s.Info(ctx)
-				if err != nil || info.Cluster == nil {
-					return false
-				}
-				for _, r := range info.Cluster.Replicas {
+				for _, r := range cluster.Replicas {
 					if r.Name == leader.name {
 						return r.Current
 					}

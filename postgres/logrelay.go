@@ -275,16 +275,7 @@ func (r *LogRelay) Run(ctx context.Context) error {
 	maxBackoff := orDefault(r.MaxBackoff, DefaultMaxBackoff)
 	wait := r.wait
 	if wait == nil {
-		wait = func(ctx context.Context, d time.Duration) bool {
-			t := time.NewTimer(d)
-			defer t.Stop()
-			select {
-			case <-t.C:
-				return true
-			case <-ctx.Done():
-				return false
-			}
-		}
+		wait = pause
 	}
 	failures := 0
 	for {
