@@ -187,13 +187,9 @@ func (s *Server) StartStandby(name string, opts ...string) (*Server, error) {
 // SIGKILL, as a machine that dies would: nothing is flushed, nobody is
 // told. Remove still removes its folder.
 func (s *Server) Kill() error {
-	pidFile, err := os.ReadFile(filepath.Join(s.Dir, "data", "postmaster.pid"))
-	if err != nil {
-		return err
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(pidFile), "\n", 2)[0]))
-	if err != nil {
-		return fmt.Errorf("postmaster.pid: %w", err)
+	pid, ok := s.postmaster()
+	if !ok {
+		return errors.New("no postmaster.pid: the server is not running")
 	}
 	// Stopped first, so that it starts no process while its children go.
 	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
@@ -259,10 +255,35 @@ func (s *Server) Run(prog string, args ...string) error {
 // error is returned.
 func (s *Server) Remove() error {
 	var err error
-	if _, statErr := os.Stat(filepath.Join(s.Dir, "data", "postmaster.pid")); statErr == nil {
+	if pid, ok := s.postmaster(); ok && alive(pid) { // not one killed already
 		err = s.Ctl("-m", "immediate", "stop")
 	}
 	return errors.Join(err, os.RemoveAll(s.Dir))
+}
+
+// alive reports whether process pid runs: it exists and is not a zombie
+// that nobody reaped (a killed postmaster whose parent is gone).
+func alive(pid int) bool {
+	if syscall.Kill(pid, 0) != nil {
+		return false
+	}
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true // no /proc: take it for running
+	}
+	// pid (comm) state ...: the state follows the last ')'.
+	i := strings.LastIndexByte(string(stat), ')')
+	return i < 0 || i+2 >= len(stat) || stat[i+2] != 'Z'
+}
+
+// postmaster is the pid the server's postmaster.pid names, if it has one.
+func (s *Server) postmaster() (int, bool) {
+	b, err := os.ReadFile(filepath.Join(s.Dir, "data", "postmaster.pid"))
+	if err != nil {
+		return 0, false
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
+	return pid, err == nil
 }
 
 var databases atomic.Int64
