@@ -49,8 +49,8 @@ func ExamplePublisher() {
 	}
 	// The stream as the migration step provisioned it, on a cluster of
 	// three: an ack means two of the three servers hold the message, which
-	// survives the clean loss of any one of them (see the README on what it
-	// does not survive, and on sync_interval).
+	// survives any one of them shut down or killed (see the README on what
+	// it does not survive, and on sync_interval).
 	stream := natsbroker.StreamConfig(natsbroker.DefaultDuplicateWindow)
 	stream.Replicas = 3
 	if err := natsbroker.CheckStream(ctx, js, stream); err != nil {
