@@ -224,6 +224,10 @@ func DropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 	return nil
 }
 
+// slotReleaseWait is how long RecoverLogSlot waits for a slot's reader to
+// let go of it before it gives up with ErrSlotActive.
+const slotReleaseWait = 5 * time.Second
+
 // RecoverLogSlot is [Outbox.RecoverLogSlot] for [DefaultOutbox].
 func RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageBroker) (int, error) {
 	return DefaultOutbox.RecoverLogSlot(ctx, db, broker)
@@ -234,7 +238,8 @@ func RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageBroker) (int,
 // ([ErrSlotLost]: the server removed log it had not read), or when there
 // is none ([ErrNoSlot]: a promoted standby, since PostgreSQL 15 keeps slots
 // on the primary only). It drops the slot if it is there (refusing, with
-// [ErrSlotActive], one a relay reads), creates it, and only then publishes,
+// [ErrSlotActive], one a relay still reads after 5 s: a relay that has just
+// stopped lets go of it a moment later), creates it, and only then publishes,
 // with a polling relay of o, every row not marked sent, in passes until
 // none is left: a row committed before the new slot is in the table
 // unmarked and goes now; one committed after it is streamed by the log
@@ -243,7 +248,17 @@ func RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageBroker) (int,
 // them every row ever written goes again. It returns how many rows it
 // published; on an error, call it again.
 func (o *Outbox) RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageBroker) (int, error) {
-	if err := DropLogSlot(ctx, db, o.Slot()); err != nil {
+	// A relay that has just returned ErrSlotLost or ErrNoSlot closed its
+	// connection, but the server's walsender lets go of the slot a moment
+	// later: wait for that, a while.
+	err := DropLogSlot(ctx, db, o.Slot())
+	for deadline := time.Now().Add(slotReleaseWait); errors.Is(err, ErrSlotActive) && time.Now().Before(deadline); {
+		if !pause(ctx, 50*time.Millisecond) {
+			return 0, ctx.Err()
+		}
+		err = DropLogSlot(ctx, db, o.Slot())
+	}
+	if err != nil {
 		return 0, err
 	}
 	if err := CreateLogSlot(ctx, db, o.Slot()); err != nil {
