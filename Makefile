@@ -12,6 +12,7 @@
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
+#   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 1 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
@@ -39,7 +40,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays failover natsbroker shop page measure-natsbroker
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker shop page measure-natsbroker
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -149,6 +150,22 @@ measure-relays:
 	@rm -f measure-relays.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-relays.txt
 
+# A hot aggregate (BenchmarkHotAggregate): the time of a relay's passes
+# over the first 1,000 rows of one aggregate's backlog of 1,000 and of
+# 100,000 rows, with PerAggregate and over the whole table, six rounds, and
+# the plan of the claim over the larger backlog (the first round's, logged);
+# then benchstat's ratios; into postgres/figures/measure-hot.txt and
+# .stat.txt, for postgres/REFERENCE.md.
+measure-hot:
+	cd postgres && $(GO) test -c -o ../measure-hot.test .
+	postgres/with-server.sh bash -c './measure-hot.test -test.run "^$$" -test.bench "^BenchmarkHotAggregate$$" -test.benchtime 1x -test.v && \
+		for round in 2 3 4 5 6; do ./measure-hot.test -test.run "^$$" -test.bench "^BenchmarkHotAggregate$$" -test.benchtime 1x || exit 1; done' \
+		| grep -E '^(cpu:|Benchmark|    hot_test|        )' | tee postgres/figures/measure-hot.txt
+	@rm -f measure-hot.test
+	@! grep -E '^(--- )?FAIL' postgres/figures/measure-hot.txt
+	{ $(BENCHSTAT) -filter .name:HotAggregate -row /backlog -col '/order@(table aggregate)' postgres/figures/measure-hot.txt && \
+	  $(BENCHSTAT) -filter .name:HotAggregate -row /order -col '/backlog@(1000 100000)' postgres/figures/measure-hot.txt; } | tee postgres/figures/measure-hot.stat.txt
+
 # A failover on this machine (TestFailover): a primary and a streaming
 # standby, each a throwaway server of the test's own, producers, the polling
 # relay and a dual write running, the primary killed with SIGKILL and the
@@ -222,6 +239,7 @@ measure-natsbroker:
 	@rm -f measure-natsbroker.test
 	@! grep -E '^(--- )?FAIL' natsbroker/figures/measure-natsbroker.txt
 	{ $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' natsbroker/figures/measure-natsbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(batch atomic)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(cluster3 cluster3-always)' natsbroker/figures/measure-natsbroker.txt && \

@@ -11,7 +11,6 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
-	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -26,15 +25,17 @@ import (
 // sync_interval: always), and a cluster of three with the stream and its
 // consumer replicated three times (broker=cluster3, an ack once two of the
 // three stored it), and the same whose servers sync before each ack
-// (broker=cluster3-always, as the shop's cluster runs). With ack=each the relay waits for each message's ack
-// before it publishes the next (the Publisher without its PublishBatch, as a
-// relay without PerAggregate publishes); with ack=batch it publishes the
-// pass's batch asynchronously and then waits for the acks. The relay keeps
-// order per aggregate in both. Rows are written in chunks of 1,000 with the
-// timer stopped.
+// (broker=cluster3-always, as the shop's cluster runs). With ack=each the
+// relay, keeping order per aggregate, waits for each message's ack before it
+// publishes the next (the Publisher with Publish alone); with ack=batch it
+// publishes the pass's batch asynchronously and then waits for the acks
+// (PublishBatch, which only a relay with PerAggregate may use); with
+// ack=atomic the relay keeps the whole table's order and publishes the
+// pass's batch as one atomic batch (PublishSequence). Rows are written in
+// chunks of 1,000 with the timer stopped.
 func BenchmarkDrain(b *testing.B) {
 	for _, broker := range []string{"one", "one-always", "cluster3", "cluster3-always"} {
-		for _, mode := range []string{"each", "batch"} {
+		for _, mode := range []string{"each", "batch", "atomic"} {
 			b.Run("broker="+broker+"/ack="+mode, func(b *testing.B) {
 				url := ""
 				switch broker {
@@ -55,22 +56,26 @@ func BenchmarkDrain(b *testing.B) {
 					setUpReplicated(b, c)
 					url = c.url()
 				}
-				drain(b, url, mode == "each")
+				drain(b, url, mode)
 			})
 		}
 	}
 }
 
 // drain is BenchmarkDrain's loop, through the broker at url.
-func drain(b *testing.B, url string, each bool) {
+func drain(b *testing.B, url, mode string) {
 	db := newDatabase(b)
 	pub := newPublisher(b, connect(b, url))
-	var broker postgres.MessageBroker = pub
-	if each {
-		broker = oneAtATime{pub}
+	var relay *postgres.OutboxRelay
+	switch mode {
+	case "each":
+		relay = postgres.NewOutboxRelay(db, publishOnly{pub})
+	case "batch":
+		relay = postgres.NewOutboxRelay(db, batchOnly{pub})
+	case "atomic":
+		relay = postgres.NewOutboxRelay(db, pub)
+		relay.PerAggregate = false // the whole table's order, which only an atomic batch keeps
 	}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate = true // the relay batches only where order allows it
 	drainRows(b, db, relay, "NULL")
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
 }
@@ -99,14 +104,6 @@ func drainRows(b *testing.B, db *sql.DB, relay *postgres.OutboxRelay, traceparen
 		done += chunk
 	}
 	b.StopTimer()
-}
-
-// oneAtATime hides a Publisher's PublishBatch, so that the relay publishes
-// one message at a time and waits for each ack.
-type oneAtATime struct{ p *natsbroker.Publisher }
-
-func (o oneAtATime) Publish(ctx context.Context, msg postgres.Message) error {
-	return o.p.Publish(ctx, msg)
 }
 
 // BenchmarkLatency is the time from an order's commit (PlaceOrder's

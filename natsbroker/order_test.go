@@ -20,20 +20,23 @@ import (
 )
 
 // A stream whose MaxMsgSize refuses row 2 of 4. The relay that keeps the
-// whole table's order publishes one message at a time, so in three passes
-// the stream stores row 1 and nothing after the refused row; with
+// whole table's order sends the four in an atomic batch, which the stream
+// refuses whole, then one at a time up to the refused row, so in three
+// passes the stream stores row 1 and nothing after the refused row; with
 // PerAggregate, where each order is an aggregate of its own and a batch
 // breaks no order, rows 1, 3 and 4 are stored and marked in the first pass,
-// and the refused row never makes the stream grow. (Caught: a batch over
+// and the refused row never makes the stream grow; and when the four rows are
+// a run of one aggregate, which goes as an atomic batch too, row 1 alone. (Caught: a batch over
 // the whole table, which stored rows 3 and 4 ahead of row 2, and stored them
 // again after each duplicate window.)
 func TestRefusedRowNeverHasLaterRowsStoredAheadOfItsOrder(t *testing.T) {
-	for _, perAggregate := range []bool{false, true} {
-		name := "whole table"
-		if perAggregate {
-			name = "per aggregate"
-		}
-		t.Run(name, func(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		perAggregate bool
+		oneAggregate bool // the four rows a run of one aggregate, seq 1 to 4
+	}{{"whole table", false, false}, {"per aggregate", true, false}, {"one aggregate", true, true}} {
+		perAggregate := tc.perAggregate
+		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
 			db := newDatabase(t)
 			b := startBroker(t, nil)
@@ -47,6 +50,11 @@ func TestRefusedRowNeverHasLaterRowsStoredAheadOfItsOrder(t *testing.T) {
 			if _, err := db.Exec(`UPDATE outbox SET payload = json_build_object('orderId', 2, 'totalCents', 200, 'note', repeat('x', 2048)) WHERE id = 2`); err != nil {
 				t.Fatal(err)
 			}
+			if tc.oneAggregate {
+				if _, err := db.Exec(`UPDATE outbox SET aggregate = 'hot', seq = id`); err != nil {
+					t.Fatal(err)
+				}
+			}
 			relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
 			relay.PerAggregate = perAggregate
 			var marked []int
@@ -58,7 +66,7 @@ func TestRefusedRowNeverHasLaterRowsStoredAheadOfItsOrder(t *testing.T) {
 				marked = append(marked, n)
 			}
 			want, stored := []int{1, 0, 0}, uint64(1)
-			if perAggregate {
+			if perAggregate && !tc.oneAggregate {
 				want, stored = []int{3, 0, 0}, 3
 			}
 			if !slices.Equal(marked, want) {
@@ -139,16 +147,24 @@ func TestTypeThatMakesNoSubjectIsARejection(t *testing.T) {
 // What a shutdown sends again, by how the relay publishes. The relay's
 // context ends while the first message's ack is lost on its way (a proxy
 // drops it): the pass marks nothing, and the next pass sends again what
-// was in flight. One message at a time (the whole table's order), that is
-// the one message: one duplicate ack. Through a batch (PerAggregate), it is
-// the whole unacknowledged part of the batch, all five: five duplicate
-// acks. Either way the stream holds each message once.
+// was in flight. One message at a time (a broker with Publish alone), that
+// is the one message: one duplicate ack. Through an asynchronous batch
+// (PerAggregate and PublishBatch), it is the whole unacknowledged part of
+// the batch, all five: five duplicate acks; through an atomic batch
+// (PublishSequence, over the whole table), the batch, which the stream
+// then refuses for its duplicates and takes again one at a time: five too.
+// Either way the stream holds each message once.
 func TestShutdownSendsAgainWhatWasInFlight(t *testing.T) {
 	for _, tc := range []struct {
 		name         string
 		perAggregate bool
+		broker       func(*natsbroker.Publisher) postgres.MessageBroker
 		again        int64
-	}{{"one at a time", false, 1}, {"batch", true, 5}} {
+	}{
+		{"one at a time", false, func(p *natsbroker.Publisher) postgres.MessageBroker { return publishOnly{p} }, 1},
+		{"batch", true, func(p *natsbroker.Publisher) postgres.MessageBroker { return batchOnly{p} }, 5},
+		{"sequence", false, func(p *natsbroker.Publisher) postgres.MessageBroker { return p }, 5},
+	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
 			db := newDatabase(t)
@@ -161,7 +177,7 @@ func TestShutdownSendsAgainWhatWasInFlight(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			relay := postgres.NewOutboxRelay(db, pub)
+			relay := postgres.NewOutboxRelay(db, tc.broker(pub))
 			relay.PerAggregate = tc.perAggregate
 			proxy.dropNextAck()
 			shutdown, cancel := context.WithCancel(ctx)
@@ -183,4 +199,19 @@ func TestShutdownSendsAgainWhatWasInFlight(t *testing.T) {
 			}
 		})
 	}
+}
+
+// publishOnly is a Publisher that offers the relay Publish alone, and
+// batchOnly one that offers Publish and PublishBatch, not PublishSequence.
+type (
+	publishOnly struct{ p *natsbroker.Publisher }
+	batchOnly   struct{ p *natsbroker.Publisher }
+)
+
+func (b publishOnly) Publish(ctx context.Context, m postgres.Message) error {
+	return b.p.Publish(ctx, m)
+}
+func (b batchOnly) Publish(ctx context.Context, m postgres.Message) error { return b.p.Publish(ctx, m) }
+func (b batchOnly) PublishBatch(ctx context.Context, msgs []postgres.Message) (int, error) {
+	return b.p.PublishBatch(ctx, msgs)
 }

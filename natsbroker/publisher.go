@@ -2,6 +2,8 @@ package natsbroker
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -14,8 +16,8 @@ import (
 )
 
 // Publisher publishes outbox messages to JetStream: it is a
-// [postgres.MessageBroker] and a [postgres.BatchPublisher] for
-// [postgres.OutboxRelay].
+// [postgres.MessageBroker], a [postgres.BatchPublisher] and a
+// [postgres.SequencePublisher] for the relays.
 //
 // Each message goes to SubjectPrefix + its type, with its key as
 // Nats-Msg-Id, so that the stream stores a message once however often the
@@ -120,6 +122,110 @@ func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (
 		return len(futures), p.failed(ctx, msgs[len(futures)], sendErr)
 	}
 	return len(msgs), nil
+}
+
+// MaxAtomicBatch is the most messages PublishSequence sends in one atomic
+// batch: the server's limit, unless its configuration lowers it (a batch
+// over the limit is refused, and its messages go one at a time).
+const MaxAtomicBatch = 1000
+
+// PublishSequence publishes msgs in atomic batches (JetStream's, ADR-50: the
+// stream stores all of a batch's messages, in their order, or none of them)
+// of up to MaxAtomicBatch, one round trip each, and returns how many, from
+// the first, the stream acknowledged, with the error of the first it did
+// not. The stream must allow atomic publishing (StreamConfig sets it;
+// CheckStream checks it).
+//
+// A batch the stream refuses as a whole (one message over its size, one
+// it stored before within its duplicate window, a stream that does not allow
+// atomic batches) goes again one message at a time, through Publish, which
+// finds the message at fault, stops at it and says why; the batches after
+// it go on as batches. A batch whose answer did not come (the context
+// ended, the connection closed) may have been stored whole: the error wraps
+// [postgres.ErrBrokerUnavailable], and the relay publishes it again, as a
+// batch refused for its duplicates, and so one at a time.
+func (p *Publisher) PublishSequence(ctx context.Context, msgs []postgres.Message) (int, error) {
+	if len(msgs) == 0 {
+		return 0, nil
+	}
+	if err := p.connected(msgs[0]); err != nil {
+		return 0, err
+	}
+	done := 0
+	for done < len(msgs) {
+		batch := msgs[done:min(len(msgs), done+MaxAtomicBatch)]
+		err := p.atomic(ctx, batch)
+		if errors.Is(err, postgres.ErrBrokerUnavailable) {
+			return done, err
+		}
+		if err != nil { // refused whole: find the message at fault
+			for i, msg := range batch {
+				if err := p.Publish(ctx, msg); err != nil {
+					return done + i, err
+				}
+			}
+		}
+		done += len(batch)
+	}
+	return done, nil
+}
+
+// batchAck is the stream's answer to an atomic batch's last message: how
+// many messages it stored, or why it stored none.
+type batchAck struct {
+	Batch string              `json:"batch"`
+	Count int                 `json:"count"`
+	Error *jetstream.APIError `json:"error"`
+}
+
+// The headers of an atomic batch's messages (ADR-50).
+const (
+	batchIDHeader     = "Nats-Batch-Id"       // the batch's id, the same in each of its messages
+	batchSeqHeader    = "Nats-Batch-Sequence" // the message's place in its batch, from 1
+	batchCommitHeader = "Nats-Batch-Commit"   // "1" on the last: store the batch
+)
+
+// errBatchRefused is atomic's error for a batch the stream refused whole.
+var errBatchRefused = errors.New("atomic batch refused")
+
+// atomic sends msgs as one atomic batch: each message with the batch's id
+// and its place in it, without a reply, and the last with the commit, as a
+// request whose reply is the batch's ack. It returns nil once the stream
+// stored them all, an error wrapping errBatchRefused if it refused them
+// (it stored none), and one wrapping postgres.ErrBrokerUnavailable if the
+// answer did not come.
+func (p *Publisher) atomic(ctx context.Context, msgs []postgres.Message) error {
+	nc, id := p.js.Conn(), rand.Text()
+	for i, msg := range msgs {
+		m := p.natsMsg(msg)
+		m.Header.Set(batchIDHeader, id)
+		m.Header.Set(batchSeqHeader, strconv.Itoa(i+1))
+		if i < len(msgs)-1 {
+			if err := nc.PublishMsg(m); err != nil {
+				return fmt.Errorf("%w: message %d of %d: %w", errBatchRefused, i+1, len(msgs), err)
+			}
+			continue
+		}
+		m.Header.Set(batchCommitHeader, "1")
+		reply, err := nc.RequestMsgWithContext(ctx, m)
+		if err != nil {
+			if errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, nats.ErrBadSubject) { // the client's checks: not sent
+				return fmt.Errorf("%w: message %d of %d: %w", errBatchRefused, i+1, len(msgs), err)
+			}
+			return fmt.Errorf("atomic batch of %d messages: %w", len(msgs), p.failed(ctx, msg, err))
+		}
+		var ack batchAck
+		switch err := json.Unmarshal(reply.Data, &ack); {
+		case err != nil:
+			return fmt.Errorf("%w: atomic batch of %d messages: answer %q: %w", postgres.ErrBrokerUnavailable, len(msgs), reply.Data, err)
+		case ack.Error != nil:
+			return fmt.Errorf("%w: %d messages: %w", errBatchRefused, len(msgs), ack.Error)
+		case ack.Batch != id || ack.Count != len(msgs):
+			return fmt.Errorf("%w: the stream answered batch %s of %d with one of %s of %d",
+				errBatchRefused, id, len(msgs), ack.Batch, ack.Count)
+		}
+	}
+	return nil
 }
 
 // connected fails at once while the connection to the server is down. The

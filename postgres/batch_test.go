@@ -137,6 +137,62 @@ func TestWholeTableRelayPublishesOneAtATime(t *testing.T) {
 	}
 }
 
+// A relay that keeps the whole table's order hands a SequencePublisher,
+// which stores nothing after a message it refused, its whole batch: ten
+// rows in one call; the broker refuses the sixth, the pass marks five and
+// stops, and the next pass hands it the other five in one call. (Caught: a
+// whole-table relay that publishes one at a time whatever the broker, ten
+// calls and more.)
+func TestWholeTableRelayHandsASequencePublisherItsBatch(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000)
+	broker := &sequenceBroker{refuse: 6}
+	relay := postgres.NewOutboxRelay(db, broker)
+	relay.PerAggregate, relay.ParkAfter = false, 0 // the article's relay
+	if n, err := relay.PublishPending(ctx); n != 5 || err == nil {
+		t.Fatalf("first pass = %d, %v; want 5 and the refusal of message 6", n, err)
+	}
+	if n, err := relay.PublishPending(ctx); n != 5 || err != nil {
+		t.Fatalf("second pass = %d, %v; want 5, <nil>", n, err)
+	}
+	if want := [][]int64{{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, {6, 7, 8, 9, 10}}; !slices.EqualFunc(broker.calls, want, slices.Equal) {
+		t.Errorf("the relay handed the broker %v, want %v", broker.calls, want)
+	}
+	if want := []int64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}; !slices.Equal(broker.stored, want) {
+		t.Errorf("the broker stored %v, want %v", broker.stored, want)
+	}
+}
+
+// sequenceBroker is a SequencePublisher that refuses message refuse the first
+// time it is given it, and keeps the ids of each call and of what it stored.
+type sequenceBroker struct {
+	refuse int64
+	calls  [][]int64
+	stored []int64
+}
+
+func (b *sequenceBroker) Publish(ctx context.Context, m postgres.Message) error {
+	_, err := b.PublishSequence(ctx, []postgres.Message{m})
+	return err
+}
+
+func (b *sequenceBroker) PublishSequence(_ context.Context, msgs []postgres.Message) (int, error) {
+	var ids []int64
+	for _, m := range msgs {
+		ids = append(ids, m.ID)
+	}
+	b.calls = append(b.calls, ids)
+	for i, m := range msgs {
+		if m.ID == b.refuse {
+			b.refuse = 0
+			return i, fmt.Errorf("message %d: not now", m.ID)
+		}
+		b.stored = append(b.stored, m.ID)
+	}
+	return len(msgs), nil
+}
+
 // eitherBroker accepts everything, one message or a batch, and counts which.
 type eitherBroker struct{ singles, batches int }
 
@@ -184,4 +240,58 @@ func TestRelayAsItComesBatchesAndParksWhatCanNeverGo(t *testing.T) {
 	if err != nil || len(parked) != 1 || parked[0].ID != 5 || parked[0].Rejections != postgres.DefaultParkAfter {
 		t.Errorf("ListParked = %+v, %v; want row 5 after %d rejections", parked, err, postgres.DefaultParkAfter)
 	}
+}
+
+// A relay with PerAggregate, through a broker that has both PublishBatch and
+// PublishSequence, sends a batch that holds no aggregate twice
+// asynchronously (PublishBatch, which costs JetStream less) and one that
+// holds a run of an aggregate as a sequence, which keeps the run's order.
+// (Caught: a relay that sends every batch as a sequence; one that sends a
+// run through PublishBatch, which may store A3 after a refused A2.)
+func TestPerAggregateRelayBatchesWhereItCanAndSequencesRuns(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	insertRun(t, db, "A", 1, 1)
+	insertRun(t, db, "B", 1, 1)
+	insertRun(t, db, "C", 1, 1) // ids 1 to 3: no aggregate twice
+	broker := &bothBroker{}
+	relay := postgres.NewOutboxRelay(db, broker)
+	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
+		t.Fatalf("first pass = %d, %v; want 3", n, err)
+	}
+	insertRun(t, db, "A", 2, 2)
+	insertRun(t, db, "B", 2, 1) // ids 4 to 6: A2, A3, B2
+	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
+		t.Fatalf("second pass = %d, %v; want 3", n, err)
+	}
+	if want := []string{"batch [1 2 3]", "sequence [4 5 6]"}; !slices.Equal(broker.calls, want) {
+		t.Errorf("the relay called %q, want %q", broker.calls, want)
+	}
+}
+
+// bothBroker accepts everything, as a batch or a sequence, and notes each
+// call.
+type bothBroker struct{ calls []string }
+
+func (b *bothBroker) Publish(_ context.Context, m postgres.Message) error {
+	b.calls = append(b.calls, fmt.Sprintf("publish %d", m.ID))
+	return nil
+}
+
+func (b *bothBroker) PublishBatch(_ context.Context, msgs []postgres.Message) (int, error) {
+	b.calls = append(b.calls, fmt.Sprintf("batch %v", idsOf(msgs)))
+	return len(msgs), nil
+}
+
+func (b *bothBroker) PublishSequence(_ context.Context, msgs []postgres.Message) (int, error) {
+	b.calls = append(b.calls, fmt.Sprintf("sequence %v", idsOf(msgs)))
+	return len(msgs), nil
+}
+
+func idsOf(msgs []postgres.Message) []int64 {
+	ids := make([]int64, len(msgs))
+	for i, m := range msgs {
+		ids[i] = m.ID
+	}
+	return ids
 }

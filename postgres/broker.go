@@ -74,11 +74,12 @@ type MessageBroker interface {
 // BatchPublisher is a [MessageBroker] that can also publish several messages
 // at once, without waiting for each acknowledgement before it sends the next
 // message, as JetStream's asynchronous publish and Kafka's producer do. A
-// relay pass with [OutboxRelay.PerAggregate] publishes its batch through
-// PublishBatch when its broker has one, and a [LogRelay] a transaction's
-// rows, in batches that hold no aggregate twice; a polling relay without
-// PerAggregate publishes a message at a time, since a broker may store a
-// batch's messages after one it refused, ahead of it.
+// relay pass with [OutboxRelay.PerAggregate] publishes through PublishBatch
+// the rows of its batch that hold no aggregate twice, and a [LogRelay] a
+// transaction's rows the same way; a polling relay without PerAggregate
+// publishes a message at a time, since a broker may store a batch's messages
+// after one it refused, ahead of it. A [SequencePublisher] does not: the
+// relays hand it their whole batch.
 //
 // PublishBatch publishes msgs, in their order, and returns how many of them,
 // counted from the first, the broker accepted, and, if that is fewer than
@@ -90,4 +91,27 @@ type MessageBroker interface {
 type BatchPublisher interface {
 	MessageBroker
 	PublishBatch(ctx context.Context, msgs []Message) (accepted int, err error)
+}
+
+// SequencePublisher is a [MessageBroker] that publishes several messages at
+// once and keeps their order: of the messages one PublishSequence call is
+// given, the broker stores the first few, and never a message after one it
+// did not store, as JetStream's atomic batch does (all of them or none). The
+// relays hand it their whole batch, over the whole table as with
+// [OutboxRelay.PerAggregate]: the order a consumer sees is the rows' order,
+// at the cost of one round trip a batch instead of one a message.
+//
+// PublishSequence publishes msgs, in their order, and returns how many of
+// them, counted from the first, the broker accepted, and, if that is fewer
+// than len(msgs), the error of the first message it did not accept (nil
+// only when it accepted all of them). It may have stored more than it
+// reports (an acknowledgement lost on its way back), but only whole
+// prefixes of msgs; the relay publishes what it did not report again, so
+// the broker or the consumers must drop such copies. Which message of a
+// batch the broker refused is the implementation's to find out: by
+// publishing them again one at a time, for example. PublishSequence must
+// return soon after ctx ends, with what was accepted by then.
+type SequencePublisher interface {
+	MessageBroker
+	PublishSequence(ctx context.Context, msgs []Message) (accepted int, err error)
 }

@@ -19,6 +19,13 @@ var ClaimQuery = strings.NewReplacer(
 	"$3", "'"+millis(2*DefaultPassTimeout)+"'",
 ).Replace(claimRows)
 
+// ClaimRunsQuery is ClaimQuery for a relay with PerAggregate.
+var ClaimRunsQuery = strings.NewReplacer(
+	"$1", strconv.Itoa(DefaultBatchSize),
+	"$2", "'"+millis(DefaultPassTimeout)+"'",
+	"$3", "'"+millis(2*DefaultPassTimeout)+"'",
+).Replace(claimRuns)
+
 // SetRunWait makes Run wait through f instead of sleeping.
 func SetRunWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool) {
 	r.wait = f

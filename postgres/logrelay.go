@@ -46,7 +46,8 @@ var ErrSlotLost = errors.New("postgres: the log relay's replication slot was inv
 // outbox's inserts from PostgreSQL's log, by logical decoding (the pgoutput
 // plugin, through a publication of the outbox's inserts), and publishes each
 // committed transaction's rows in commit order (through a [BatchPublisher],
-// in batches that hold no aggregate twice). A row that committed after a
+// in batches that hold no aggregate twice; through a [SequencePublisher], in
+// batches of up to 100). A row that committed after a
 // higher id is published after it, as it committed, so the trap of the
 // polling relay (ids are not commit order) cannot happen. It never updates a
 // row unless MarkIn is set: no mark, no dead index entry, no vacuum debt;
@@ -548,16 +549,11 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 			s.relay.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Err: err})
 		}
 	}()
-	bp, batches := s.relay.broker.(BatchPublisher)
 	var tables []string // the rows delivered, for the marks
 	var ids []int64
 	for i := 0; i < len(s.txn); {
-		n := 1
-		if batches {
-			n = batchOf(s.txn[i:], DefaultBatchSize)
-		}
 		pctx, cancel := context.WithTimeout(ctx, timeout)
-		accepted, err := s.publish(pctx, bp, s.txn[i:i+n])
+		accepted, err := send(pctx, s.relay.tel, s.relay.broker, s.txn[i:min(len(s.txn), i+DefaultBatchSize)], true)
 		cancel()
 		for j := i; j < i+accepted; j++ {
 			tables, ids = append(tables, s.tables[j]), append(ids, s.txn[j].ID)
@@ -594,23 +590,6 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 		return s.tell(ctx)
 	}
 	return nil
-}
-
-// publish publishes msgs, one message or, through bp, a batch, and
-// returns how many the broker accepted, from the first, and, if not all,
-// the error of the first it did not accept.
-func (s *stream) publish(ctx context.Context, bp BatchPublisher, msgs []Message) (int, error) {
-	tel := s.relay.tel
-	if len(msgs) > 1 {
-		return publishBatch(ctx, tel, bp, msgs)
-	}
-	sent, span := tel.startSend(ctx, messagingSystem(s.relay.broker), msgs[0])
-	err := s.relay.broker.Publish(ctx, sent)
-	tel.endSend(ctx, span, err)
-	if err != nil {
-		return 0, err
-	}
-	return 1, nil
 }
 
 // batchOf is how many of msgs, from the first and at most limit, go in one

@@ -11,7 +11,7 @@ import (
 
 // An Outbox is one outbox table of a database and everything named after
 // it, in one place: the table, its indexes (<table>_unsent,
-// <table>_parked, <table>_unsent_by_aggregate), its NOTIFY trigger and
+// <table>_parked, <table>_unsent_by_aggregate, <table>_held), its NOTIFY trigger and
 // function (<table>_notify), the channel they notify and Run listens on
 // (<table>), the publication of its inserts for the log relay
 // (<table>_inserts), the log relay's default slot (<table>), and the record
@@ -34,7 +34,7 @@ type Outbox struct {
 // in.
 type statements struct {
 	insertRow, insertTracedRow                     string
-	claimRows, claimFirstOfEachAggregate, markSent string
+	claimRows, claimRuns, markSent                 string
 	recordFailure, readLag, deleteSent, listParked string
 	unpark, dropParked                             string
 }
@@ -61,7 +61,7 @@ func NewOutbox(table string) (*Outbox, error) {
 	o := &Outbox{table: table}
 	o.sql = statements{
 		insertRow: o.named(insertRow), insertTracedRow: o.named(insertTracedRow),
-		claimRows: o.named(claimRows), claimFirstOfEachAggregate: o.named(claimFirstOfEachAggregate),
+		claimRows: o.named(claimRows), claimRuns: o.named(claimRuns),
 		markSent: o.named(markSent), recordFailure: o.named(recordFailure),
 		readLag: o.named(readLag), deleteSent: o.named(deleteSent), listParked: o.named(listParked),
 		unpark: o.named(unpark), dropParked: o.named(dropParked),
@@ -96,7 +96,7 @@ func (o *Outbox) Slot() string        { return o.table }
 
 // outboxName matches the names the package's SQL gives the default
 // outbox's objects, each a whole word.
-var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_notify|_inserts|_migrations)?\b`)
+var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_notify|_inserts|_migrations)?\b`)
 
 // named is query with the default outbox's names replaced by o's: the
 // table, its indexes, trigger, function, channel, publication and record

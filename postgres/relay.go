@@ -31,8 +31,8 @@ const DefaultPassTimeout = 5 * time.Second
 // whether its transaction is still alive while it publishes. A pass whose
 // session was lost (killed, timed out, cut off) goes on publishing for at
 // most this long before it notices and stops, and through a
-// [BatchPublisher], which is asked before each batch, for at most this long
-// plus one batch.
+// [BatchPublisher] or a [SequencePublisher], which is asked before each
+// batch, for at most this long plus one batch.
 const ClaimCheckInterval = 100 * time.Millisecond
 
 // ErrClaimLost is returned, wrapped, by [OutboxRelay.PublishPending] when a
@@ -82,7 +82,7 @@ const passLimits = `(SELECT set_config('statement_timeout', $2, true)
 // row locks, and the pruning of pages its scan visits.) Producers that
 // commit with synchronous_commit = off make their rows visible before their
 // commit is flushed: see [OutboxRelay] on what the relay does about it.
-const walPositions = `current_setting('outbox.wal_flushed')::boolean, current_setting('outbox.wal_inserted')`
+const walPositions = `current_setting('outbox.wal_flushed')::boolean AS wal_flushed, current_setting('outbox.wal_inserted') AS wal_inserted`
 
 // walFlushed says whether the server has flushed its log up to $1.
 const walFlushed = `SELECT pg_current_wal_flush_lsn() >= $1::pg_lsn`
@@ -117,27 +117,51 @@ ORDER BY id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
 
-// claimFirstOfEachAggregate is claimRows for a relay with PerAggregate: it
-// takes only the rows that are the lowest unsent id of their aggregate,
-// whether the rows before them are parked, held by another relay or not. So
-// a row is claimed only once every earlier row of its aggregate was accepted
-// by the broker and marked, and a pass holds at most one row of each
-// aggregate. Rows with no aggregate are taken as claimRows takes them. The
-// correlated subquery is run for each candidate through
-// outbox_unsent_by_aggregate; the same test written as NOT EXISTS let the
-// planner scan that whole index for each candidate (18 ms against 1.2 ms a
-// claim, measured on 1,000 rows without statistics).
-const claimFirstOfEachAggregate = `
+// claimRuns is claimRows for a relay with PerAggregate: of the rows it
+// claims, in id order as claimRows does, it returns an aggregate's rows only
+// if they are a run from that aggregate's first unsent row, which the broker
+// may then take in their order: the aggregate's first k unsent rows, for the
+// k it claimed. Rows with no aggregate are returned as claimRows returns
+// them. An aggregate's rows are not returned, and stay as they are, when an
+// earlier row of it is held by another relay (SKIP LOCKED passed over it) or
+// parked; and a row is not claimed at all when an earlier row of its
+// aggregate is held back (outbox_held: parked, or failed to publish), so
+// that the rows of a stuck aggregate do not fill the batch of every pass.
+//
+// Its cost is bounded by the batch: the walk of outbox_unsent reads the
+// rows it claims and those it passes over (locked by other relays, or
+// behind a held row), one lookup in the normally empty outbox_held each,
+// and the check of the runs reads, in outbox_unsent_by_aggregate, as many
+// rows of each aggregate as it claimed. It no longer depends on how many
+// rows an aggregate has waiting, as the claim before it did (it took one row
+// of each aggregate, and walked past an aggregate's whole backlog to do so:
+// 9 ms a pass with 1,000 rows of one aggregate, 188 ms with 50,000).
+const claimRuns = `
+WITH claimed AS (
+    SELECT id, message_key, type, payload, aggregate, seq, rejections, traceparent, tracestate,
+           ` + walPositions + `
+    FROM outbox o
+    WHERE sent_at IS NULL AND parked_at IS NULL
+      AND (aggregate IS NULL OR NOT EXISTS (
+           SELECT FROM outbox h
+           WHERE h.aggregate = o.aggregate AND h.id < o.id
+             AND h.sent_at IS NULL AND (h.parked_at IS NOT NULL OR h.attempts > 0)))
+      AND ` + passLimits + `
+    ORDER BY id
+    LIMIT $1
+    FOR UPDATE OF o SKIP LOCKED
+), runs AS (
+    SELECT aggregate, count(*) AS n, max(id) AS last
+    FROM claimed WHERE aggregate IS NOT NULL GROUP BY aggregate
+)
 SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
-       COALESCE(traceparent, ''), COALESCE(tracestate, ''), ` + walPositions + `
-FROM outbox o
-WHERE sent_at IS NULL AND parked_at IS NULL
-  AND (aggregate IS NULL
-       OR id = (SELECT min(e.id) FROM outbox e WHERE e.aggregate = o.aggregate AND e.sent_at IS NULL))
-  AND ` + passLimits + `
-ORDER BY id
-LIMIT $1
-FOR UPDATE OF o SKIP LOCKED`
+       COALESCE(traceparent, ''), COALESCE(tracestate, ''), wal_flushed, wal_inserted
+FROM claimed
+WHERE aggregate IS NULL OR aggregate IN (
+      SELECT r.aggregate FROM runs r
+      WHERE r.last = (SELECT e.id FROM outbox e WHERE e.aggregate = r.aggregate AND e.sent_at IS NULL
+                      ORDER BY e.id OFFSET r.n - 1 LIMIT 1))
+ORDER BY id`
 
 // markSent marks, in one statement, the rows the broker accepted.
 // clock_timestamp() is the time of the mark, just after the broker accepted
@@ -250,28 +274,32 @@ type OutboxRelay struct {
 	ParkAfter int
 
 	// PerAggregate makes the relay keep order per aggregate instead of over
-	// the whole table (see [Message.Aggregate]). A pass then claims only the
-	// rows whose earlier rows of the same aggregate the broker accepted
-	// already, so a message being retried, or held by another relay, is
-	// never overtaken by a later one of its aggregate, however many relays
-	// run. Since a pass then holds at most one row of each aggregate, it
-	// may hand its whole batch to a [BatchPublisher] at once. A message the
+	// the whole table (see [Message.Aggregate]). A pass then publishes an
+	// aggregate's rows only as a run from its first unsent row, so a
+	// message being retried, or held by another relay, is never overtaken
+	// by a later one of its aggregate, however many relays run; a hot
+	// aggregate's backlog goes a batch a pass, like the whole table's. It
+	// hands a [BatchPublisher] the rows of its batch that hold no aggregate
+	// twice at once, and a [SequencePublisher] the whole batch when an
+	// aggregate is in it twice. A message the
 	// broker refuses holds back its aggregate alone: the pass goes on with
 	// the other aggregates' rows (it stops only when the broker is
-	// unavailable), and reports the refusals in its error. A parked row,
+	// unavailable), and reports the refusals in its error; later passes
+	// leave that aggregate's later rows unclaimed until it is published. A parked row,
 	// too, holds back the rest of its aggregate until Unpark.
 	//
 	// NewOutboxRelay sets it. Without it the relay keeps the article's
 	// order: the whole table in id
 	// order for one relay, stopping at the first refusal, and publishing
-	// one message at a time. That is right for one relay, and for events
+	// one message at a time (a batch a pass to a [SequencePublisher]). That is right for one relay, and for events
 	// whose order between aggregates matters too.
 	// With several relays, whose batches interleave, or when one stuck
 	// message must not stop every other, PerAggregate is the one that keeps
-	// an order a consumer can rely on. Its price: an aggregate's next event
-	// waits for a pass after the one before it was marked, and each claimed
-	// row costs one index lookup more (BenchmarkDeliverOrdered measures the
-	// drain rate with and without it; REFERENCE.md quotes it).
+	// an order a consumer can rely on. Its price: each claimed row costs
+	// two index lookups more, and a row of an aggregate that another
+	// relay's pass holds waits for a pass after that one's
+	// (BenchmarkDeliverOrdered and BenchmarkHotAggregate measure it;
+	// REFERENCE.md quotes them).
 	PerAggregate bool
 
 	// Standbys names the standby servers (their application_name, as the
@@ -342,8 +370,9 @@ var ErrInvalidConfig = errors.New("postgres: invalid relay configuration")
 // NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
 // to broker, configured as a team should run it, each setting in its field
 // where it can be read and changed before the first pass:
-//   - PerAggregate: order per aggregate, the whole batch at once through a
-//     [BatchPublisher], a refusal holding back its aggregate alone (rows
+//   - PerAggregate: order per aggregate, a batch at once through a
+//     [BatchPublisher] (no aggregate twice in it) or a [SequencePublisher]
+//     (the whole claim), a refusal holding back its aggregate alone (rows
 //     with no aggregate are in no order, and go in batches);
 //   - ParkAfter: [DefaultParkAfter], so a message the broker can never take
 //     is set aside instead of blocking the rest for ever;
@@ -440,18 +469,21 @@ func (r *OutboxRelay) validate(run bool) error {
 // even when nothing was sent; a row rejected ParkAfter times is parked
 // instead, and the pass goes on with the rows after it.
 //
-// With PerAggregate, through a [BatchPublisher], the pass publishes its
-// whole batch in one call, and what follows the first message the broker did
-// not accept in the same way as above, in a call of its own. Without
-// PerAggregate it publishes one message at a time, waiting for each ack,
-// whatever the broker: a batch's messages after a refused one may be stored
-// all the same, ahead of it, which would break the table's order.
+// Through a [SequencePublisher], which stores nothing after a message it did
+// not store, the pass publishes its whole batch in one call, with
+// PerAggregate or without, and what follows the first message the broker did
+// not accept in the same way as above, in a call of its own. With
+// PerAggregate, through a [BatchPublisher], it publishes in one call as many
+// rows as hold no aggregate twice (all of them, or else the broker is no
+// SequencePublisher). Otherwise it publishes one message at a
+// time, waiting for each ack: a batch's messages after a refused one may be
+// stored all the same, ahead of it, which would break the table's order.
 //
 // A pass stops publishing when its budget (PassTimeout) runs out or ctx
 // ends, and then still marks and commits what the broker accepted, under a
 // context of its own that ctx's cancellation does not cut. A shutdown in the
 // middle of a pass therefore sends again, later, at most the one message
-// whose publish was in flight, or, through a BatchPublisher, the part of the
+// whose publish was in flight, or, through a batch, the part of the
 // batch whose acks had not come back. When the budget runs out between publishes,
 // the rest wait for the next pass and the error is nil; when ctx ends, the
 // error wraps ctx's. When the server's log cannot be flushed past the claimed
@@ -533,7 +565,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 
 	query := r.outbox.sql.claimRows
 	if r.PerAggregate {
-		query = r.outbox.sql.claimFirstOfEachAggregate
+		query = r.outbox.sql.claimRuns
 	}
 	msgs, wal, err := claim(txCtx, tx, query, batch, millis(budget), millis(2*budget))
 	if err != nil {
@@ -568,7 +600,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	var stop error      // why publishing stopped before the end of the batch, if it matters
 	var refused []error // with PerAggregate, the refusals the pass went on after
 	checked := time.Now()
-	for i := 0; i < len(msgs); {
+	for pending := msgs; len(pending) > 0; {
 		if pubCtx.Err() != nil {
 			if err := ctx.Err(); err != nil {
 				stop = fmt.Errorf("relay pass stopped: %w", err)
@@ -582,14 +614,16 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 			}
 			checked = time.Now()
 		}
-		n, err := r.publish(pubCtx, msgs[i:])
-		for _, msg := range msgs[i : i+n] {
+		n, err := r.publish(pubCtx, pending)
+		for _, msg := range pending[:n] {
 			sent = append(sent, msg.ID)
 		}
-		if i += n; err == nil {
+		if err == nil {
+			pending = pending[n:]
 			continue
 		}
-		msg := msgs[i] // the message the broker did not accept
+		msg := pending[n] // the message the broker did not accept
+		pending = pending[n+1:]
 		if ctx.Err() == nil {
 			// The broker's failure, or the end of the pass's budget (a
 			// publish that hung): either way written to the row, so that it
@@ -603,14 +637,16 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 			f := failed[len(failed)-1]
 			if f.park {
 				res.parked = append(res.parked, msg.ID)
-				i++
+				if r.PerAggregate { // parked, it still holds back its aggregate
+					pending = without(pending, msg.Aggregate)
+				}
 				continue // set aside: the rows after it go on
 			}
 			if r.PerAggregate && !errors.Is(err, ErrBrokerUnavailable) {
-				// It holds back its aggregate alone, and this pass holds no
-				// other row of that aggregate.
+				// It holds back its aggregate alone: the pass goes on
+				// with the other aggregates' rows.
 				refused = append(refused, fmt.Errorf("publish message %d: %w", msg.ID, err))
-				i++
+				pending = without(pending, msg.Aggregate)
 				continue
 			}
 		}
@@ -767,47 +803,79 @@ func cannotPass(err error) bool {
 	return strings.HasPrefix(code, "42") || code == "3D000"
 }
 
-// publish publishes msgs from the first, all of them through a
-// BatchPublisher when the relay keeps order per aggregate, only the first
-// otherwise, and returns how many the broker accepted and, if it did not
-// accept them all, the error of the first it did not accept.
+// publish publishes msgs from the first, as many at once as the broker and
+// the relay's order allow (see send), and returns how many the broker
+// accepted and, if it did not accept them all, the error of the first it did
+// not accept.
 //
-// A batch is sent before any of its acks is read, so the broker may store
-// messages after one it refused. With PerAggregate that breaks no order a
-// consumer relies on: a pass holds at most one row of each aggregate, and
-// the next row of an aggregate is claimed only once this one is marked.
-// Over the whole table it would: so without PerAggregate the relay waits
-// for each message's ack before it sends the next.
+// A pass with PerAggregate holds only runs of each aggregate from its
+// first unsent row, and the next row of an aggregate is claimed only once
+// the rows before it are marked: so a batch that holds no aggregate twice
+// breaks no order a consumer relies on, whatever the broker stores after a
+// message it refused. Over the whole table it would: so without
+// PerAggregate the relay sends a batch only to a [SequencePublisher].
 func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) {
-	tel := r.telemetry()
-	bp, ok := r.broker.(BatchPublisher)
-	if !ok || !r.PerAggregate {
-		msg, span := tel.startSend(ctx, messagingSystem(r.broker), msgs[0].Message)
-		err := r.broker.Publish(ctx, msg)
-		tel.endSend(ctx, span, err)
-		if err != nil {
-			return 0, err
-		}
-		return 1, nil
-	}
 	batch := make([]Message, len(msgs))
 	for i, m := range msgs {
 		batch[i] = m.Message
 	}
-	return publishBatch(ctx, tel, bp, batch)
+	return send(ctx, r.telemetry(), r.broker, batch, r.PerAggregate)
 }
 
-// publishBatch publishes msgs through bp, each in a send span, and returns
-// how many the broker accepted, from the first, and, if not all, the error
+// send publishes msgs from the first, each in a send span: through a
+// [BatchPublisher], if byAggregate, as many as hold no aggregate twice
+// (batchOf), unless that is fewer than all of them and the broker is a
+// [SequencePublisher] too; through a [SequencePublisher], all of them;
+// otherwise the first alone. An asynchronous batch costs the broker no more
+// than a sequence (JetStream stages an atomic batch before it stores it),
+// so it goes first where it keeps the order. send returns how many the
+// broker accepted, from the first, and, if not all it sent, the error of the
+// first it did not accept.
+func send(ctx context.Context, tel *relayTelemetry, broker MessageBroker, msgs []Message, byAggregate bool) (int, error) {
+	sp, sequences := broker.(SequencePublisher)
+	if bp, ok := broker.(BatchPublisher); ok && byAggregate {
+		if n := batchOf(msgs, len(msgs)); n > 1 && (n == len(msgs) || !sequences) {
+			return publishBatch(ctx, tel, broker, bp.PublishBatch, msgs[:n])
+		}
+	}
+	if sequences && len(msgs) > 1 {
+		return publishBatch(ctx, tel, broker, sp.PublishSequence, msgs)
+	}
+	msg, span := tel.startSend(ctx, messagingSystem(broker), msgs[0])
+	err := broker.Publish(ctx, msg)
+	tel.endSend(ctx, span, err)
+	if err != nil {
+		return 0, err
+	}
+	return 1, nil
+}
+
+// without is msgs without the rows of aggregate (none if it is empty).
+func without(msgs []claimed, aggregate string) []claimed {
+	if aggregate == "" {
+		return msgs
+	}
+	var rest []claimed
+	for _, m := range msgs {
+		if m.Aggregate != aggregate {
+			rest = append(rest, m)
+		}
+	}
+	return rest
+}
+
+// publishBatch publishes msgs with publish (a BatchPublisher's PublishBatch
+// or an SequencePublisher's PublishSequence), each in a send span, and returns how many the broker accepted, from the first, and, if not all, the error
 // of the first it did not accept. A broker that misreports is taken for one
 // that is down.
-func publishBatch(ctx context.Context, tel *relayTelemetry, bp BatchPublisher, msgs []Message) (int, error) {
+func publishBatch(ctx context.Context, tel *relayTelemetry, broker MessageBroker,
+	publish func(context.Context, []Message) (int, error), msgs []Message) (int, error) {
 	batch := make([]Message, len(msgs))
 	spans := make([]trace.Span, len(msgs))
 	for i, m := range msgs {
-		batch[i], spans[i] = tel.startSend(ctx, messagingSystem(bp), m)
+		batch[i], spans[i] = tel.startSend(ctx, messagingSystem(broker), m)
 	}
-	n, err := bp.PublishBatch(ctx, batch)
+	n, err := publish(ctx, batch)
 	switch {
 	case n < 0 || n > len(msgs):
 		err = fmt.Errorf("broker says it accepted %d of %d messages: %w", n, len(msgs), ErrBrokerUnavailable)
