@@ -127,10 +127,12 @@ FOR UPDATE SKIP LOCKED`
 // parked; and a row is not claimed at all when an earlier row of its
 // aggregate is held back (outbox_held: parked, or failed to publish), so
 // that the rows of a stuck aggregate do not fill the batch of every pass.
+// Whether any row is held is asked once (an InitPlan), and only if one is,
+// of each row.
 //
 // Its cost is bounded by the batch: the walk of outbox_unsent reads the
 // rows it claims and those it passes over (locked by other relays, or
-// behind a held row), one lookup in the normally empty outbox_held each,
+// behind a held row), one lookup in outbox_held each while a row is held,
 // and the check of the runs reads, in outbox_unsent_by_aggregate, as many
 // rows of each aggregate as it claimed. It no longer depends on how many
 // rows an aggregate has waiting, as the claim before it did (it took one row
@@ -142,10 +144,13 @@ WITH claimed AS (
            ` + walPositions + `
     FROM outbox o
     WHERE sent_at IS NULL AND parked_at IS NULL
-      AND (aggregate IS NULL OR NOT EXISTS (
-           SELECT FROM outbox h
-           WHERE h.aggregate = o.aggregate AND h.id < o.id
-             AND h.sent_at IS NULL AND (h.parked_at IS NOT NULL OR h.attempts > 0)))
+      AND (aggregate IS NULL
+           OR (SELECT NOT EXISTS (SELECT FROM outbox WHERE aggregate IS NOT NULL
+                                  AND sent_at IS NULL AND (parked_at IS NOT NULL OR attempts > 0)))
+           OR NOT EXISTS (
+               SELECT FROM outbox h
+               WHERE h.aggregate = o.aggregate AND h.id < o.id
+                 AND h.sent_at IS NULL AND (h.parked_at IS NOT NULL OR h.attempts > 0)))
       AND ` + passLimits + `
     ORDER BY id
     LIMIT $1
@@ -815,6 +820,10 @@ func cannotPass(err error) bool {
 // message it refused. Over the whole table it would: so without
 // PerAggregate the relay sends a batch only to a [SequencePublisher].
 func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) {
+	_, batches := r.broker.(BatchPublisher)
+	if _, sequences := r.broker.(SequencePublisher); !sequences && !(batches && r.PerAggregate) {
+		msgs = msgs[:1] // one at a time: no need to copy the rest
+	}
 	batch := make([]Message, len(msgs))
 	for i, m := range msgs {
 		batch[i] = m.Message
