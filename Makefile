@@ -6,7 +6,7 @@
 #   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
-#   make lint                                staticcheck (fetched through the Go module proxy), all five modules
+#   make lint                                staticcheck (fetched through the Go module proxy), all six modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make minimum                             the minimum real outbox (postgres/minimum): its example, the article's scenario, on a throwaway PostgreSQL
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
@@ -18,6 +18,7 @@
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
+#   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 3 min)
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
@@ -40,7 +41,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker shop page measure-natsbroker
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker shop page measure-natsbroker knee
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -82,6 +83,7 @@ lint:
 	cd natsbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker/cmd/shop && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker/cmd/outbox-relay && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd natsbroker/cmd/kneeplot && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 # module-tests checks the module in the folder $(1) with gofmt and go vet,
 # then runs its tests on a PostgreSQL that postgres/with-server.sh starts in a
@@ -230,6 +232,20 @@ page:
 # of tracing on the relay's drain (six interleaved rounds, then the ratios),
 # and the delay from an order's commit to its reservation, end to end (once:
 # 300 orders).
+# The knee of the whole pipeline (BenchmarkKnee): orders offered at rising
+# rates, 3 s each, through clients, a relay, JetStream and the warehouse's
+# consumer, on one server and a cluster of three, with each relay; into
+# natsbroker/figures/knee.txt, then drawn by natsbroker/cmd/kneeplot (a
+# module of its own, for gonum/plot) into natsbroker/figures/knee.png, for
+# natsbroker/README.md.
+knee:
+	cd natsbroker && $(GO) test -c -o ../knee.test .
+	postgres/with-server.sh bash -c './knee.test -test.run "^$$" -test.bench "^BenchmarkKnee$$" -test.benchtime 1x -test.timeout 30m' \
+		| grep -E '^(cpu:|Benchmark|    knee_test|--- FAIL|FAIL)' | tee natsbroker/figures/knee.txt
+	@rm -f knee.test
+	@! grep -E '^(--- )?FAIL' natsbroker/figures/knee.txt
+	cd natsbroker/cmd/kneeplot && $(GO) run . ../../figures/knee.txt ../../figures/knee.png
+
 measure-natsbroker:
 	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \

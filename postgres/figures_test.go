@@ -35,6 +35,7 @@ var targets = map[string][]string{
 	"measure-hot":        {"figures/measure-hot.txt", "figures/measure-hot.stat.txt"},
 	"bench-postgres":     {"figures/bench-postgres.txt", "figures/bench-postgres.stat.txt"},
 	"measure-natsbroker": {"../natsbroker/figures/measure-natsbroker.txt", "../natsbroker/figures/measure-natsbroker.stat.txt"},
+	"knee":               {"../natsbroker/figures/knee.txt"},
 }
 
 var (

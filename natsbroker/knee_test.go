@@ -1,0 +1,242 @@
+package natsbroker_test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
+)
+
+// kneeRates are the rates, in orders a second, that BenchmarkKnee offers
+// in turn, each for kneeStep.
+var kneeRates = []int{100, 200, 300, 400, 500, 600, 700, 800, 1000, 1500, 2000, 4000}
+
+const kneeStep = 3 * time.Second
+
+// kneeClients is how many clients place BenchmarkKnee's orders.
+const kneeClients = 32
+
+// BenchmarkKnee offers orders at rising rates through the whole pipeline:
+// 32 clients placing orders (OrderService, one transaction each), a relay
+// publishing to JetStream, and a Consumer feeding the warehouse
+// (ApplyOnce), as the shop runs it. Through one server and a cluster of
+// three (stream and consumer replicated three times; neither syncs before
+// its acks), with the polling relay (Run, woken by NOTIFY, as
+// NewOutboxRelay makes it) and the log relay (marking what it delivered,
+// as the relay process runs it); and one server and the polling relay with
+// four Consumers sharing the warehouse's consumer, to show what limits the
+// pipeline once one Consumer no longer does. Two orders from each client
+// warm it up.
+// Each rate is offered for 3 s, on a schedule (an order due every 1/rate,
+// whether or not the clients keep up), and then every order of the step is
+// waited for before the next begins. Each sub-benchmark reports the rate the
+// clients placed (placed/s), the rate the warehouse applied them, from the
+// step's start to its last (applied/s), and the time from each order's
+// commit to the warehouse's commit of its reservation (p50-ms, p99-ms). A
+// configuration stops at the first rate the clients or the pipeline fall
+// 10 % short of, or whose median delay is over a second. make knee runs it
+// once, and plots it.
+func BenchmarkKnee(b *testing.B) {
+	once(b)
+	for _, cfg := range []struct {
+		broker, relay string
+		consumers     int
+	}{{"one", "poll", 1}, {"one", "log", 1}, {"cluster3", "poll", 1}, {"cluster3", "log", 1}, {"one", "poll", 4}} {
+		broker, relay := cfg.broker, cfg.relay
+		b.Run(fmt.Sprintf("broker=%s/relay=%s/consumers=%d", broker, relay, cfg.consumers), func(b *testing.B) {
+			url := ""
+			switch broker {
+			case "one":
+				br := startBroker(b, nil)
+				setUp(b, connect(b, br.url()), 0, 0)
+				url = br.url()
+			case "cluster3":
+				c := startCluster(b, 3)
+				setUpReplicated(b, c)
+				url = c.url()
+			}
+			p := newPipeline(b, url, relay, cfg.consumers)
+			for _, rate := range kneeRates {
+				var short bool
+				b.Run(fmt.Sprintf("rate=%d", rate), func(b *testing.B) {
+					s := p.step(b, rate)
+					b.ReportMetric(s.placed, "placed/s")
+					b.ReportMetric(s.applied, "applied/s")
+					b.ReportMetric(float64(s.p50.Microseconds())/1000, "p50-ms")
+					b.ReportMetric(float64(s.p99.Microseconds())/1000, "p99-ms")
+					short = s.placed < 0.9*float64(rate) || s.applied < 0.9*float64(rate) || s.p50 > time.Second
+				})
+				if short {
+					break
+				}
+			}
+		})
+	}
+}
+
+// once skips a measurement unless it runs once.
+func once(b *testing.B) {
+	if b.N != 1 {
+		b.Skip("a measurement: run it with -benchtime 1x, as make knee does")
+	}
+}
+
+// pipeline is BenchmarkKnee's shop: its clients, relay and consumer.
+type pipeline struct {
+	db      *sql.DB
+	service *shop.OrderService
+
+	mu        sync.Mutex
+	committed map[int64]time.Time
+	applied   map[int64]time.Time
+	reserved  chan struct{} // a token for each order applied
+}
+
+func newPipeline(b *testing.B, url, relay string, consumers int) *pipeline {
+	db := newDatabase(b)
+	db.SetMaxOpenConns(40)
+	db.SetMaxIdleConns(40)
+	p := &pipeline{db: db, service: shop.NewOrderService(db),
+		committed: map[int64]time.Time{}, applied: map[int64]time.Time{}, reserved: make(chan struct{}, 1<<16)}
+	pub := newPublisher(b, connect(b, url))
+	switch relay {
+	case "poll":
+		goRun(b, postgres.NewOutboxRelay(db, pub).Run)
+	case "log":
+		var name string
+		if err := db.QueryRow(`SELECT current_database()`).Scan(&name); err != nil {
+			b.Fatal(err)
+		}
+		ctx := context.Background()
+		if err := postgres.CreateLogSlot(ctx, db, name); err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { // after the relay's stop: cleanups run last first
+			if err := postgres.DropLogSlot(ctx, db, name); err != nil {
+				b.Error(err)
+			}
+		})
+		r := postgres.NewLogRelay(fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable",
+			pgtest.Config.Host, pgtest.Config.Port, pgtest.Config.User, name), pub)
+		r.Slot, r.MarkIn = name, db
+		goRun(b, r.Run)
+	}
+	for range consumers {
+		runConsumer(b, connect(b, url), p)
+	}
+	var wg sync.WaitGroup // warm up: every client's connection made, every statement prepared
+	for range kneeClients {
+		wg.Go(func() {
+			for range 2 {
+				if _, err := p.service.PlaceOrder(context.Background(), 2500); err != nil {
+					b.Error(err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	for range 2 * kneeClients {
+		<-p.reserved
+	}
+	var pgVersion string
+	if err := db.QueryRow(`SHOW server_version`).Scan(&pgVersion); err != nil {
+		b.Fatal(err)
+	}
+	b.Logf("PostgreSQL %s, nats-server %s", pgVersion, server.VERSION)
+	return p
+}
+
+// Handle applies msg to the warehouse and notes when, for an OrderPlaced.
+func (p *pipeline) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	ok, err := shop.NewWarehouse(p.db).Handle(ctx, msg)
+	if ok && msg.Type == shop.OrderPlaced {
+		var order struct {
+			OrderID int64 `json:"orderId"`
+		}
+		if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
+			return ok, err
+		}
+		p.mu.Lock()
+		p.applied[order.OrderID] = time.Now()
+		p.mu.Unlock()
+		p.reserved <- struct{}{}
+	}
+	return ok, err
+}
+
+// stepResult is what one rate gave.
+type stepResult struct {
+	placed, applied float64 // orders a second
+	p50, p99        time.Duration
+}
+
+// step offers rate orders a second for kneeStep through kneeClients clients, waits
+// for every order to be applied, and measures.
+func (p *pipeline) step(b *testing.B, rate int) stepResult {
+	n := int(float64(rate) * kneeStep.Seconds())
+	due := make(chan struct{}, n)
+	ids := make(chan int64, n)
+	var wg sync.WaitGroup
+	var failed error
+	var failOnce sync.Once
+	for range kneeClients {
+		wg.Go(func() {
+			for range due {
+				id, err := p.service.PlaceOrder(context.Background(), 2500)
+				if err != nil {
+					failOnce.Do(func() { failed = err })
+					continue
+				}
+				p.mu.Lock()
+				p.committed[id] = time.Now()
+				p.mu.Unlock()
+				ids <- id
+			}
+		})
+	}
+	start := time.Now()
+	for sent := 0; sent < n; time.Sleep(time.Millisecond) { // the schedule: an order due every 1/rate
+		for ; sent < min(n, int(time.Since(start).Seconds()*float64(rate))+1); sent++ {
+			due <- struct{}{}
+		}
+	}
+	close(due)
+	wg.Wait()
+	placedIn := time.Since(start)
+	close(ids)
+	if failed != nil {
+		b.Fatal(failed)
+	}
+	deadline := time.After(2 * time.Minute)
+	for range n {
+		select {
+		case <-p.reserved:
+		case <-deadline:
+			b.Fatalf("rate %d: orders not all reserved within 2 min of the step", rate)
+		}
+	}
+	appliedIn := time.Since(start)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var delays []time.Duration
+	for id := range ids {
+		delays = append(delays, p.applied[id].Sub(p.committed[id]))
+	}
+	slices.Sort(delays)
+	return stepResult{
+		placed:  float64(n) / placedIn.Seconds(),
+		applied: float64(n) / appliedIn.Seconds(),
+		p50:     delays[len(delays)/2],
+		p99:     delays[len(delays)*99/100],
+	}
+}
