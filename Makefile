@@ -140,15 +140,16 @@ measure-postgres:
 # The two relays side by side, on one throwaway server (wal_level = logical,
 # as with-server.sh sets it): 8 producers for 5 s while the polling relay,
 # then the log relay, delivers; and the client's CPU for a pass through the
-# relay, bare pgx and pipelined pgx (six rounds, then benchstat); into
+# relay (on database/sql and on a pgxpool), bare pgx and pipelined pgx (six
+# rounds, then benchstat); into
 # postgres/figures/measure-relays.txt and .stat.txt, for postgres/README.md
 # and REFERENCE.md.
 measure-relays:
 	cd postgres && $(GO) test -c -o ../measure-relays.test .
 	postgres/with-server.sh bash -c './measure-relays.test -test.run "^$$" -test.bench "^BenchmarkRelays$$" -test.benchtime 1x -test.v && \
-		for round in 1 2 3 4 5 6; do ./measure-relays.test -test.run "^$$" -test.bench "^BenchmarkPassCPU$$" -test.benchtime 4000x || exit 1; done' \
+		for round in 1 2 3 4 5 6; do ./measure-relays.test -test.run "^$$" -test.bench "^BenchmarkPassCPU$$" -test.benchtime 10000x || exit 1; done' \
 		| grep -E '^(cpu:|Benchmark|    relays_bench_test)' | tee postgres/figures/measure-relays.txt
-	$(BENCHSTAT) -filter .name:PassCPU -col '/pass@(relay pgx pgx-pipelined)' postgres/figures/measure-relays.txt | tee postgres/figures/measure-relays.stat.txt
+	$(BENCHSTAT) -filter .name:PassCPU -col '/pass@(pgx relay relay-pgx pgx-pipelined)' postgres/figures/measure-relays.txt | tee postgres/figures/measure-relays.stat.txt
 	@rm -f measure-relays.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-relays.txt
 

@@ -16,19 +16,23 @@ import (
 // passes of 100 rows to a broker that keeps nothing: the CPU time of the
 // test process (user and system, from getrusage) as well as the wall time.
 // pass=relay is OutboxRelay.PublishPending, through database/sql and pgx's
-// stdlib driver. pass=pgx is the same statements on one pgx.Conn, one round
+// stdlib driver; pass=relay-pgx the same relay on a pgxpool.Pool
+// (NewOutboxRelayPgx); both over the whole table, whose claim the bare
+// loops send. pass=pgx is the same statements on one pgx.Conn, one round
 // trip each (BEGIN, the claim, the mark, COMMIT), and pass=pgx-pipelined
 // sends BEGIN with the claim, and the mark with COMMIT, in one round trip
 // each, as pgx's Batch does; neither checks the log's flush, which the
 // relay's claim reads and, with producers that commit synchronously, finds
 // done. Rows are written in chunks of 1,000 with the timer stopped.
 func BenchmarkPassCPU(b *testing.B) {
-	for _, kind := range []string{"relay", "pgx", "pgx-pipelined"} {
+	for _, kind := range []string{"relay", "relay-pgx", "pgx", "pgx-pipelined"} {
 		b.Run("pass="+kind, func(b *testing.B) {
 			ctx := context.Background()
 			name := newDatabaseName(b)
 			db := open(b, name, "")
 			relay := postgres.NewOutboxRelay(db, discard{})
+			relayPgx := postgres.NewOutboxRelayPgx(newPool(b, name, 4), discard{})
+			relay.PerAggregate, relayPgx.PerAggregate = false, false // the bare loops' claim
 			cfg := pgtest.Config.Copy()
 			cfg.Database = name
 			conn, err := pgx.ConnectConfig(ctx, cfg)
@@ -38,6 +42,7 @@ func BenchmarkPassCPU(b *testing.B) {
 			defer conn.Close(ctx)
 			pass := map[string]func() (int, error){
 				"relay":         func() (int, error) { return relay.PublishPending(ctx) },
+				"relay-pgx":     func() (int, error) { return relayPgx.PublishPending(ctx) },
 				"pgx":           func() (int, error) { return pgxPass(ctx, conn) },
 				"pgx-pipelined": func() (int, error) { return pgxPipelinedPass(ctx, conn) },
 			}[kind]

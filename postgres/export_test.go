@@ -3,6 +3,8 @@ package postgres
 import (
 	"context"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"strconv"
 	"strings"
 	"time"
@@ -25,6 +27,10 @@ var ClaimRunsQuery = strings.NewReplacer(
 	"$2", "'"+millis(DefaultPassTimeout)+"'",
 	"$3", "'"+millis(2*DefaultPassTimeout)+"'",
 ).Replace(claimRuns)
+
+// FlushWALPgx is the flush a pass on a pgx pool makes the server do, on one
+// of p's connections.
+func FlushWALPgx(ctx context.Context, p *pgxpool.Pool) error { return pgxPool{p}.exec(ctx, flushWAL) }
 
 // SetRunWait makes Run wait through f instead of sleeping.
 func SetRunWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool) {

@@ -189,18 +189,23 @@ func (f flakySequence) PublishSequence(_ context.Context, msgs []postgres.Messag
 // of what it is given; each aggregate reaches the broker in its order, every
 // row once at least: the seqs a consumer sees, copies dropped, are 1, 2, 3…
 // with no gap. Through a plain broker, a BatchPublisher that stores messages
-// after one it refused, and a SequencePublisher. (Caught: a pass that
+// after one it refused, and a SequencePublisher; and the relays on pgx
+// pools. (Caught: a pass that
 // publishes the rest of a run after one of its rows was refused, which
 // stored seq 7 before seq 6; a claim that does not check its runs start at
 // the aggregate's first unsent row, which stored a run of another relay's
 // ahead of the one before it.)
 func TestRelaysKeepEachHotAggregatesOrder(t *testing.T) {
-	for _, kind := range []string{"publish", "batch", "sequence"} {
-		t.Run("broker="+kind, func(t *testing.T) {
+	for _, tc := range []struct{ kind, pool string }{
+		{"publish", "sql"}, {"batch", "sql"}, {"sequence", "sql"}, {"batch", "pgx"},
+	} {
+		kind := tc.kind
+		t.Run("broker="+kind+"/pool="+tc.pool, func(t *testing.T) {
 			const seed = 38
 			t.Logf("seed %d", seed)
 			ctx := context.Background()
-			db := newDatabase(t)
+			name := newDatabaseName(t)
+			db := open(t, name, "")
 			random := rand.New(rand.NewPCG(seed, 1))
 			left := map[string]int{"hot/1": 60, "hot/2": 60, "hot/3": 60}
 			for i := range 60 {
@@ -232,6 +237,9 @@ func TestRelaysKeepEachHotAggregatesOrder(t *testing.T) {
 			var wg sync.WaitGroup
 			for range 4 {
 				relay := postgres.NewOutboxRelay(db, broker)
+				if tc.pool == "pgx" {
+					relay = postgres.NewOutboxRelayPgx(newPool(t, name, 4), broker)
+				}
 				relay.BatchSize, relay.ParkAfter = 5, 0
 				relay.PollInterval, relay.MaxBackoff = 5*time.Millisecond, 10*time.Millisecond
 				wg.Go(func() { _ = relay.Run(runCtx) })

@@ -36,7 +36,9 @@
 //
 // The functions take a *sql.DB opened with pgx's stdlib driver
 // (github.com/jackc/pgx/v5/stdlib), as the tests do: the relay passes the
-// ids it marks as a []int64, which pgx sends as a PostgreSQL array.
+// ids it marks as a []int64, which pgx sends as a PostgreSQL array. A team
+// on pgx itself writes its rows with [InsertOutboxPgx] in its pgx.Tx and
+// runs the relay on its pgxpool.Pool ([NewOutboxRelayPgx]).
 package postgres
 
 import (

@@ -3,9 +3,12 @@ package postgres_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
@@ -65,5 +68,106 @@ func TestInsertOutboxInAPgxTransaction(t *testing.T) {
 	m := broker.Published()[0]
 	if m.ID != id || m.Aggregate != "account/7" || m.Seq != 1 || m.Type != "Opened" || m.Payload != `{"account":7}` {
 		t.Errorf("published %+v; want row %d of account/7, seq 1, as written", m, id)
+	}
+}
+
+// newPool is a pgxpool.Pool of at most maxConns connections to the
+// database named, closed when tb ends.
+func newPool(tb testing.TB, name string, maxConns int32) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig("")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cfg.ConnConfig = pgtest.Config.Copy()
+	cfg.ConnConfig.Database = name
+	cfg.MaxConns = maxConns
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(p.Close)
+	return p
+}
+
+// A team on pgxpool runs the relay on its pool: rows written in a pgx.Tx go
+// in id order and are marked; Run, woken by NOTIFY on a connection it
+// takes out of the pool, publishes a row written while it waits for an
+// hour; a row the broker refuses for ever is parked; and a pool too small
+// for Run is refused before anything is claimed. (Caught: a relay that took
+// only a *sql.DB.)
+func TestRelayOnAPgxPool(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	pool := newPool(t, name, 4)
+	write := func(n int) {
+		t.Helper()
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		for i := range n {
+			if _, err := postgres.InsertOutboxPgx(ctx, tx, "ItemPicked", map[string]int{"item": i}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(3)
+	broker := &recorder{}
+	relay := postgres.NewOutboxRelayPgx(pool, broker)
+	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
+		t.Fatalf("pass = %d, %v; want 3", n, err)
+	}
+	wantIDs(t, broker, 1, 2, 3)
+	if n := count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 0 {
+		t.Errorf("%d rows unsent after the pass, want 0", n)
+	}
+
+	relay.PollInterval = time.Hour // only a notification wakes it
+	stop := runRelay(t, relay)
+	write(1)
+	waitUntil(t, "the row written while Run waited published", func() bool { return len(broker.Published()) == 4 })
+	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
+		t.Errorf("Run = %v", err)
+	}
+
+	write(1) // id 5, refused for ever
+	refusing := postgres.NewOutboxRelayPgx(pool, brokerFunc(func(context.Context, postgres.Message) error {
+		return fmt.Errorf("too large: %w", postgres.ErrRejected)
+	}))
+	refusing.ParkAfter = 1
+	if n, err := refusing.PublishPending(ctx); n != 0 || err != nil {
+		t.Fatalf("pass with a refusing broker = %d, %v; want 0, <nil> and the row parked", n, err)
+	}
+	if parked, err := postgres.ListParked(ctx, db, 0); err != nil || len(parked) != 1 || parked[0].ID != 5 {
+		t.Errorf("parked %v, %v; want row 5", parked, err)
+	}
+
+	// The flush a pass makes when the log is not flushed past its rows: a
+	// transaction of three statements, sent by pgx as one simple query.
+	var before, after string
+	if err := db.QueryRow(`SELECT pg_current_wal_flush_lsn()::text`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	if err := postgres.FlushWALPgx(ctx, pool); err != nil {
+		t.Fatalf("the flush on pgx: %v", err)
+	}
+	if err := db.QueryRow(`SELECT pg_current_wal_flush_lsn()::text`).Scan(&after); err != nil || after == before {
+		t.Errorf("the log flushed to %s before the flush and %s after it (%v): want it moved", before, after, err)
+	}
+
+	small := postgres.NewOutboxRelayPgx(newPool(t, name, 2), broker)
+	runCtx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	if err := small.Run(runCtx); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("Run on a pool of 2 = %v, want ErrInvalidConfig", err)
+	}
+	if err := postgres.NewOutboxRelayPgx(nil, broker).Validate(); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("Validate with no pool = %v, want ErrInvalidConfig", err)
 	}
 }

@@ -13,7 +13,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
@@ -251,7 +251,7 @@ const FailingAfter = 5
 // disjoint rows. Create one with [NewOutboxRelay]: the zero value has no
 // database and no broker.
 type OutboxRelay struct {
-	db     *sql.DB
+	db     pool // nil if none was given
 	broker MessageBroker
 	outbox *Outbox
 
@@ -395,7 +395,7 @@ var ErrInvalidConfig = errors.New("postgres: invalid relay configuration")
 // the mark sends the accepted ids as a []int64, which pgx alone turns into
 // a PostgreSQL array, and Run listens on pgx's own connection.
 // [OutboxRelay.Validate] checks all of it, and PublishPending and Run call
-// it first.
+// it first. [NewOutboxRelayPgx] is the same relay on pgx's own pool.
 func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 	return DefaultOutbox.NewRelay(db, broker)
 }
@@ -403,6 +403,34 @@ func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
 // NewRelay is [NewOutboxRelay] for o: a relay of o's rows, which listens
 // on o's channel.
 func (o *Outbox) NewRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
+	var p pool
+	if db != nil {
+		p = sqlPool{db}
+	}
+	return o.newRelay(p, broker)
+}
+
+// NewOutboxRelayPgx is [NewOutboxRelay] on pgx's own pool: the same relay,
+// configured the same way, whose passes run in pgx transactions (pgx.Tx)
+// without database/sql between them and the server, for a team whose
+// services use pgxpool. A pass takes one connection of p for its
+// transaction and, while it makes the server flush its log, a second one;
+// Run takes one more for good (Hijack) to listen on. [OutboxRelay.Validate]
+// checks that MaxConns allows as much.
+func NewOutboxRelayPgx(p *pgxpool.Pool, broker MessageBroker) *OutboxRelay {
+	return DefaultOutbox.NewRelayPgx(p, broker)
+}
+
+// NewRelayPgx is [NewOutboxRelayPgx] for o.
+func (o *Outbox) NewRelayPgx(p *pgxpool.Pool, broker MessageBroker) *OutboxRelay {
+	var db pool
+	if p != nil {
+		db = pgxPool{p}
+	}
+	return o.newRelay(db, broker)
+}
+
+func (o *Outbox) newRelay(db pool, broker MessageBroker) *OutboxRelay {
 	return &OutboxRelay{db: db, broker: broker, outbox: o,
 		BatchSize: DefaultBatchSize, PassTimeout: DefaultPassTimeout, ParkAfter: DefaultParkAfter, PerAggregate: true,
 		PollInterval: DefaultPollInterval, MaxBackoff: DefaultMaxBackoff}
@@ -443,15 +471,15 @@ func (r *OutboxRelay) validate(run bool) error {
 	case run && r.MaxBackoff <= 0:
 		return bad("MaxBackoff is %v (DefaultMaxBackoff is %v)", r.MaxBackoff, DefaultMaxBackoff)
 	}
-	if _, ok := r.db.Driver().(*stdlib.Driver); !ok {
-		return bad("the database is opened with %T; the relay needs pgx's stdlib driver (stdlib.OpenDB, or sql.Open(\"pgx\", …))", r.db.Driver())
+	if err := r.db.check(); err != nil {
+		return bad("%v", err)
 	}
 	need, what := 2, "a pass (its transaction, and the flush of the server's log)"
 	if run && !r.PollOnly {
 		need, what = 3, "Run (a pass's two, and one to listen on)"
 	}
-	if max := r.db.Stats().MaxOpenConnections; max > 0 && max < need {
-		return bad("the pool allows %d open connections, and %s needs %d at once: SetMaxOpenConns(%d) or more", max, what, need, need)
+	if max := r.db.maxConns(); max > 0 && max < need {
+		return bad("the pool allows %d open connections, and %s needs %d at once: SetMaxOpenConns(%d), or MaxConns, or more", max, what, need, need)
 	}
 	return nil
 }
@@ -562,11 +590,11 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	txCtx, cancelTx := context.WithTimeout(context.WithoutCancel(ctx), 2*budget)
 	defer cancelTx()
 
-	tx, err := r.db.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	tx, err := r.db.begin(txCtx)
 	if err != nil {
 		return res, fmt.Errorf("begin relay pass: %w", err)
 	}
-	defer tx.Rollback() // after a commit this does nothing; otherwise it frees the claim
+	defer tx.rollback() // after a commit this does nothing; otherwise it frees the claim
 
 	query := r.outbox.sql.claimRows
 	if r.PerAggregate {
@@ -613,7 +641,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 			break
 		}
 		if time.Since(checked) >= ClaimCheckInterval {
-			if _, err := tx.ExecContext(txCtx, `SELECT 1`); err != nil {
+			if err := tx.exec(txCtx, `SELECT 1`); err != nil {
 				stop = fmt.Errorf("%w after %d published messages: %w", ErrClaimLost, len(sent), err)
 				break
 			}
@@ -673,20 +701,20 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		if r.mark != "" {
 			mark = r.mark
 		}
-		if _, err := tx.ExecContext(txCtx, mark, sent); err != nil {
+		if err := tx.exec(txCtx, mark, sent); err != nil {
 			return unmarked("mark the published messages sent", err)
 		}
 	}
 	for _, f := range failed {
 		var attempts int
-		if err := tx.QueryRowContext(txCtx, r.outbox.sql.recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park).Scan(&attempts); err != nil {
+		if err := tx.queryRow(txCtx, r.outbox.sql.recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park).Scan(&attempts); err != nil {
 			return unmarked(fmt.Sprintf("record the failure of message %d", f.id), err)
 		}
 		if attempts == FailingAfter && !f.park {
 			res.failing = append(res.failing, f)
 		}
 	}
-	if err := commit(tx); err != nil {
+	if err := tx.commit(txCtx); err != nil {
 		return unmarked("relay pass", err)
 	}
 	res.marked = len(sent)
@@ -726,11 +754,11 @@ FROM pg_stat_replication WHERE application_name = ANY($2::text[]) AND flush_lsn 
 // waitForStandbys waits until every standby of r.Standbys has flushed the
 // log up to lsn, looking again after 1 ms, then twice as long each time up
 // to 50 ms, until ctx ends.
-func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx *sql.Tx, lsn string) error {
+func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx txn, lsn string) error {
 	names := slices.Compact(slices.Sorted(slices.Values(r.Standbys)))
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		var caught bool
-		err := tx.QueryRowContext(ctx, standbysFlushed, lsn, names).Scan(&caught)
+		err := tx.queryRow(ctx, standbysFlushed, lsn, names).Scan(&caught)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			return fmt.Errorf("read the standbys' positions: %w", err)
@@ -777,20 +805,20 @@ const flushLookAfter = 250 * time.Microsecond
 // transaction), then check again. That is needed when some producer commits
 // asynchronously, or when nothing commits after a write to the log (a
 // transaction still open, vacuum).
-func (r *OutboxRelay) flush(ctx context.Context, tx *sql.Tx, lsn string) (flushed bool, err error) {
+func (r *OutboxRelay) flush(ctx context.Context, tx txn, lsn string) (flushed bool, err error) {
 	var done bool
 	for look := range flushLooks {
 		if look > 0 && !pause(ctx, flushLookAfter<<(look-1)) {
 			return false, ctx.Err()
 		}
-		if err := tx.QueryRowContext(ctx, walFlushed, lsn).Scan(&done); err != nil || done {
+		if err := tx.queryRow(ctx, walFlushed, lsn).Scan(&done); err != nil || done {
 			return false, err
 		}
 	}
-	if _, err := r.db.ExecContext(ctx, flushWAL); err != nil {
+	if err := r.db.exec(ctx, flushWAL); err != nil {
 		return true, err
 	}
-	if err := tx.QueryRowContext(ctx, walFlushed, lsn).Scan(&done); err != nil {
+	if err := tx.queryRow(ctx, walFlushed, lsn).Scan(&done); err != nil {
 		return true, err
 	}
 	if !done {
@@ -822,7 +850,7 @@ func cannotPass(err error) bool {
 func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) {
 	_, batches := r.broker.(BatchPublisher)
 	if _, sequences := r.broker.(SequencePublisher); !sequences && !(batches && r.PerAggregate) {
-		msgs = msgs[:1] // one at a time: no need to copy the rest
+		return sendOne(ctx, r.telemetry(), r.broker, msgs[0].Message) // one at a time: nothing to copy
 	}
 	batch := make([]Message, len(msgs))
 	for i, m := range msgs {
@@ -850,7 +878,13 @@ func send(ctx context.Context, tel *relayTelemetry, broker MessageBroker, msgs [
 	if sequences && len(msgs) > 1 {
 		return publishBatch(ctx, tel, broker, sp.PublishSequence, msgs)
 	}
-	msg, span := tel.startSend(ctx, messagingSystem(broker), msgs[0])
+	return sendOne(ctx, tel, broker, msgs[0])
+}
+
+// sendOne publishes msg in a send span, and returns 1 if the broker
+// accepted it, or 0 and its error.
+func sendOne(ctx context.Context, tel *relayTelemetry, broker MessageBroker, msg Message) (int, error) {
+	msg, span := tel.startSend(ctx, messagingSystem(broker), msg)
 	err := broker.Publish(ctx, msg)
 	tel.endSend(ctx, span, err)
 	if err != nil {
@@ -951,9 +985,9 @@ type walPosition struct {
 	inserted string // how far written then, a pg_lsn such as 0/1A2B3C4
 }
 
-func claim(ctx context.Context, tx *sql.Tx, query string, batch int, limit, idle string) ([]claimed, walPosition, error) {
+func claim(ctx context.Context, tx txn, query string, batch int, limit, idle string) ([]claimed, walPosition, error) {
 	var wal walPosition
-	rows, err := tx.QueryContext(ctx, query, batch, limit, idle)
+	rows, err := tx.query(ctx, query, batch, limit, idle)
 	if err != nil {
 		return nil, wal, fmt.Errorf("claim outbox rows: %w", err)
 	}

@@ -8,8 +8,6 @@ import (
 	"math/rand/v2"
 	"sync"
 	"time"
-
-	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // NotifyChannel is the channel that migrations/0001_outbox.sql's trigger
@@ -202,37 +200,7 @@ func (r *OutboxRelay) listen(ctx context.Context, wake chan<- struct{}, maxBacko
 // listenOnce listens on one connection until it fails, and reports whether
 // LISTEN went through.
 func (r *OutboxRelay) listenOnce(ctx context.Context, wake chan<- struct{}) (listened bool, err error) {
-	conn, err := r.db.Conn(ctx)
-	if err != nil {
-		return false, err
-	}
-	defer conn.Close()
-	err = conn.Raw(func(driverConn any) error {
-		sc, ok := driverConn.(*stdlib.Conn)
-		if !ok {
-			return fmt.Errorf("%w (the driver's connection is a %T)", errCannotListen, driverConn)
-		}
-		pc := sc.Conn()
-		// Closed here whatever happens, so that the pool never hands out a
-		// connection that is still listening.
-		defer func() {
-			closeCtx, cancel := context.WithTimeout(context.Background(), time.Second)
-			defer cancel()
-			pc.Close(closeCtx)
-		}()
-		if _, err := pc.Exec(ctx, "LISTEN "+r.outbox.Channel()); err != nil {
-			return fmt.Errorf("LISTEN %s: %w", r.outbox.Channel(), err)
-		}
-		listened = true
-		notify(wake) // a notification may have come while nothing listened
-		for {
-			if _, err := pc.WaitForNotification(ctx); err != nil {
-				return fmt.Errorf("wait for a notification: %w", err)
-			}
-			notify(wake)
-		}
-	})
-	return listened, err
+	return r.db.listen(ctx, r.outbox.Channel(), wake)
 }
 
 // notify leaves a wake-up unless one is pending already.

@@ -1,0 +1,210 @@
+package postgres
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// The relay's database is either database/sql's *sql.DB, opened with pgx's
+// stdlib driver (NewOutboxRelay), or pgx's own *pgxpool.Pool
+// (NewOutboxRelayPgx): a pass's statements are the same on both, and this
+// file is all that differs.
+
+// pool is what a relay needs of its database.
+type pool interface {
+	begin(ctx context.Context) (txn, error) // a READ COMMITTED transaction
+	exec(ctx context.Context, query string) error
+	listen(ctx context.Context, channel string, wake chan<- struct{}) (listened bool, err error)
+	check() error // the pool's configuration, as validate checks it
+	maxConns() int
+}
+
+// txn is a pass's transaction.
+type txn interface {
+	query(ctx context.Context, query string, args ...any) (rows, error)
+	queryRow(ctx context.Context, query string, args ...any) interface{ Scan(...any) error }
+	exec(ctx context.Context, query string, args ...any) error
+	commit(ctx context.Context) error
+	rollback()
+}
+
+// rows is a query's result, to be closed once read.
+type rows interface {
+	Next() bool
+	Scan(...any) error
+	Err() error
+	Close()
+}
+
+// sqlPool is a *sql.DB as a relay's pool.
+type sqlPool struct{ db *sql.DB }
+
+func (p sqlPool) begin(ctx context.Context) (txn, error) {
+	tx, err := p.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	return sqlTxn{tx}, err
+}
+
+func (p sqlPool) exec(ctx context.Context, query string) error {
+	_, err := p.db.ExecContext(ctx, query)
+	return err
+}
+
+func (p sqlPool) check() error {
+	if _, ok := p.db.Driver().(*stdlib.Driver); !ok {
+		return fmt.Errorf("the database is opened with %T; the relay needs pgx's stdlib driver (stdlib.OpenDB, or sql.Open(\"pgx\", …))", p.db.Driver())
+	}
+	return nil
+}
+
+func (p sqlPool) maxConns() int { return p.db.Stats().MaxOpenConnections }
+
+// listen listens on one of the pool's connections, taken out of the pool
+// for good, until it fails.
+func (p sqlPool) listen(ctx context.Context, channel string, wake chan<- struct{}) (listened bool, err error) {
+	conn, err := p.db.Conn(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close()
+	err = conn.Raw(func(driverConn any) error {
+		sc, ok := driverConn.(*stdlib.Conn)
+		if !ok {
+			return fmt.Errorf("%w (the driver's connection is a %T)", errCannotListen, driverConn)
+		}
+		pc := sc.Conn()
+		// Closed here whatever happens, so that the pool never hands out a
+		// connection that is still listening.
+		defer closeListener(pc)
+		listened, err = listenOn(ctx, pc, channel, wake)
+		return err
+	})
+	return listened, err
+}
+
+type sqlTxn struct{ tx *sql.Tx }
+
+func (t sqlTxn) query(ctx context.Context, query string, args ...any) (rows, error) {
+	r, err := t.tx.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return sqlRows{r}, nil
+}
+
+func (t sqlTxn) queryRow(ctx context.Context, query string, args ...any) interface{ Scan(...any) error } {
+	return t.tx.QueryRowContext(ctx, query, args...)
+}
+
+func (t sqlTxn) exec(ctx context.Context, query string, args ...any) error {
+	_, err := t.tx.ExecContext(ctx, query, args...)
+	return err
+}
+
+func (t sqlTxn) commit(context.Context) error { return commit(t.tx) }
+func (t sqlTxn) rollback()                    { _ = t.tx.Rollback() } // after a commit this does nothing
+
+// sqlRows is *sql.Rows as rows.
+type sqlRows struct{ *sql.Rows }
+
+func (r sqlRows) Close() { _ = r.Rows.Close() }
+
+// pgxPool is a *pgxpool.Pool as a relay's pool.
+type pgxPool struct{ p *pgxpool.Pool }
+
+func (p pgxPool) begin(ctx context.Context) (txn, error) {
+	tx, err := p.p.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	return pgxTxn{tx}, err
+}
+
+func (p pgxPool) exec(ctx context.Context, query string) error {
+	_, err := p.p.Exec(ctx, query)
+	return err
+}
+
+func (p pgxPool) check() error  { return nil }
+func (p pgxPool) maxConns() int { return int(p.p.Config().MaxConns) }
+
+// listen listens on one of the pool's connections, taken out of the pool
+// for good (Hijack), until it fails.
+func (p pgxPool) listen(ctx context.Context, channel string, wake chan<- struct{}) (listened bool, err error) {
+	c, err := p.p.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	conn := c.Hijack()
+	defer closeListener(conn)
+	return listenOn(ctx, conn, channel, wake)
+}
+
+type pgxTxn struct{ tx pgx.Tx }
+
+func (t pgxTxn) query(ctx context.Context, query string, args ...any) (rows, error) {
+	r, err := t.tx.Query(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+func (t pgxTxn) queryRow(ctx context.Context, query string, args ...any) interface{ Scan(...any) error } {
+	return t.tx.QueryRow(ctx, query, args...)
+}
+
+func (t pgxTxn) exec(ctx context.Context, query string, args ...any) error {
+	_, err := t.tx.Exec(ctx, query, args...)
+	return err
+}
+
+// commit is commit's rule on pgx: the server's own error is a failed
+// commit, anything else an outcome unknown. A commit the server turned into
+// a rollback (the transaction had failed) is ErrTxCommitRollback: nothing
+// was kept.
+func (t pgxTxn) commit(ctx context.Context) error {
+	err := t.tx.Commit(ctx)
+	switch {
+	case err == nil:
+		return nil
+	case sqlState(err) != "", errors.Is(err, pgx.ErrTxCommitRollback):
+		return fmt.Errorf("commit: %w", err)
+	default:
+		return fmt.Errorf("commit: %w: %w", ErrCommitUnknown, err)
+	}
+}
+
+// rollback ends the transaction unless it was committed; it gets a second
+// of its own, since the pass's context may have ended.
+func (t pgxTxn) rollback() {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = t.tx.Rollback(ctx)
+}
+
+// listenOn listens on conn for channel, wakes wake at each notification
+// (and once as it starts listening, for what came while nothing listened),
+// and returns when conn fails or ctx ends.
+func listenOn(ctx context.Context, conn *pgx.Conn, channel string, wake chan<- struct{}) (listened bool, err error) {
+	if _, err := conn.Exec(ctx, "LISTEN "+channel); err != nil {
+		return false, fmt.Errorf("LISTEN %s: %w", channel, err)
+	}
+	notify(wake)
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return true, fmt.Errorf("wait for a notification: %w", err)
+		}
+		notify(wake)
+	}
+}
+
+// closeListener closes a connection that listened, within a second.
+func closeListener(conn *pgx.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	conn.Close(ctx)
+}
