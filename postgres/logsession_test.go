@@ -616,3 +616,67 @@ func TestLogRelayAnswersTheServersRequestForAReply(t *testing.T) {
 		})
 	}
 }
+
+// sequenceRecorder offers the log relay Publish and PublishSequence alone,
+// recording each call as batchRecorder does.
+type sequenceRecorder struct{ b *batchRecorder }
+
+func (s sequenceRecorder) Publish(ctx context.Context, m postgres.Message) error {
+	return s.b.Publish(ctx, m)
+}
+
+func (s sequenceRecorder) PublishSequence(ctx context.Context, msgs []postgres.Message) (int, error) {
+	return s.b.PublishBatch(ctx, msgs)
+}
+
+// Through a SequencePublisher, which stores nothing after a message it did
+// not store, the log relay sends a transaction's rows in batches of up to
+// 100 whatever their aggregates: 150 rows as 100 and 50, rows of
+// aggregates a, b, a, c as one batch of four. (Caught: a log relay that
+// sends a SequencePublisher one message at a time, as it does a broker with
+// Publish alone: 154 calls of one.)
+func TestLogRelaySendsASequencePublisherWholeTransactions(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	broker := &batchRecorder{}
+	relay := logRelayOn(t, db, logConnString(name), name, sequenceRecorder{broker})
+	relay.MarkIn = db
+	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { // rows 1-150
+		for range 150 {
+			if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": 1}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { // rows 151-154
+		for _, agg := range []struct {
+			name string
+			seq  int64
+		}{{"a", 1}, {"b", 1}, {"a", 2}, {"c", 1}} {
+			if _, err := postgres.InsertOutboxFor(ctx, tx, agg.name, agg.seq, "ItemPicked", map[string]int{"item": 1}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	stop := runLog(t, relay)
+	waitUntil(t, "every row marked", func() bool {
+		return count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0
+	})
+	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
+		t.Errorf("Run = %v", err)
+	}
+	var sizes []int
+	for _, call := range broker.batches() {
+		sizes = append(sizes, len(call))
+	}
+	if want := []int{100, 50, 4}; !slices.Equal(sizes, want) {
+		t.Errorf("batch sizes %v, want %v", sizes, want)
+	}
+}
