@@ -37,29 +37,37 @@ func BenchmarkDrain(b *testing.B) {
 	for _, broker := range []string{"one", "one-always", "cluster3", "cluster3-always"} {
 		for _, mode := range []string{"each", "batch", "atomic"} {
 			b.Run("broker="+broker+"/ack="+mode, func(b *testing.B) {
-				url := ""
-				switch broker {
-				case "one":
-					br := startBroker(b, nil)
-					setUp(b, connect(b, br.url()), 0, 0)
-					url = br.url()
-				case "one-always":
-					br := startBroker(b, func(o *server.Options) { o.SyncAlways = true })
-					setUp(b, connect(b, br.url()), 0, 0)
-					url = br.url()
-				case "cluster3":
-					c := startCluster(b, 3)
-					setUpReplicated(b, c)
-					url = c.url()
-				case "cluster3-always":
-					c := startClusterWith(b, 3, func(o *server.Options) { o.SyncAlways = true })
-					setUpReplicated(b, c)
-					url = c.url()
-				}
-				drain(b, url, mode)
+				drain(b, startBenchBroker(b, broker), mode)
 			})
 		}
 	}
+}
+
+// startBenchBroker starts the broker a benchmark names, with the stream and
+// the warehouse's consumer set up, and returns its URL: one server (one),
+// one that syncs before each ack (one-always), a cluster of three with
+// three replicas (cluster3), and the same syncing (cluster3-always).
+func startBenchBroker(b *testing.B, name string) (url string) {
+	switch name {
+	case "one", "one-always":
+		var edit func(*server.Options)
+		if name == "one-always" {
+			edit = func(o *server.Options) { o.SyncAlways = true }
+		}
+		br := startBroker(b, edit)
+		setUp(b, connect(b, br.url()), 0, 0)
+		return br.url()
+	case "cluster3", "cluster3-always":
+		var edit func(*server.Options)
+		if name == "cluster3-always" {
+			edit = func(o *server.Options) { o.SyncAlways = true }
+		}
+		c := startClusterWith(b, 3, edit)
+		setUpReplicated(b, c)
+		return c.url()
+	}
+	b.Fatalf("no broker %q", name)
+	return ""
 }
 
 // drain is BenchmarkDrain's loop, through the broker at url.

@@ -54,18 +54,7 @@ func BenchmarkKnee(b *testing.B) {
 	}{{"one", "poll", 1}, {"one", "log", 1}, {"cluster3", "poll", 1}, {"cluster3", "log", 1}, {"one", "poll", 4}} {
 		broker, relay := cfg.broker, cfg.relay
 		b.Run(fmt.Sprintf("broker=%s/relay=%s/consumers=%d", broker, relay, cfg.consumers), func(b *testing.B) {
-			url := ""
-			switch broker {
-			case "one":
-				br := startBroker(b, nil)
-				setUp(b, connect(b, br.url()), 0, 0)
-				url = br.url()
-			case "cluster3":
-				c := startCluster(b, 3)
-				setUpReplicated(b, c)
-				url = c.url()
-			}
-			p := newPipeline(b, url, relay, cfg.consumers)
+			p := newPipeline(b, startBenchBroker(b, broker), relay, cfg.consumers)
 			for _, rate := range kneeRates {
 				var short bool
 				b.Run(fmt.Sprintf("rate=%d", rate), func(b *testing.B) {

@@ -440,33 +440,9 @@ func TestLogRelayPublishesATransactionInBatches(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	insert(func(tx *sql.Tx) error { // rows 1-150
-		for range 150 {
-			if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": 1}); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	insert(func(tx *sql.Tx) error { // rows 151-154
-		for _, agg := range []struct {
-			name string
-			seq  int64
-		}{{"a", 1}, {"b", 1}, {"a", 2}, {"c", 1}} {
-			if _, err := postgres.InsertOutboxFor(ctx, tx, agg.name, agg.seq, "ItemPicked", map[string]int{"item": 1}); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	insert(func(tx *sql.Tx) error { // rows 155-157: the broker refuses 156
-		for range 3 {
-			if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": 1}); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
+	insert(func(tx *sql.Tx) error { return insertItems(ctx, tx, 150) }) // rows 1-150
+	insert(func(tx *sql.Tx) error { return insertABAC(ctx, tx) })       // rows 151-154
+	insert(func(tx *sql.Tx) error { return insertItems(ctx, tx, 3) })   // rows 155-157: the broker refuses 156
 	runLog(t, relay)
 	waitUntil(t, "every row marked but 156, parked", func() bool {
 		return count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL`) == 0
@@ -642,28 +618,11 @@ func TestLogRelaySendsASequencePublisherWholeTransactions(t *testing.T) {
 	broker := &batchRecorder{}
 	relay := logRelayOn(t, db, logConnString(name), name, sequenceRecorder{broker})
 	relay.MarkIn = db
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { // rows 1-150
-		for range 150 {
-			if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": 1}); err != nil {
-				return err
-			}
-		}
-		return nil
-	}); err != nil {
-		t.Fatal(err)
+	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { return insertItems(ctx, tx, 150) }); err != nil {
+		t.Fatal(err) // rows 1-150
 	}
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { // rows 151-154
-		for _, agg := range []struct {
-			name string
-			seq  int64
-		}{{"a", 1}, {"b", 1}, {"a", 2}, {"c", 1}} {
-			if _, err := postgres.InsertOutboxFor(ctx, tx, agg.name, agg.seq, "ItemPicked", map[string]int{"item": 1}); err != nil {
-				return err
-			}
-		}
-		return nil
-	}); err != nil {
-		t.Fatal(err)
+	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { return insertABAC(ctx, tx) }); err != nil {
+		t.Fatal(err) // rows 151-154
 	}
 	stop := runLog(t, relay)
 	waitUntil(t, "every row marked", func() bool {
@@ -679,4 +638,27 @@ func TestLogRelaySendsASequencePublisherWholeTransactions(t *testing.T) {
 	if want := []int{100, 50, 4}; !slices.Equal(sizes, want) {
 		t.Errorf("batch sizes %v, want %v", sizes, want)
 	}
+}
+
+// insertItems writes n ItemPicked rows with no aggregate in tx.
+func insertItems(ctx context.Context, tx *sql.Tx, n int) error {
+	for range n {
+		if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": 1}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// insertABAC writes in tx four rows, of aggregates a, b, a and c.
+func insertABAC(ctx context.Context, tx *sql.Tx) error {
+	for _, agg := range []struct {
+		name string
+		seq  int64
+	}{{"a", 1}, {"b", 1}, {"a", 2}, {"c", 1}} {
+		if _, err := postgres.InsertOutboxFor(ctx, tx, agg.name, agg.seq, "ItemPicked", map[string]int{"item": 1}); err != nil {
+			return err
+		}
+	}
+	return nil
 }
