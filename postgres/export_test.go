@@ -16,16 +16,16 @@ import (
 // ClaimQuery is the relay's claim with its batch size and the default
 // budget's limits written in, for EXPLAIN.
 var ClaimQuery = strings.NewReplacer(
-	"$1", strconv.Itoa(DefaultBatchSize),
-	"$2", "'"+millis(DefaultPassTimeout)+"'",
-	"$3", "'"+millis(2*DefaultPassTimeout)+"'",
+	batchSize, strconv.Itoa(DefaultBatchSize),
+	"$1", "'"+millis(DefaultPassTimeout)+"'",
+	"$2", "'"+millis(2*DefaultPassTimeout)+"'",
 ).Replace(claimRows)
 
 // ClaimRunsQuery is ClaimQuery for a relay with PerAggregate.
 var ClaimRunsQuery = strings.NewReplacer(
-	"$1", strconv.Itoa(DefaultBatchSize),
-	"$2", "'"+millis(DefaultPassTimeout)+"'",
-	"$3", "'"+millis(2*DefaultPassTimeout)+"'",
+	batchSize, strconv.Itoa(DefaultBatchSize),
+	"$1", "'"+millis(DefaultPassTimeout)+"'",
+	"$2", "'"+millis(2*DefaultPassTimeout)+"'",
 ).Replace(claimRuns)
 
 // FlushWALPgx is the flush a pass on a pgx pool makes the server do, on one
