@@ -323,8 +323,9 @@ func TestCancelOrderRefusesWhatItCannotCancel(t *testing.T) {
 
 // With PerAggregate a parked row still holds back the rest of its aggregate:
 // A1 rejected and parked, A2 waits while B goes; once A1 is put back, A1
-// then A2. (Caught: a claim that skips parked rows when it looks for an
-// aggregate's lowest unsent row, which publishes A2 before A1.)
+// then A2. (Caught: a claim that takes the rows behind a held row and
+// skips parked rows in its run check, which published A2 while A1 was
+// parked.)
 func TestParkedRowHoldsBackItsAggregate(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
