@@ -23,8 +23,8 @@ import (
 // Nats-Msg-Id, so that the stream stores a message once however often the
 // relay publishes it within the duplicate window, and with its id,
 // aggregate and seq in headers (HeaderID, HeaderAggregate, HeaderSeq).
-// Publish and PublishBatch return only once the stream has acknowledged the
-// message. What an ack promises is the stream's and the server's to choose:
+// Publish, PublishBatch and PublishSequence return only once the stream has
+// acknowledged the messages. What an ack promises is the stream's and the server's to choose:
 // with one replica, the server wrote the message (on disk only with
 // sync_interval: always); with three, two of the servers hold it. The
 // README has what each survives, and REFERENCE.md what each costs.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -129,7 +130,15 @@ func TestRelayOnAPgxPool(t *testing.T) {
 	}
 
 	relay.PollInterval = time.Hour // only a notification wakes it
+	var passes atomic.Int32
+	relay.OnPass = func(postgres.PassReport) { passes.Add(1) }
 	stop := runRelay(t, relay)
+	// Run passes once as it starts and once as it listens: after both, only
+	// a notification can publish the next row within the hour.
+	waitUntil(t, "Run listening, and its two passes over", func() bool {
+		return passes.Load() >= 2 && count(t, db, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND query = 'LISTEN `+postgres.NotifyChannel+`'`) == 1
+	})
 	write(1)
 	waitUntil(t, "the row written while Run waited published", func() bool { return len(broker.Published()) == 4 })
 	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
