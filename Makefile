@@ -256,7 +256,7 @@ measure-natsbroker:
 	@rm -f measure-natsbroker.test
 	@! grep -E '^(--- )?FAIL' natsbroker/figures/measure-natsbroker.txt
 	{ $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' natsbroker/figures/measure-natsbroker.txt && \
-	  $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(batch atomic)' natsbroker/figures/measure-natsbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(batch sequence)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one one-always)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one cluster3)' natsbroker/figures/measure-natsbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(cluster3 cluster3-always)' natsbroker/figures/measure-natsbroker.txt && \

@@ -136,7 +136,7 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 
 // CheckStream refuses a stream that is not as configured, each difference
 // named: its subjects, storage, replicas, age limit and duplicate window,
-// and whether it allows atomic batches.
+// and whether it allows batch publishing.
 // (Caught: a CheckStream that ignored the duplicate window, so a stream
 // whose window an operator shortened passed, and copies past it reached
 // the consumers.)
@@ -166,12 +166,12 @@ func TestCheckStreamRefusesAStreamNotAsConfigured(t *testing.T) {
 			t.Errorf("CheckStream against a stream that differs in %q = %v, want ErrStreamConfig saying so", what, err)
 		}
 	}
-	old := natsbroker.StreamConfig(2 * time.Minute) // as made before the relays sent atomic batches
-	old.AllowAtomicPublish = false
+	old := natsbroker.StreamConfig(2 * time.Minute) // as made before the relays sent fast batches
+	old.AllowBatchPublish = false
 	if _, err := js.UpdateStream(ctx, old); err != nil {
 		t.Fatal(err)
 	}
-	if err := natsbroker.CheckStream(ctx, js, natsbroker.StreamConfig(2*time.Minute)); !errors.Is(err, natsbroker.ErrStreamConfig) || !strings.Contains(err.Error(), "atomic") {
-		t.Errorf("CheckStream of a stream that does not allow atomic batches = %v, want ErrStreamConfig saying so", err)
+	if err := natsbroker.CheckStream(ctx, js, natsbroker.StreamConfig(2*time.Minute)); !errors.Is(err, natsbroker.ErrStreamConfig) || !strings.Contains(err.Error(), "batch publishing") {
+		t.Errorf("CheckStream of a stream that does not allow batch publishing = %v, want ErrStreamConfig saying so", err)
 	}
 }

@@ -9,18 +9,23 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+
+	"example.com/patterns/enterprise/outbox/natsbroker"
 )
 
 // ackDropper is a TCP proxy between NATS clients and a server that can lose
-// the server's replies: armed, it drops the next message the server sends
-// to a client's inbox (a publish's ack goes there), and forwards everything
-// else as it came. The server has stored the message by then; only the ack
-// is lost, as when a connection breaks right after the server answered.
+// the server's replies: armed, it drops the next ack the server sends to a
+// client's inbox (a publish's ack goes there; a fast batch's flow acks,
+// which go there too, pass), and forwards everything else as it came. The
+// server has stored the message by then; only the ack is lost, as when a
+// connection breaks right after the server answered. It counts the
+// messages clients publish to the stream's subjects.
 type ackDropper struct {
-	ln      net.Listener
-	armed   atomic.Bool
-	dropped atomic.Int64
-	wg      sync.WaitGroup
+	ln        net.Listener
+	armed     atomic.Bool
+	dropped   atomic.Int64
+	published atomic.Int64
+	wg        sync.WaitGroup
 }
 
 // newAckDropper listens on a loopback port and forwards to target, until t
@@ -48,7 +53,7 @@ func newAckDropper(t *testing.T, target string) *ackDropper {
 			}
 			conns.Store(client, srv)
 			p.wg.Add(2)
-			go func() { defer p.wg.Done(); io.Copy(srv, client); srv.Close() }()
+			go func() { defer p.wg.Done(); p.clientToServer(srv, client); srv.Close() }()
 			go func() { defer p.wg.Done(); p.serverToClient(client, srv); client.Close() }()
 		}
 	}()
@@ -64,6 +69,37 @@ func (p *ackDropper) url() string { return "nats://" + p.ln.Addr().String() }
 
 // dropNextAck arms the proxy.
 func (p *ackDropper) dropNextAck() { p.armed.Store(true) }
+
+// clientToServer copies the client's protocol to the server as it came,
+// counting each PUB or HPUB to a subject under natsbroker.SubjectPrefix.
+func (p *ackDropper) clientToServer(srv io.Writer, client io.Reader) {
+	r := bufio.NewReader(client)
+	for {
+		line, err := r.ReadBytes('\n')
+		if err != nil {
+			return
+		}
+		var body []byte
+		fields := bytes.Fields(line)
+		if len(fields) >= 3 && (string(fields[0]) == "PUB" || string(fields[0]) == "HPUB") {
+			// PUB subject [reply] size; HPUB subject [reply] hdrsize size
+			size, err := strconv.Atoi(string(fields[len(fields)-1]))
+			if err != nil {
+				return
+			}
+			body = make([]byte, size+2)
+			if _, err := io.ReadFull(r, body); err != nil {
+				return
+			}
+			if bytes.HasPrefix(fields[1], []byte(natsbroker.SubjectPrefix)) && size > 0 {
+				p.published.Add(1)
+			}
+		}
+		if _, err := srv.Write(append(line, body...)); err != nil {
+			return
+		}
+	}
+}
 
 // serverToClient copies the server's protocol to the client a line at a
 // time, reading each MSG or HMSG with its payload, and leaves out the
@@ -87,7 +123,7 @@ func (p *ackDropper) serverToClient(client io.Writer, srv io.Reader) {
 			if _, err := io.ReadFull(r, body); err != nil {
 				return
 			}
-			if bytes.HasPrefix(fields[1], []byte("_INBOX.")) && p.armed.CompareAndSwap(true, false) {
+			if bytes.HasPrefix(fields[1], []byte("_INBOX.")) && !bytes.HasPrefix(body, []byte(`{"type":`)) && p.armed.CompareAndSwap(true, false) {
 				p.dropped.Add(1)
 				continue
 			}

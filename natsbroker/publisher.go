@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync/atomic"
 
 	"github.com/nats-io/nats.go"
@@ -124,26 +125,28 @@ func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (
 	return len(msgs), nil
 }
 
-// MaxAtomicBatch is the most messages PublishSequence sends in one atomic
-// batch: the server's limit, unless its configuration lowers it (a batch
-// over the limit is refused, and its messages go one at a time).
-const MaxAtomicBatch = 1000
+// MaxSequenceBatch is the most messages PublishSequence sends in one batch:
+// it bounds what one batch holds in flight and what the server keeps for it.
+const MaxSequenceBatch = 1000
 
-// PublishSequence publishes msgs in atomic batches (JetStream's, ADR-50: the
-// stream stores all of a batch's messages, in their order, or none of them)
-// of up to MaxAtomicBatch, one round trip each, and returns how many, from
-// the first, the stream acknowledged, with the error of the first it did
-// not. The stream must allow atomic publishing (StreamConfig sets it;
-// CheckStream checks it).
+// PublishSequence publishes msgs in JetStream's fast batches (server 2.14
+// and later) of up to MaxSequenceBatch: the messages of a batch go without
+// waiting in between, the stream stores them in their order, ends the
+// batch at the first it does not store, and answers once, with how many it
+// stored. PublishSequence returns how many messages, from the first, the
+// stream stored, with the error of the first it did not. The stream must
+// allow batch publishing (StreamConfig sets it; CheckStream checks it).
 //
-// A batch the stream refuses as a whole (one message over its size, one
-// it stored before within its duplicate window, a stream that does not allow
-// atomic batches) goes again one message at a time, through Publish, which
-// finds the message at fault, stops at it and says why; the batches after
-// it go on as batches. A batch whose answer did not come (the context
-// ended, the connection closed) may have been stored whole: the error wraps
-// [postgres.ErrBrokerUnavailable], and the relay publishes it again, as a
-// batch refused for its duplicates, and so one at a time.
+// A message the stream already holds within its duplicate window counts
+// as stored (the batch skips it and goes on), so a batch published again
+// after a lost answer goes through at the batch's rate. A message the
+// stream refuses (over its size) ends the batch: the error wraps
+// [postgres.ErrRejected], and nothing after it is stored. A batch whose
+// answer did not come (the context ended, the connection closed) returns
+// the messages the stream said it had stored on the way (its flow acks),
+// with an error wrapping [postgres.ErrBrokerUnavailable]: the stream may
+// hold some of the rest, which the relay publishes again and the duplicate
+// window drops.
 func (p *Publisher) PublishSequence(ctx context.Context, msgs []postgres.Message) (int, error) {
 	if len(msgs) == 0 {
 		return 0, nil
@@ -153,79 +156,138 @@ func (p *Publisher) PublishSequence(ctx context.Context, msgs []postgres.Message
 	}
 	done := 0
 	for done < len(msgs) {
-		batch := msgs[done:min(len(msgs), done+MaxAtomicBatch)]
-		err := p.atomic(ctx, batch)
-		if errors.Is(err, postgres.ErrBrokerUnavailable) {
+		batch := msgs[done:min(len(msgs), done+MaxSequenceBatch)]
+		n, err := p.fastBatch(ctx, batch)
+		done += n
+		if err != nil {
 			return done, err
 		}
-		if err != nil { // refused whole: find the message at fault
-			for i, msg := range batch {
-				if err := p.Publish(ctx, msg); err != nil {
-					return done + i, err
-				}
-			}
-		}
-		done += len(batch)
 	}
 	return done, nil
 }
 
-// batchAck is the stream's answer to an atomic batch's last message: how
-// many messages it stored, or why it stored none.
-type batchAck struct {
+// batchAnswer is one of the stream's answers to a fast batch: a flow ack
+// (Type "ack": the batch's messages up to Seq are stored), an error for the
+// message Seq of the batch (Type "err"), a gap, or, with no Type, the
+// stream's ack of the whole batch (Batch and Count: how many it stored) or
+// its refusal of a message (Error).
+type batchAnswer struct {
+	Type  string              `json:"type"`
+	Seq   int                 `json:"seq"`
 	Batch string              `json:"batch"`
 	Count int                 `json:"count"`
 	Error *jetstream.APIError `json:"error"`
 }
 
-// The headers of an atomic batch's messages (ADR-50).
+// The operations of a fast batch, the last but one token of each message's
+// reply subject (nats-server's FastBatchOp constants).
 const (
-	batchIDHeader     = "Nats-Batch-Id"       // the batch's id, the same in each of its messages
-	batchSeqHeader    = "Nats-Batch-Sequence" // the message's place in its batch, from 1
-	batchCommitHeader = "Nats-Batch-Commit"   // "1" on the last: store the batch
+	fastBatchStart  = 0 // the first message
+	fastBatchAppend = 1 // the messages after it
+	fastBatchEnd    = 3 // no message: end the batch after the one before (EOB)
 )
 
-// errBatchRefused is atomic's error for a batch the stream refused whole.
-var errBatchRefused = errors.New("atomic batch refused")
+// fastBatchFlow is how many stored messages a fast batch's stream may let
+// go by before it sends a flow ack.
+const fastBatchFlow = 100
 
-// atomic sends msgs as one atomic batch: each message with the batch's id
-// and its place in it, without a reply, and the last with the commit, as a
-// request whose reply is the batch's ack. It returns nil once the stream
-// stored them all, an error wrapping errBatchRefused if it refused them
-// (it stored none), and one wrapping postgres.ErrBrokerUnavailable if the
-// answer did not come.
-func (p *Publisher) atomic(ctx context.Context, msgs []postgres.Message) error {
+// fastBatch sends msgs as one fast batch and returns how many of them, from
+// the first, the stream stored. Each message has, as its reply subject, a
+// subject of its own under an inbox the batch listens on: the inbox, the
+// batch's id, the flow, "fail" (the batch ends at a gap or an error), the
+// message's place in the batch and its operation. After the messages comes
+// the end of the batch, an empty message in the place after the last, so
+// that the stream ends the batch and answers even when the last message is
+// refused.
+func (p *Publisher) fastBatch(ctx context.Context, msgs []postgres.Message) (int, error) {
 	nc, id := p.js.Conn(), rand.Text()
+	inbox := nc.NewInbox()
+	sub, err := nc.SubscribeSync(inbox + ".>")
+	if err != nil {
+		return 0, p.failed(ctx, msgs[0], err)
+	}
+	defer sub.Unsubscribe()
+	reply := func(seq, op int) string {
+		return fmt.Sprintf("%s.%s.%d.fail.%d.%d.$FI", inbox, id, fastBatchFlow, seq, op)
+	}
+	sent, refused := len(msgs), error(nil)
 	for i, msg := range msgs {
 		m := p.natsMsg(msg)
-		m.Header.Set(batchIDHeader, id)
-		m.Header.Set(batchSeqHeader, strconv.Itoa(i+1))
-		if i < len(msgs)-1 {
-			if err := nc.PublishMsg(m); err != nil {
-				return fmt.Errorf("%w: message %d of %d: %w", errBatchRefused, i+1, len(msgs), err)
+		m.Reply = reply(i+1, min(i, fastBatchAppend))
+		if err := nc.PublishMsg(m); err != nil {
+			if !errors.Is(err, nats.ErrMaxPayload) && !errors.Is(err, nats.ErrBadSubject) {
+				return 0, p.failed(ctx, msg, err) // the answers may not come: assume none was stored
 			}
-			continue
-		}
-		m.Header.Set(batchCommitHeader, "1")
-		reply, err := nc.RequestMsgWithContext(ctx, m)
-		if err != nil {
-			if errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, nats.ErrBadSubject) { // the client's checks: not sent
-				return fmt.Errorf("%w: message %d of %d: %w", errBatchRefused, i+1, len(msgs), err)
-			}
-			return fmt.Errorf("atomic batch of %d messages: %w", len(msgs), p.failed(ctx, msg, err))
-		}
-		var ack batchAck
-		switch err := json.Unmarshal(reply.Data, &ack); {
-		case err != nil:
-			return fmt.Errorf("%w: atomic batch of %d messages: answer %q: %w", postgres.ErrBrokerUnavailable, len(msgs), reply.Data, err)
-		case ack.Error != nil:
-			return fmt.Errorf("%w: %d messages: %w", errBatchRefused, len(msgs), ack.Error)
-		case ack.Batch != id || ack.Count != len(msgs):
-			return fmt.Errorf("%w: the stream answered batch %s of %d with one of %s of %d",
-				errBatchRefused, id, len(msgs), ack.Batch, ack.Count)
+			sent, refused = i, p.failed(ctx, msg, err) // the client's checks: not sent
+			break
 		}
 	}
-	return nil
+	if sent == 0 {
+		return 0, refused
+	}
+	end := nats.NewMsg(p.natsMsg(msgs[sent-1]).Subject)
+	end.Reply = reply(sent+1, fastBatchEnd)
+	if err := nc.PublishMsg(end); err != nil {
+		return 0, p.failed(ctx, msgs[0], err)
+	}
+
+	stored, errs := 0, map[int]*jetstream.APIError{}
+	for {
+		m, err := sub.NextMsgWithContext(ctx)
+		if err != nil {
+			if stored < sent {
+				return stored, fmt.Errorf("fast batch of %d messages, %d stored before: %w", sent, stored, p.failed(ctx, msgs[stored], err))
+			}
+			return stored, refused
+		}
+		var a batchAnswer
+		if err := json.Unmarshal(m.Data, &a); err != nil {
+			return stored, fmt.Errorf("%w: fast batch of %d messages: answer %q: %w", postgres.ErrBrokerUnavailable, sent, m.Data, err)
+		}
+		seq := placeInBatch(m.Subject)
+		switch {
+		case a.Type == "ack":
+			stored = max(stored, a.Seq)
+		case a.Type == "err":
+			errs[a.Seq] = a.Error
+		case a.Type != "":
+			// a gap: the batch ends, and its ack says where
+		case a.Batch == id:
+			return p.batchStored(ctx, msgs, sent, a.Count, errs[a.Count+1], refused)
+		case a.Error != nil && seq == 1: // the first message refused: no batch
+			return 0, p.failed(ctx, msgs[0], a.Error)
+		case a.Error != nil && seq > sent: // the end refused: the batch waits until the stream drops it
+			return stored, fmt.Errorf("fast batch of %d messages, %d stored before its end was refused: %w: %w", sent, stored, postgres.ErrBrokerUnavailable, a.Error)
+		case a.Error != nil:
+			errs[seq] = a.Error // refused before it was a part of the batch: the next message ends the batch
+		}
+	}
+}
+
+// batchStored is fastBatch's result once the stream stored count of the
+// sent messages: all of msgs, or up to the one refused, with why.
+func (p *Publisher) batchStored(ctx context.Context, msgs []postgres.Message, sent, count int, why *jetstream.APIError, refused error) (int, error) {
+	switch {
+	case count > sent:
+		return 0, fmt.Errorf("%w: the stream stored %d messages of a fast batch of %d", postgres.ErrBrokerUnavailable, count, sent)
+	case count == sent:
+		return count, refused // nil, or the refusal of the message after the last sent
+	case why != nil:
+		return count, p.failed(ctx, msgs[count], why)
+	}
+	return count, fmt.Errorf("message %s: the stream ended the fast batch after %d of %d messages without saying why: %w",
+		msgs[count].Key, count, sent, postgres.ErrBrokerUnavailable)
+}
+
+// placeInBatch is the message's place in its fast batch that the reply
+// subject of one of the batch's answers gives (zero if none).
+func placeInBatch(subject string) int {
+	tokens := strings.Split(subject, ".")
+	if len(tokens) < 4 {
+		return 0
+	}
+	seq, _ := strconv.Atoi(tokens[len(tokens)-3])
+	return seq
 }
 
 // connected fails at once while the connection to the server is down. The

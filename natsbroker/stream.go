@@ -56,8 +56,8 @@ const (
 // message for DefaultMaxAge (the limits retention policy: a message stays
 // whether or not it was consumed, so that a new or reset consumer can
 // replay it; set MaxAge to change it), and duplicates dropped within window
-// (zero or less means DefaultDuplicateWindow). It allows atomic batches
-// (server 2.12 and later), which Publisher.PublishSequence sends so that the
+// (zero or less means DefaultDuplicateWindow). It allows fast batches
+// (server 2.14 and later), which Publisher.PublishSequence sends so that the
 // relays publish a batch a round trip and keep its order. It has one replica; set
 // Replicas to 3 on a cluster of three (see the README on what an ack then
 // means).
@@ -88,7 +88,7 @@ func streamConfig(window time.Duration) jetstream.StreamConfig {
 		MaxAge:     DefaultMaxAge,
 		Duplicates: window,
 
-		AllowAtomicPublish: true, // for Publisher.PublishSequence
+		AllowBatchPublish: true, // for Publisher.PublishSequence
 	}
 }
 
@@ -154,7 +154,7 @@ var ErrStreamConfig = errors.New("natsbroker: stream missing or not as configure
 // CheckStream reports, with an error wrapping [ErrStreamConfig], a stream
 // named want.Name that does not exist, or whose subjects, storage,
 // replicas, retention, age limit or duplicate window differ from want's, or
-// that does not allow the atomic batches want allows. Provision the stream
+// that does not allow the fast batches want allows. Provision the stream
 // apart, as the shop's migrate command does with CreateOrUpdateStream, and
 // have a service check it at start-up: a service that creates or updates
 // the stream itself at every start would undo an operator's change to it
@@ -180,8 +180,8 @@ func CheckStream(ctx context.Context, js jetstream.JetStream, want jetstream.Str
 			ErrStreamConfig, want.Name, got.Retention, got.MaxAge, want.Retention, want.MaxAge)
 	case got.Duplicates != want.Duplicates:
 		return fmt.Errorf("%w: stream %s drops duplicates within %v, want %v", ErrStreamConfig, want.Name, got.Duplicates, want.Duplicates)
-	case want.AllowAtomicPublish && !got.AllowAtomicPublish:
-		return fmt.Errorf("%w: stream %s does not allow atomic batches, which the relays' batches need to keep their order", ErrStreamConfig, want.Name)
+	case want.AllowBatchPublish && !got.AllowBatchPublish:
+		return fmt.Errorf("%w: stream %s does not allow batch publishing, which the relays' batches need to keep their order", ErrStreamConfig, want.Name)
 	}
 	return nil
 }

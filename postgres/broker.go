@@ -96,10 +96,11 @@ type BatchPublisher interface {
 // SequencePublisher is a [MessageBroker] that publishes several messages at
 // once and keeps their order: of the messages one PublishSequence call is
 // given, the broker stores the first few, and never a message after one it
-// did not store, as JetStream's atomic batch does (all of them or none). The
-// relays hand it their whole batch, over the whole table as with
-// [OutboxRelay.PerAggregate]: the order a consumer sees is the rows' order,
-// at the cost of one round trip a batch instead of one a message.
+// did not store, as JetStream's fast batch does (it ends at the first
+// message it refuses). The relays hand it their whole batch, over the whole
+// table as with [OutboxRelay.PerAggregate]: the order a consumer sees is the
+// rows' order, at the cost of one round trip a batch instead of one a
+// message.
 //
 // PublishSequence publishes msgs, in their order, and returns how many of
 // them, counted from the first, the broker accepted, and, if that is fewer

@@ -872,8 +872,8 @@ func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) 
 // (batchOf), unless that is fewer than all of them and the broker is a
 // [SequencePublisher] too; through a [SequencePublisher], all of them;
 // otherwise the first alone. An asynchronous batch costs the broker no more
-// than a sequence (JetStream stages an atomic batch before it stores it),
-// so it goes first where it keeps the order. send returns how many the
+// than a sequence (natsbroker's REFERENCE.md measures both), so it goes
+// first where it keeps the order. send returns how many the
 // broker accepted, from the first, and, if not all it sent, the error of the
 // first it did not accept.
 func send(ctx context.Context, tel *relayTelemetry, broker MessageBroker, msgs []Message, byAggregate bool) (int, error) {
