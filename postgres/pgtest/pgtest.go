@@ -46,10 +46,12 @@ var Config *pgx.ConnConfig
 // server can be had, Main fails the binary with a message that says how to
 // get one, and runs no test.
 func Main(m *testing.M) {
-	os.Exit(run(m))
+	os.Exit(Run(m))
 }
 
-func run(m *testing.M) int {
+// Run is Main, returning the exit code instead of exiting, for a TestMain
+// that has its own servers to stop after the tests.
+func Run(m *testing.M) int {
 	url := os.Getenv(EnvURL)
 	if url == "" {
 		srv, err := Start()

@@ -88,6 +88,9 @@ func TestShopOverHTTP(t *testing.T) {
 	for range 2 { // a retry with the same key gets the first order
 		postWithKey(t, base+"/orders", "order-3", `{"totalCents":700}`, 201, `{"orderId":3}`)
 	}
+	waitFor(t, "order 3 reserved", func() bool {
+		return get(t, base+"/orders/3") == `{"orderId":3,"totalCents":700,"sent":true,"reserved":true}`
+	})
 	if got := get(t, base+"/outbox"); json.Unmarshal([]byte(got), &view) != nil || view.Blocking != nil || view.Consumer["pending"] != 0.0 {
 		t.Errorf("GET /outbox once the broker is back = %s, want nothing blocking, nothing pending for the consumer", got)
 	}
