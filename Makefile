@@ -41,7 +41,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker shop page measure-natsbroker knee
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker rabbitbroker shop page measure-natsbroker knee
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -84,6 +84,7 @@ lint:
 	cd natsbroker/cmd/shop && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker/cmd/outbox-relay && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker/cmd/kneeplot && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd rabbitbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 # module-tests checks the module in the folder $(1) with gofmt and go vet,
 # then runs its tests on a PostgreSQL that postgres/with-server.sh starts in a
@@ -190,6 +191,19 @@ natsbroker:
 	$(call module-tests,natsbroker)
 	$(call module-tests,natsbroker/cmd/shop)
 	$(call module-tests,natsbroker/cmd/outbox-relay)
+
+# The rabbitbroker module's tests: RabbitMQ from Debian's packages, installed
+# where it is missing (apt-get install rabbitmq-server, with the package's
+# service kept from starting: policy-rc.d), then the tests, which start
+# throwaway nodes in temporary folders on loopback ports of their own, each
+# with an epmd of its own, and stop and remove them.
+rabbitbroker:
+	@test -x /usr/lib/rabbitmq/bin/rabbitmq-server || { \
+		echo "make rabbitbroker: RabbitMQ is missing; installing Debian's rabbitmq-server, its service kept from starting"; \
+		own=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; own=1; }; \
+		{ apt-get install -y --no-install-recommends rabbitmq-server >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y --no-install-recommends rabbitmq-server >/dev/null; }; }; \
+		status=$$?; [ -z "$$own" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; }
+	$(call module-tests,rabbitbroker)
 
 # The shop of natsbroker/cmd/shop, to run by hand and curl, on a throwaway
 # PostgreSQL with an embedded JetStream whose store is a temporary folder:

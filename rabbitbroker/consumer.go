@@ -1,0 +1,239 @@
+package rabbitbroker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// Handler applies a message and reports whether it did (false: a copy it
+// had applied before, dropped by its key). The example's shop.Warehouse is
+// one, through [postgres.ApplyOnce].
+type Handler interface {
+	Handle(ctx context.Context, msg postgres.Message) (applied bool, err error)
+}
+
+// Defaults of a [Consumer]'s fields left zero.
+const (
+	DefaultPrefetch    = 10
+	DefaultRetryDelay  = time.Second
+	DefaultMaxAttempts = 5
+)
+
+// Consumer feeds the messages of a queue to a Handler, one at a time, in
+// the queue's order, and tells RabbitMQ what became of each:
+//   - handled (applied, or a copy dropped by its key): basic.ack, only after
+//     the handler returned, so after its transaction committed. A consumer
+//     that dies before its ack leaves the message to be delivered again, and
+//     the handler drops that copy. RabbitMQ drops no copies itself: every
+//     copy a relay published reaches Handle, and Duplicates counts those
+//     dropped;
+//   - failed for a reason that may pass (a database that is down): tried
+//     again in place after RetryDelay, so the messages behind it keep
+//     their order, up to MaxAttempts tries, then handed back
+//     (basic.nack, requeue), which spends one of the queue's deliveries;
+//   - arrived before its predecessor ([postgres.ErrOutOfOrder]): handed
+//     back after RetryDelay, spending a delivery;
+//   - never to be applied (a payload the handler cannot read, wrapping
+//     [postgres.ErrMalformedMessage], no key, headers that are not an
+//     outbox message's): basic.nack without requeue, which dead-letters it
+//     at once, with a log line at level Error.
+//
+// A message handed back more often than the queue's x-delivery-limit
+// (Topology.DeliveryLimit) is dead-lettered by RabbitMQ: nothing is tried
+// for ever. The dead-letter queue keeps it for an operator.
+//
+// Run reconnects after its connection or channel closed (a node restarted),
+// RetryDelay apart; the messages it had not acked are delivered again.
+//
+// A Consumer is not safe for concurrent use: run one Run at a time. Create
+// one with [NewConsumer].
+type Consumer struct {
+	dial    func() (*amqp.Connection, error)
+	queue   string
+	handler Handler
+
+	// Prefetch is how many unacked messages RabbitMQ sends ahead (the
+	// channel's basic.qos); zero or less means DefaultPrefetch.
+	Prefetch int
+	// RetryDelay is the wait before a failed message is tried again, or
+	// handed back, and between reconnections; zero or less means
+	// DefaultRetryDelay.
+	RetryDelay time.Duration
+	// MaxAttempts is how many times a delivery is tried in place before it
+	// is handed back; zero or less means DefaultMaxAttempts.
+	MaxAttempts int
+	// Logger, if not nil, is told of each message dead-lettered, each
+	// failure and each reconnection.
+	Logger *slog.Logger
+
+	applied, duplicates, deadLettered atomic.Int64
+}
+
+// NewConsumer returns a Consumer of queue, over connections dial makes,
+// that feeds h.
+func NewConsumer(dial func() (*amqp.Connection, error), queue string, h Handler) *Consumer {
+	return &Consumer{dial: dial, queue: queue, handler: h}
+}
+
+// Applied, Duplicates and DeadLettered count the messages the handler
+// applied, the copies it dropped, and the messages this Consumer
+// dead-lettered (not those RabbitMQ dead-lettered past the delivery limit).
+func (c *Consumer) Applied() int64      { return c.applied.Load() }
+func (c *Consumer) Duplicates() int64   { return c.duplicates.Load() }
+func (c *Consumer) DeadLettered() int64 { return c.deadLettered.Load() }
+
+// Run consumes until ctx ends, and then returns ctx's error. A message
+// whose handling ctx cut short is neither acked nor handed back: RabbitMQ
+// delivers it again once the channel closes.
+func (c *Consumer) Run(ctx context.Context) error {
+	for {
+		err := c.consume(ctx)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if c.Logger != nil {
+			c.Logger.Warn("consumer disconnected; connecting again", "queue", c.queue, "error", err)
+		}
+		if !sleep(ctx, orDefault(c.RetryDelay, DefaultRetryDelay)) {
+			return ctx.Err()
+		}
+	}
+}
+
+// consume consumes over one connection until it or its channel closes, or
+// ctx ends.
+func (c *Consumer) consume(ctx context.Context) error {
+	conn, err := c.dial()
+	if err != nil {
+		return fmt.Errorf("dial: %w", err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return fmt.Errorf("open a channel: %w", err)
+	}
+	if err := ch.Qos(orDefault(c.Prefetch, DefaultPrefetch), 0, false); err != nil {
+		return fmt.Errorf("qos: %w", err)
+	}
+	deliveries, err := ch.ConsumeWithContext(ctx, c.queue, "", false, false, false, false, nil)
+	if err != nil {
+		return fmt.Errorf("consume %s: %w", c.queue, err)
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case d, ok := <-deliveries:
+			if !ok {
+				return fmt.Errorf("deliveries of %s ended: %w", c.queue, amqp.ErrClosed)
+			}
+			if err := c.handle(ctx, d); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// handle handles d and tells RabbitMQ what became of it; it returns an
+// error only when it could not.
+func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
+	m, err := decode(d)
+	if err != nil {
+		return c.deadLetter(d, m, err)
+	}
+	retry := orDefault(c.RetryDelay, DefaultRetryDelay)
+	for attempt := 1; ; attempt++ {
+		applied, err := c.handler.Handle(ctx, m)
+		switch {
+		case ctx.Err() != nil:
+			return nil // delivered again once the channel closes
+		case err == nil && applied:
+			c.applied.Add(1)
+			return d.Ack(false)
+		case err == nil:
+			c.duplicates.Add(1)
+			return d.Ack(false)
+		case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey):
+			return c.deadLetter(d, m, err)
+		}
+		if c.Logger != nil {
+			c.Logger.Warn("message failed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "attempt", attempt, "error", err)
+		}
+		if !sleep(ctx, retry) {
+			return nil
+		}
+		if errors.Is(err, postgres.ErrOutOfOrder) || attempt >= orDefault(c.MaxAttempts, DefaultMaxAttempts) {
+			return d.Nack(false, true) // spends a delivery: x-delivery-limit bounds them
+		}
+	}
+}
+
+// deadLetter hands d back for good: the queue dead-letters it.
+func (c *Consumer) deadLetter(d amqp.Delivery, m postgres.Message, err error) error {
+	c.deadLettered.Add(1)
+	if c.Logger != nil {
+		c.Logger.Error("message dead-lettered: it can never be applied", "queue", c.queue, "key", m.Key,
+			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)
+	}
+	return d.Nack(false, false)
+}
+
+// errNotOutbox is what decode wraps: the message was not published by a
+// Publisher.
+var errNotOutbox = errors.New("not an outbox message")
+
+// decode is d as a Publisher published it.
+func decode(d amqp.Delivery) (postgres.Message, error) {
+	m := postgres.Message{Type: d.Type, Payload: string(d.Body), Key: d.MessageId}
+	str := func(k string) string { s, _ := d.Headers[k].(string); return s }
+	m.Aggregate = str(HeaderAggregate)
+	for _, k := range []string{"traceparent", "tracestate"} {
+		if v := str(k); v != "" {
+			if m.TraceContext == nil {
+				m.TraceContext = map[string]string{}
+			}
+			m.TraceContext[k] = v
+		}
+	}
+	var err error
+	if m.ID, err = strconv.ParseInt(str(HeaderID), 10, 64); err != nil {
+		return m, fmt.Errorf("%w: header %s: %w", errNotOutbox, HeaderID, err)
+	}
+	if m.Aggregate != "" {
+		if m.Seq, err = strconv.ParseInt(str(HeaderSeq), 10, 64); err != nil {
+			return m, fmt.Errorf("%w: header %s: %w", errNotOutbox, HeaderSeq, err)
+		}
+	}
+	if m.Key == "" {
+		return m, fmt.Errorf("%w: no message_id", errNotOutbox)
+	}
+	return m, nil
+}
+
+// sleep waits d, or until ctx ends, and reports whether it waited d.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func orDefault[T int | time.Duration](v, def T) T {
+	if v <= 0 {
+		return def
+	}
+	return v
+}

@@ -1,0 +1,135 @@
+package rabbitbroker_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"example.com/patterns/enterprise/outbox/rabbitbroker"
+)
+
+// flaky is a Handler that fails the first failures deliveries of each
+// message it is told to fail, with an error that may pass (a database that
+// is down), and records the order in which it handled messages.
+type flaky struct {
+	handler  rabbitbroker.Handler
+	failures int
+	mu       sync.Mutex
+	tries    map[string]int
+	handled  []string // keys, in the order handled without error
+}
+
+func (f *flaky) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	f.mu.Lock()
+	f.tries[msg.Key]++
+	fail := f.tries[msg.Key] <= f.failures && msg.Key == "k2"
+	f.mu.Unlock()
+	if fail {
+		return false, errors.New("warehouse database: connection refused")
+	}
+	applied, err := f.handler.Handle(ctx, msg)
+	if err == nil {
+		f.mu.Lock()
+		f.handled = append(f.handled, msg.Key)
+		f.mu.Unlock()
+	}
+	return applied, err
+}
+
+// What a Consumer does with each kind of failure, on a queue whose
+// delivery limit is 3: a message whose database is down for its first
+// four tries is tried again in place (the messages behind it wait, so the
+// order holds) and applied, without being dead-lettered though four is past
+// the limit: tries in place spend no delivery; a payload that can never be
+// read is dead-lettered at once, one delivery; a message whose predecessor
+// never comes is handed back, spending a delivery each time, and RabbitMQ
+// dead-letters it when it comes back a fourth time, past the limit. Nothing is retried for ever. (Caught: a
+// Consumer that handed a failed message back at once: k2 was dead-lettered
+// too.)
+func TestConsumerRetriesInPlaceAndDeadLettersWhatCannotApply(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	top := declare(t, node.URL(), 3)
+	pub := newPublisher(t, node.URL(), top, 0)
+	for _, m := range []postgres.Message{
+		{ID: 1, Key: "k1", Type: shop.OrderPlaced, Payload: `{"orderId":1,"totalCents":100}`, Aggregate: "order/1", Seq: 1},
+		{ID: 2, Key: "k2", Type: shop.OrderPlaced, Payload: `{"orderId":2,"totalCents":200}`, Aggregate: "order/2", Seq: 1},
+		{ID: 3, Key: "k3", Type: shop.OrderPlaced, Payload: `{"orderId":3,"totalCents":300}`, Aggregate: "order/3", Seq: 1},
+		{ID: 4, Key: "k4", Type: shop.OrderPlaced, Payload: `not json`, Aggregate: "order/4", Seq: 1},
+		{ID: 5, Key: "k5", Type: shop.OrderCancelled, Payload: `{"orderId":5,"totalCents":500}`, Aggregate: "order/5", Seq: 2},
+		{ID: 6, Key: "k6", Type: shop.OrderPlaced, Payload: `{"orderId":6,"totalCents":600}`, Aggregate: "order/6", Seq: 1},
+	} {
+		if err := pub.Publish(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h := &flaky{handler: shop.NewWarehouse(db), failures: 4, tries: map[string]int{}}
+	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
+	c.RetryDelay, c.MaxAttempts = 10*time.Millisecond, 10
+	goRun(t, c.Run)
+	waitFor(t, "k4 and k5 dead-lettered", func() bool { return queued(t, node.URL(), top.DeadLetterQueue()) >= 2 })
+	waitFor(t, "the queue empty", func() bool { return queued(t, node.URL(), top.Queue) == 0 })
+	if n := queued(t, node.URL(), top.DeadLetterQueue()); n != 2 {
+		t.Errorf("%d messages dead-lettered, want 2: k4 and k5", n)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if got := h.handled; len(got) != 4 || got[0] != "k1" || got[1] != "k2" || got[2] != "k3" || got[3] != "k6" {
+		t.Errorf("handled %v, want [k1 k2 k3 k6]: k2 in its place", got)
+	}
+	if h.tries["k2"] != 5 || h.tries["k4"] != 1 || h.tries["k5"] != 4 {
+		t.Errorf("tries k2 %d, k4 %d, k5 %d; want 5 (in place), 1 (dead-lettered at once), 4 (handed back 3 times, the limit, then dead-lettered)", h.tries["k2"], h.tries["k4"], h.tries["k5"])
+	}
+	if c.Applied() != 4 || c.DeadLettered() != 1 {
+		t.Errorf("applied %d, dead-lettered by the consumer %d; want 4 and 1", c.Applied(), c.DeadLettered())
+	}
+}
+
+// A node restarted mid-drain: two relays and a consumer on a node of the
+// test's own; once 30 orders are reserved the node is stopped and started
+// again on its store, and 30 more orders are placed while it comes back.
+// Every order is reserved once, nothing is parked: the quorum queue kept
+// what it confirmed, the Publishers dialled again, the Consumer connected
+// again and dropped the copies of what it had applied but not acked.
+func TestNodeRestartedMidDrainLosesNothing(t *testing.T) {
+	own := startNode(t)
+	db := newDatabase(t)
+	top := declare(t, own.URL(), 0)
+	for range 2 {
+		relay := postgres.NewOutboxRelay(db, newPublisher(t, own.URL(), top, 0))
+		relay.PerAggregate, relay.BatchSize, relay.PollInterval = true, 10, 50*time.Millisecond
+		goRun(t, relay.Run)
+	}
+	c := rabbitbroker.NewConsumer(dialer(own.URL()), top.Queue, shop.NewWarehouse(db))
+	c.RetryDelay = 100 * time.Millisecond
+	goRun(t, c.Run)
+	service := shop.NewOrderService(db)
+	place := func(from, to int) {
+		for i := from; i < to; i++ {
+			if _, err := service.PlaceOrder(context.Background(), int64(100+i)); err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	place(0, 30)
+	waitFor(t, "30 orders reserved", func() bool { return count(t, db, `SELECT count(*) FROM reservations`) >= 30 })
+	done := make(chan error, 1)
+	go func() { done <- own.Restart() }()
+	place(30, 60)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "60 orders reserved and every row marked", func() bool {
+		return count(t, db, `SELECT count(*) FROM reservations`) >= 60 &&
+			count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0
+	})
+	wantEachOrderReservedOnce(t, db, 60)
+	if n := count(t, db, `SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL`); n != 0 {
+		t.Errorf("%d rows parked, want 0", n)
+	}
+	t.Logf("applied %d, copies dropped %d", c.Applied(), c.Duplicates())
+}

@@ -1,0 +1,224 @@
+// Package rabbittest starts throwaway RabbitMQ nodes for tests: each in a
+// temporary folder of its own, on loopback ports of its own, with an Erlang
+// port mapper (epmd) of its own on a port of its own, so that it never
+// meets a server it did not start; Stop stops the node and its epmd, and
+// Remove deletes the folder. Both processes are the test binary's children
+// and are killed if it dies (Linux's parent-death signal).
+package rabbittest
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Bin is the folder of Debian's rabbitmq-server, rabbitmqctl and their kin.
+const Bin = "/usr/lib/rabbitmq/bin"
+
+// ErrNotInstalled is returned by Start when RabbitMQ is not installed.
+var ErrNotInstalled = errors.New("rabbittest: rabbitmq-server is not installed (make rabbitbroker installs Debian's)")
+
+// Node is a RabbitMQ node a test started. It is not safe for concurrent
+// use.
+type Node struct {
+	Dir      string // its folder: configuration, data, logs, HOME (the Erlang cookie)
+	Name     string // its Erlang node name, name@localhost
+	Port     int    // AMQP, on 127.0.0.1
+	distPort int
+	epmdPort int
+	conf     string
+	cmd      *exec.Cmd
+	exited   chan struct{}
+	epmd     *exec.Cmd
+}
+
+// Options are what a node is configured with beyond its ports.
+type Options struct {
+	// MaxMessageSize is the largest message body the node takes (its
+	// max_message_size); zero leaves the server's default, 128 MiB.
+	MaxMessageSize int
+}
+
+// Start starts a node in a new temporary folder and waits until it takes
+// AMQP connections, for at most two minutes.
+func Start(o Options) (*Node, error) {
+	if _, err := os.Stat(filepath.Join(Bin, "rabbitmq-server")); err != nil {
+		return nil, ErrNotInstalled
+	}
+	dir, err := os.MkdirTemp("", "rabbittest-")
+	if err != nil {
+		return nil, err
+	}
+	ports, err := freePorts(3)
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	n := &Node{Dir: dir, Name: fmt.Sprintf("outbox%d@localhost", ports[0]), Port: ports[0], distPort: ports[1], epmdPort: ports[2]}
+	conf := []string{
+		"listeners.tcp.default = 127.0.0.1:" + fmt.Sprint(n.Port),
+		"log.console = false",
+		"log.file.level = warning",
+	}
+	if o.MaxMessageSize > 0 {
+		conf = append(conf, fmt.Sprintf("max_message_size = %d", o.MaxMessageSize))
+	}
+	n.conf = strings.Join(conf, "\n") + "\n"
+	for name, text := range map[string]string{"rabbitmq.conf": n.conf, "enabled_plugins": "[].\n"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o600); err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+	}
+	n.epmd = exec.Command("epmd", "-port", fmt.Sprint(n.epmdPort), "-address", "127.0.0.1")
+	n.epmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := n.epmd.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("rabbittest: epmd: %w", err)
+	}
+	if err := n.start(); err != nil {
+		n.Stop()
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	return n, nil
+}
+
+// env is the environment of the node's commands: its folder for all it
+// writes, its ports, and its own epmd.
+func (n *Node) env() []string {
+	return append(os.Environ(),
+		"HOME="+n.Dir,
+		"RABBITMQ_NODENAME="+n.Name,
+		"RABBITMQ_NODE_IP_ADDRESS=127.0.0.1",
+		fmt.Sprint("RABBITMQ_NODE_PORT=", n.Port),
+		fmt.Sprint("RABBITMQ_DIST_PORT=", n.distPort),
+		fmt.Sprint("ERL_EPMD_PORT=", n.epmdPort),
+		"ERL_EPMD_ADDRESS=127.0.0.1",
+		"RABBITMQ_CONFIG_FILE="+filepath.Join(n.Dir, "rabbitmq.conf"),
+		"RABBITMQ_ENABLED_PLUGINS_FILE="+filepath.Join(n.Dir, "enabled_plugins"),
+		"RABBITMQ_MNESIA_BASE="+filepath.Join(n.Dir, "data"),
+		"RABBITMQ_LOG_BASE="+filepath.Join(n.Dir, "log"),
+		"RABBITMQ_PID_FILE="+filepath.Join(n.Dir, "node.pid"),
+		"RABBITMQ_PLUGINS_EXPAND_DIR="+filepath.Join(n.Dir, "plugins-expand"),
+		"RABBITMQ_FEATURE_FLAGS_FILE="+filepath.Join(n.Dir, "feature_flags"),
+		"RABBITMQ_ADVANCED_CONFIG_FILE="+filepath.Join(n.Dir, "advanced.config"),
+		"RUNNING_UNDER_SYSTEMD=1", // the script execs the Erlang VM: one process, which SIGTERM stops cleanly
+	)
+}
+
+// start runs the node's server and waits for its AMQP port.
+func (n *Node) start() error {
+	out, err := os.OpenFile(filepath.Join(n.Dir, "server.out"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
+	n.cmd = exec.Command(filepath.Join(Bin, "rabbitmq-server"))
+	n.cmd.Env, n.cmd.Stdout, n.cmd.Stderr = n.env(), out, out
+	n.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL} // its own group, so that Stop reaches what it spawned
+	if err := n.cmd.Start(); err != nil {
+		return err
+	}
+	n.exited = make(chan struct{})
+	go func() { n.cmd.Wait(); close(n.exited) }()
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		if conn, err := amqp.Dial(n.URL()); err == nil {
+			conn.Close()
+			return nil
+		}
+		select {
+		case <-n.exited:
+			return fmt.Errorf("rabbittest: node %s exited while starting: %s", n.Name, n.tail())
+		case <-time.After(200 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("rabbittest: node %s not up within 2m: %s", n.Name, n.tail())
+		}
+	}
+}
+
+// URL is the node's AMQP URL, as the default user guest, whom RabbitMQ
+// lets in on loopback only.
+func (n *Node) URL() string { return fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", n.Port) }
+
+// Restart stops the node, as Stop does but keeping its epmd, and starts it
+// again on the same folder and ports: what it stored survives.
+func (n *Node) Restart() error {
+	n.stopServer()
+	return n.start()
+}
+
+// Stop stops the node (SIGTERM to its process group, SIGKILL after a
+// minute) and then its epmd. It is safe to call more than once.
+func (n *Node) Stop() {
+	n.stopServer()
+	if n.epmd != nil && n.epmd.Process != nil {
+		n.epmd.Process.Kill()
+		n.epmd.Wait()
+		n.epmd = nil
+	}
+}
+
+// Kill stops the node's server at once (SIGKILL to its process group), as
+// a crash would, keeping its epmd.
+func (n *Node) Kill() {
+	if n.cmd == nil || n.cmd.Process == nil {
+		return
+	}
+	syscall.Kill(-n.cmd.Process.Pid, syscall.SIGKILL)
+	<-n.exited
+	n.cmd = nil
+}
+
+func (n *Node) stopServer() {
+	if n.cmd == nil || n.cmd.Process == nil {
+		return
+	}
+	syscall.Kill(-n.cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-n.exited:
+	case <-time.After(time.Minute):
+		syscall.Kill(-n.cmd.Process.Pid, syscall.SIGKILL)
+		<-n.exited
+	}
+	n.cmd = nil
+}
+
+// Remove stops the node and deletes its folder.
+func (n *Node) Remove() error {
+	n.Stop()
+	return os.RemoveAll(n.Dir)
+}
+
+// tail is the end of what the node printed, for an error.
+func (n *Node) tail() string {
+	b, _ := os.ReadFile(filepath.Join(n.Dir, "server.out"))
+	if len(b) > 2000 {
+		b = b[len(b)-2000:]
+	}
+	return string(b)
+}
+
+// freePorts returns k loopback ports that were free a moment ago.
+func freePorts(k int) ([]int, error) {
+	var ports []int
+	for range k {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		defer ln.Close()
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}

@@ -1,0 +1,330 @@
+package rabbitbroker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"strconv"
+	"sync"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// The headers a Publisher puts on each message beside its properties (the
+// key is its message_id, the type its routing key and its type property).
+const (
+	HeaderID        = "outbox-id"        // the row's id
+	HeaderAggregate = "outbox-aggregate" // the row's aggregate, if any
+	HeaderSeq       = "outbox-seq"       // its seq within the aggregate
+)
+
+// Publisher publishes outbox messages to a RabbitMQ exchange, with
+// publisher confirms: it is a [postgres.MessageBroker] and a
+// [postgres.BatchPublisher] for the relays.
+//
+// Each message is persistent, published with mandatory to the exchange with
+// its type as routing key, its key as message_id, its id, aggregate and seq
+// in headers (HeaderID, HeaderAggregate, HeaderSeq), and its trace context
+// (traceparent, tracestate) too. Publish and PublishBatch return only once
+// RabbitMQ confirmed the messages: for a quorum queue, once a majority of
+// its replicas wrote the message to disk.
+//
+// What the server says comes back as the relay needs it:
+//   - a confirm (basic.ack): accepted;
+//   - a message no queue takes (returned, NO_ROUTE: nothing is bound to its
+//     type) or over the size the server takes (the Publisher's
+//     MaxMessageSize, or the server's, which closes the channel): errors
+//     wrapping [postgres.ErrRejected], which a relay may park;
+//   - everything else may pass, errors wrapping
+//     [postgres.ErrBrokerUnavailable]: a basic.nack, no confirm before the
+//     context ended, a channel or connection closed (a node down, a queue
+//     with no quorum), no connection to be had. After such an error
+//     RabbitMQ may hold the message all the same; the relay publishes it
+//     again, and RabbitMQ, which keeps no record of what it took, delivers
+//     both copies: the consumer drops the second by its key.
+//
+// A Publisher holds one connection and one channel in confirm mode, dialled
+// when first needed and again after either closed. It is safe for
+// concurrent use by multiple goroutines; Close it when done. Create one
+// with [NewPublisher].
+type Publisher struct {
+	dial     func() (*amqp.Connection, error)
+	exchange string
+	maxSize  int
+
+	mu   sync.Mutex // guards conn and ch; held while a message is handed to ch
+	conn *amqp.Connection
+	ch   *confirmChannel
+}
+
+var (
+	_ postgres.BatchPublisher  = (*Publisher)(nil)
+	_ postgres.MessagingSystem = (*Publisher)(nil)
+)
+
+// DefaultMaxMessageSize is RabbitMQ's own max_message_size, 128 MiB.
+const DefaultMaxMessageSize = 128 << 20
+
+// NewPublisher returns a Publisher that publishes to exchange (a topic
+// exchange, as Topology declares it) over connections dial makes, such as
+// func() (*amqp.Connection, error) { return amqp.Dial(url) }. maxSize is
+// the largest body the server takes (its max_message_size; zero or less
+// means DefaultMaxMessageSize): a larger message is refused before it is
+// sent, since the server would close the channel on it, and with it every
+// other message in flight.
+func NewPublisher(dial func() (*amqp.Connection, error), exchange string, maxSize int) *Publisher {
+	if maxSize <= 0 {
+		maxSize = DefaultMaxMessageSize
+	}
+	return &Publisher{dial: dial, exchange: exchange, maxSize: maxSize}
+}
+
+// MessagingSystem is "rabbitmq", the relay's messaging.system for the spans
+// of its sends ([postgres.MessagingSystem]).
+func (p *Publisher) MessagingSystem() string { return "rabbitmq" }
+
+// Close closes the Publisher's connection; messages in flight get no
+// confirm, and their Publish returns an error wrapping
+// postgres.ErrBrokerUnavailable.
+func (p *Publisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conn == nil {
+		return nil
+	}
+	err := p.conn.Close()
+	p.conn, p.ch = nil, nil
+	if errors.Is(err, amqp.ErrClosed) {
+		return nil
+	}
+	return err
+}
+
+// Publish publishes msg and waits for its confirm, or for ctx to end.
+func (p *Publisher) Publish(ctx context.Context, msg postgres.Message) error {
+	f, err := p.send(ctx, msg)
+	if err != nil {
+		return err
+	}
+	return p.wait(ctx, msg, f)
+}
+
+// PublishBatch publishes every message of msgs without waiting for the
+// confirms in between, then waits for them in order, and returns how many,
+// from the first, were confirmed before the first that was not, with that
+// one's error. The messages after it were sent too and may be in the
+// queue: a relay publishes them again in a later pass, and the consumer
+// drops those copies.
+func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (int, error) {
+	inflight := make([]*inflight, 0, len(msgs))
+	var sendErr error
+	for _, msg := range msgs {
+		f, err := p.send(ctx, msg)
+		if err != nil {
+			sendErr = err
+			break
+		}
+		inflight = append(inflight, f)
+	}
+	for i, f := range inflight {
+		if err := p.wait(ctx, msgs[i], f); err != nil {
+			return i, err
+		}
+	}
+	return len(inflight), sendErr
+}
+
+// send hands msg to the channel, in confirm mode, and returns what will
+// tell of its confirm.
+func (p *Publisher) send(ctx context.Context, msg postgres.Message) (*inflight, error) {
+	if len(msg.Payload) > p.maxSize {
+		return nil, fmt.Errorf("message %s: %d bytes, over the %d the server takes: %w", msg.Key, len(msg.Payload), p.maxSize, postgres.ErrRejected)
+	}
+	headers := amqp.Table{HeaderID: strconv.FormatInt(msg.ID, 10)}
+	if msg.Aggregate != "" {
+		headers[HeaderAggregate] = msg.Aggregate
+		headers[HeaderSeq] = strconv.FormatInt(msg.Seq, 10)
+	}
+	for k, v := range msg.TraceContext { // traceparent, tracestate: W3C's names
+		headers[k] = v
+	}
+	pub := amqp.Publishing{
+		Headers:      headers,
+		ContentType:  "application/json",
+		DeliveryMode: amqp.Persistent,
+		MessageId:    msg.Key,
+		Type:         msg.Type,
+		Body:         []byte(msg.Payload),
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	cc, err := p.channel()
+	if err != nil {
+		return nil, fmt.Errorf("message %s: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
+	}
+	f := &inflight{key: msg.Key, size: len(pub.Body), done: make(chan struct{})}
+	cc.mu.Lock()
+	tag := cc.ch.GetNextPublishSeqNo()
+	cc.pending[tag] = f
+	cc.mu.Unlock()
+	if err := cc.ch.PublishWithContext(ctx, p.exchange, msg.Type, true, false, pub); err != nil {
+		cc.mu.Lock()
+		delete(cc.pending, tag)
+		cc.mu.Unlock()
+		return nil, p.failed(ctx, msg, err)
+	}
+	return f, nil
+}
+
+// wait waits for f's confirm and says what it means for msg.
+func (p *Publisher) wait(ctx context.Context, msg postgres.Message, f *inflight) error {
+	select {
+	case <-f.done:
+	case <-ctx.Done():
+		return fmt.Errorf("message %s: no confirm before the context ended, so whether RabbitMQ took it is unknown: %w: %w",
+			msg.Key, postgres.ErrBrokerUnavailable, ctx.Err())
+	}
+	switch {
+	case f.returned != nil:
+		return fmt.Errorf("message %s: no queue takes routing key %s on exchange %s (%d %s): %w",
+			msg.Key, msg.Type, p.exchange, f.returned.ReplyCode, f.returned.ReplyText, postgres.ErrRejected)
+	case f.acked:
+		return nil
+	case f.closed != nil && f.closed.Code == amqp.PreconditionFailed && f.tooLarge():
+		return fmt.Errorf("message %s: %d bytes: %w: %w", msg.Key, f.size, postgres.ErrRejected, f.closed)
+	case f.closed != nil:
+		return fmt.Errorf("message %s: the channel closed before its confirm, so whether RabbitMQ took it is unknown: %w: %w",
+			msg.Key, postgres.ErrBrokerUnavailable, f.closed)
+	}
+	return fmt.Errorf("message %s: RabbitMQ refused it (basic.nack): %w", msg.Key, postgres.ErrBrokerUnavailable)
+}
+
+// failed says what err, from handing msg to the channel, means: it may pass.
+func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("message %s: not sent before the context ended: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
+	}
+	return fmt.Errorf("message %s: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
+}
+
+// channel returns the open confirm channel, dialling and opening one if
+// there is none. p.mu is held.
+func (p *Publisher) channel() (*confirmChannel, error) {
+	if p.ch != nil && !p.ch.ch.IsClosed() {
+		return p.ch, nil
+	}
+	if p.conn == nil || p.conn.IsClosed() {
+		conn, err := p.dial()
+		if err != nil {
+			return nil, fmt.Errorf("dial: %w", err)
+		}
+		p.conn = conn
+	}
+	ch, err := p.conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("open a channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		ch.Close()
+		return nil, fmt.Errorf("confirm mode: %w", err)
+	}
+	p.ch = newConfirmChannel(ch)
+	return p.ch, nil
+}
+
+// inflight is a message handed to a channel, until its confirm.
+type inflight struct {
+	key  string
+	size int
+	done chan struct{} // closed once one of the three below is known
+
+	acked    bool
+	returned *amqp.Return // set before the confirm, when no queue took it
+	closed   *amqp.Error  // the channel closed first, with this error
+}
+
+// maxSizeText reads the server's limit from the error that closes a channel
+// on a message over it.
+var maxSizeText = regexp.MustCompile(`larger than configured max size (\d+)`)
+
+// tooLarge reports whether f's message was over the size whose refusal
+// closed its channel.
+func (f *inflight) tooLarge() bool {
+	m := maxSizeText.FindStringSubmatch(f.closed.Reason)
+	if m == nil {
+		return false
+	}
+	limit, err := strconv.Atoi(m[1])
+	return err == nil && f.size > limit
+}
+
+// confirmChannel is a channel in confirm mode with the messages it holds in
+// flight, by delivery tag, and a goroutine that tells each of its confirm.
+type confirmChannel struct {
+	ch      *amqp.Channel
+	mu      sync.Mutex
+	pending map[uint64]*inflight
+}
+
+func newConfirmChannel(ch *amqp.Channel) *confirmChannel {
+	cc := &confirmChannel{ch: ch, pending: map[uint64]*inflight{}}
+	// Unbuffered: the client hands over a message's return before it reads
+	// that message's confirm, so listen has every return before the
+	// confirm it precedes.
+	returns := ch.NotifyReturn(make(chan amqp.Return))
+	confirms := ch.NotifyPublish(make(chan amqp.Confirmation))
+	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
+	go cc.listen(returns, confirms, closed)
+	return cc
+}
+
+// listen matches returns and confirms with the messages in flight until
+// the channel closes, then tells those left that it did.
+func (cc *confirmChannel) listen(returns <-chan amqp.Return, confirms <-chan amqp.Confirmation, closed <-chan *amqp.Error) {
+	for returns != nil || confirms != nil {
+		select {
+		case r, ok := <-returns:
+			if !ok {
+				returns = nil
+				continue
+			}
+			cc.mu.Lock()
+			var first uint64 // the earliest in flight with its key: its confirm comes next
+			for tag, f := range cc.pending {
+				if f.key == r.MessageId && f.returned == nil && (first == 0 || tag < first) {
+					first = tag
+				}
+			}
+			if first != 0 {
+				cc.pending[first].returned = &r
+			}
+			cc.mu.Unlock()
+		case c, ok := <-confirms:
+			if !ok {
+				confirms = nil
+				continue
+			}
+			cc.mu.Lock()
+			if f := cc.pending[c.DeliveryTag]; f != nil {
+				f.acked = c.Ack
+				delete(cc.pending, c.DeliveryTag)
+				close(f.done)
+			}
+			cc.mu.Unlock()
+		}
+	}
+	err := <-closed
+	if err == nil {
+		err = amqp.ErrClosed
+	}
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	for tag, f := range cc.pending {
+		f.closed = err
+		delete(cc.pending, tag)
+		close(f.done)
+	}
+}

@@ -1,0 +1,177 @@
+package rabbitbroker_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"example.com/patterns/enterprise/outbox/rabbitbroker"
+	"example.com/patterns/enterprise/outbox/rabbitbroker/internal/rabbittest"
+)
+
+// maxMessageSize is the shared node's max_message_size.
+const maxMessageSize = 8 << 10
+
+// node is the RabbitMQ node the tests share, started by TestMain; a test
+// that restarts or kills a node starts one of its own.
+var node *rabbittest.Node
+
+// The tests need a PostgreSQL server (OUTBOX_POSTGRES_URL, or one pgtest
+// starts) and RabbitMQ installed (make rabbitbroker installs Debian's):
+// TestMain starts a throwaway node, and stops and removes it after the
+// tests.
+func TestMain(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	n, err := rabbittest.Start(rabbittest.Options{MaxMessageSize: maxMessageSize})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer n.Remove()
+	node = n
+	return pgtest.Run(m)
+}
+
+// newDatabase creates a database with the outbox's and the example's
+// tables for t alone, dropped when t ends, and opens it.
+func newDatabase(t testing.TB) *sql.DB {
+	t.Helper()
+	db := pgtest.Open(t, pgtest.NewBlankDatabase(t), "")
+	if err := errors.Join(postgres.Migrate(context.Background(), db), shop.Migrate(context.Background(), db)); err != nil {
+		t.Fatal(err)
+	}
+	return db
+}
+
+// dialer dials url.
+func dialer(url string) func() (*amqp.Connection, error) {
+	return func() (*amqp.Connection, error) { return amqp.Dial(url) }
+}
+
+var topologies atomic.Int64
+
+// declare declares a topology of t's own on the node at url, with the
+// delivery limit given (zero: the default's), and returns it.
+func declare(t testing.TB, url string, deliveryLimit int) rabbitbroker.Topology {
+	t.Helper()
+	n := topologies.Add(1)
+	top := rabbitbroker.Topology{Exchange: fmt.Sprint("outbox", n), Queue: fmt.Sprint("warehouse", n), DeliveryLimit: deliveryLimit}
+	if deliveryLimit == 0 {
+		top.DeliveryLimit = rabbitbroker.DefaultTopology.DeliveryLimit
+	}
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := top.Declare(ch); err != nil {
+		t.Fatal(err)
+	}
+	return top
+}
+
+// newPublisher is a Publisher to top's exchange on the node at url, closed
+// when t ends.
+func newPublisher(t testing.TB, url string, top rabbitbroker.Topology, maxSize int) *rabbitbroker.Publisher {
+	p := rabbitbroker.NewPublisher(dialer(url), top.Exchange, maxSize)
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+// queued is how many messages queue holds, ready or unacked.
+func queued(t testing.TB, url, queue string) int {
+	t.Helper()
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return q.Messages
+}
+
+// goRun runs f in a goroutine until t ends or the returned stop is
+// called, and fails t if f returns anything but the end of its context.
+func goRun(t testing.TB, f func(context.Context) error) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := f(ctx); err != nil && !errors.Is(err, context.Canceled) {
+			t.Errorf("run: %v", err)
+		}
+	}()
+	stop = func() { cancel(); <-done }
+	t.Cleanup(stop)
+	return stop
+}
+
+// waitFor polls cond until it holds, failing t after a generous deadline.
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 2m", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// count is the single integer query returns.
+func count(t testing.TB, db *sql.DB, query string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow(query, args...).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// wantEachOrderReservedOnce checks that every order has exactly one
+// reservation, and that there are orders of them.
+func wantEachOrderReservedOnce(t *testing.T, db *sql.DB, orders int) {
+	t.Helper()
+	if n := count(t, db, `SELECT count(*) FROM orders`); n != orders {
+		t.Errorf("%d orders, want %d", n, orders)
+	}
+	if n := count(t, db, `SELECT count(*) FROM orders o
+		WHERE (SELECT count(*) FROM reservations r WHERE r.order_id = o.id) <> 1`); n != 0 {
+		t.Errorf("%d orders without exactly one reservation, want 0", n)
+	}
+}
+
+// startNode starts a node of t's own, removed when t ends.
+func startNode(t testing.TB) *rabbittest.Node {
+	t.Helper()
+	n, err := rabbittest.Start(rabbittest.Options{MaxMessageSize: maxMessageSize})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Remove() })
+	return n
+}
