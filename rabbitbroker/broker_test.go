@@ -110,20 +110,11 @@ func TestUnroutableAndOversizedAreRejectionsAndTheRestFlows(t *testing.T) {
 	msg := postgres.Message{ID: 1, Key: "k1", Type: "OrderPlaced", Payload: `{"orderId":1,"totalCents":100}`}
 	big := postgres.Message{ID: 2, Key: "k2", Type: "OrderPlaced", Payload: `{"note":"` + strings.Repeat("x", maxMessageSize) + `"}`}
 	unbound := declare(t, node.URL(), 0)
-	{
-		conn, err := dialer(node.URL())()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ch, err := conn.Channel()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := ch.QueueUnbind(unbound.Queue, "#", unbound.Exchange, nil); err != nil {
-			t.Fatal(err)
-		}
-		conn.Close()
+	ch, closing := channel(t, node.URL())
+	if err := ch.QueueUnbind(unbound.Queue, "#", unbound.Exchange, nil); err != nil {
+		t.Fatal(err)
 	}
+	closing()
 	for _, tc := range []struct {
 		name string
 		pub  *rabbitbroker.Publisher

@@ -72,19 +72,28 @@ func declare(t testing.TB, url string, deliveryLimit int) rabbitbroker.Topology 
 	if deliveryLimit == 0 {
 		top.DeliveryLimit = rabbitbroker.DefaultTopology.DeliveryLimit
 	}
-	conn, err := amqp.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ch, closing := channel(t, url)
+	defer closing()
 	if err := top.Declare(ch); err != nil {
 		t.Fatal(err)
 	}
 	return top
+}
+
+// channel opens a channel on a connection of its own to the node at url;
+// closing it closes the connection.
+func channel(t testing.TB, url string) (ch *amqp.Channel, closing func()) {
+	t.Helper()
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, err = conn.Channel()
+	if err != nil {
+		conn.Close()
+		t.Fatal(err)
+	}
+	return ch, func() { conn.Close() }
 }
 
 // newPublisher is a Publisher to top's exchange on the node at url, closed
@@ -98,15 +107,8 @@ func newPublisher(t testing.TB, url string, top rabbitbroker.Topology, maxSize i
 // queued is how many messages queue holds, ready or unacked.
 func queued(t testing.TB, url, queue string) int {
 	t.Helper()
-	conn, err := amqp.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ch, closing := channel(t, url)
+	defer closing()
 	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
 	if err != nil {
 		t.Fatal(err)
