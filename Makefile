@@ -41,7 +41,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker rabbitbroker shop page measure-natsbroker knee
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -204,6 +204,28 @@ rabbitbroker:
 		{ apt-get install -y --no-install-recommends rabbitmq-server >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y --no-install-recommends rabbitmq-server >/dev/null; }; }; \
 		status=$$?; [ -z "$$own" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; }
 	$(call module-tests,rabbitbroker)
+
+# The rabbitbroker figures, into rabbitbroker/figures/measure-rabbitbroker.txt
+# (and benchstat's ratios into measure-rabbitbroker.stat.txt beside it): the
+# relay's drain rate to a RabbitMQ node (a quorum queue), confirming each
+# message against confirms in flight, beside natsbroker's drain to one
+# JetStream server on the same rows, syncing before each ack or not (six
+# interleaved rounds), then the
+# delay from an order's commit to its reservation at 300 and 1,000 orders a
+# second (once).
+measure-rabbitbroker: rabbitbroker
+	cd rabbitbroker && $(GO) test -c -o ../measure-rabbitbroker.test .
+	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \
+		(cd rabbitbroker && ../measure-rabbitbroker.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 5000x) || exit 1; \
+		(cd natsbroker && ../measure-natsbroker.test -test.run "^$$" -test.bench "^BenchmarkDrain/broker=(one|one-always)$$/ack=(each|batch)$$" -test.benchtime 5000x) || exit 1; done; \
+		cd rabbitbroker && ../measure-rabbitbroker.test -test.run "^$$" -test.bench "^BenchmarkLatency$$" -test.benchtime 1x -test.v' \
+		| grep -E '^(cpu:|Benchmark|    bench_test|--- FAIL|FAIL)' | tee rabbitbroker/figures/measure-rabbitbroker.txt
+	@rm -f measure-rabbitbroker.test measure-natsbroker.test
+	@! grep -E '^(--- )?FAIL' rabbitbroker/figures/measure-rabbitbroker.txt
+	{ $(BENCHSTAT) -filter .name:Drain -row /broker -col '/ack@(each batch)' rabbitbroker/figures/measure-rabbitbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one-always rabbitmq)' rabbitbroker/figures/measure-rabbitbroker.txt && \
+	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one rabbitmq)' rabbitbroker/figures/measure-rabbitbroker.txt; } | tee rabbitbroker/figures/measure-rabbitbroker.stat.txt
 
 # The shop of natsbroker/cmd/shop, to run by hand and curl, on a throwaway
 # PostgreSQL with an embedded JetStream whose store is a temporary folder:

@@ -25,17 +25,18 @@ import (
 )
 
 // documents are the repository's documents, from this folder.
-var documents = []string{"../README.md", "README.md", "REFERENCE.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md"}
+var documents = []string{"../README.md", "README.md", "REFERENCE.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md", "../rabbitbroker/README.md"}
 
 // targets are the files each make target writes.
 var targets = map[string][]string{
-	"measure-postgres":   {"figures/measure-postgres.txt"},
-	"measure-relays":     {"figures/measure-relays.txt", "figures/measure-relays.stat.txt"},
-	"failover":           {"figures/failover.txt"},
-	"measure-hot":        {"figures/measure-hot.txt", "figures/measure-hot.stat.txt"},
-	"bench-postgres":     {"figures/bench-postgres.txt", "figures/bench-postgres.stat.txt"},
-	"measure-natsbroker": {"../natsbroker/figures/measure-natsbroker.txt", "../natsbroker/figures/measure-natsbroker.stat.txt"},
-	"knee":               {"../natsbroker/figures/knee.txt"},
+	"measure-postgres":     {"figures/measure-postgres.txt"},
+	"measure-relays":       {"figures/measure-relays.txt", "figures/measure-relays.stat.txt"},
+	"failover":             {"figures/failover.txt"},
+	"measure-hot":          {"figures/measure-hot.txt", "figures/measure-hot.stat.txt"},
+	"bench-postgres":       {"figures/bench-postgres.txt", "figures/bench-postgres.stat.txt"},
+	"measure-natsbroker":   {"../natsbroker/figures/measure-natsbroker.txt", "../natsbroker/figures/measure-natsbroker.stat.txt"},
+	"knee":                 {"../natsbroker/figures/knee.txt"},
+	"measure-rabbitbroker": {"../rabbitbroker/figures/measure-rabbitbroker.txt", "../rabbitbroker/figures/measure-rabbitbroker.stat.txt"},
 }
 
 var (

@@ -161,3 +161,45 @@ func TestUnroutableAndOversizedAreRejectionsAndTheRestFlows(t *testing.T) {
 		}
 	})
 }
+
+// A server that blocks publishers (its memory alarm, set here by a
+// watermark of 0, sends connection.blocked): a Publish fails at once with
+// ErrBrokerUnavailable, saying so, instead of waiting out its context on a
+// write the server does not read; once the alarm clears, publishing goes
+// on. (Caught: a Publisher that ignored connection.blocked: each Publish
+// waited out its context and never said why.)
+func TestServerThatBlocksPublishersIsUnavailable(t *testing.T) {
+	top := declare(t, node.URL(), 0)
+	pub := newPublisher(t, node.URL(), top, 0)
+	msg := postgres.Message{ID: 1, Key: "k1", Type: "OrderPlaced", Payload: "{}"}
+	if err := pub.Publish(context.Background(), msg); err != nil {
+		t.Fatal(err)
+	}
+	if err := node.Ctl("set_vm_memory_high_watermark", "0"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := node.Ctl("set_vm_memory_high_watermark", "0.4"); err != nil {
+			t.Error(err)
+		}
+	})
+	waitFor(t, "the Publisher told it is blocked", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		err := pub.Publish(ctx, msg)
+		return err != nil && strings.Contains(err.Error(), "blocks publishers")
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := pub.Publish(ctx, msg); !errors.Is(err, postgres.ErrBrokerUnavailable) || ctx.Err() != nil || !strings.Contains(err.Error(), "blocks publishers") {
+		t.Fatalf("Publish while blocked = %v (context: %v); want ErrBrokerUnavailable at once, saying the server blocks publishers", err, ctx.Err())
+	}
+	if err := node.Ctl("set_vm_memory_high_watermark", "0.4"); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "publishing again", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		return pub.Publish(ctx, msg) == nil
+	})
+}

@@ -75,7 +75,7 @@ type Consumer struct {
 	// failure and each reconnection.
 	Logger *slog.Logger
 
-	applied, duplicates, deadLettered atomic.Int64
+	applied, duplicates, handedBack, deadLettered atomic.Int64
 }
 
 // NewConsumer returns a Consumer of queue, over connections dial makes,
@@ -84,11 +84,14 @@ func NewConsumer(dial func() (*amqp.Connection, error), queue string, h Handler)
 	return &Consumer{dial: dial, queue: queue, handler: h}
 }
 
-// Applied, Duplicates and DeadLettered count the messages the handler
-// applied, the copies it dropped, and the messages this Consumer
-// dead-lettered (not those RabbitMQ dead-lettered past the delivery limit).
+// Applied, Duplicates, HandedBack and DeadLettered count the messages the
+// handler applied, the copies it dropped, the deliveries this Consumer
+// handed back (requeued: out of order, or failed MaxAttempts times), and the
+// messages it dead-lettered (not those RabbitMQ dead-lettered past the
+// delivery limit).
 func (c *Consumer) Applied() int64      { return c.applied.Load() }
 func (c *Consumer) Duplicates() int64   { return c.duplicates.Load() }
+func (c *Consumer) HandedBack() int64   { return c.handedBack.Load() }
 func (c *Consumer) DeadLettered() int64 { return c.deadLettered.Load() }
 
 // Run consumes until ctx ends, and then returns ctx's error. A message
@@ -172,6 +175,7 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 			return nil
 		}
 		if errors.Is(err, postgres.ErrOutOfOrder) || attempt >= orDefault(c.MaxAttempts, DefaultMaxAttempts) {
+			c.handedBack.Add(1)
 			return d.Nack(false, true) // spends a delivery: x-delivery-limit bounds them
 		}
 	}

@@ -3,11 +3,13 @@ package rabbitbroker_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 	"example.com/patterns/enterprise/outbox/rabbitbroker"
 )
@@ -132,4 +134,69 @@ func TestNodeRestartedMidDrainLosesNothing(t *testing.T) {
 		t.Errorf("%d rows parked, want 0", n)
 	}
 	t.Logf("applied %d, copies dropped %d", c.Applied(), c.Duplicates())
+}
+
+// The consumer's database down and back: the warehouse keeps its tables in
+// a database of its own, which stops taking connections (and loses the
+// ones it had) once 10 of 20 orders are reserved, while the relay goes on
+// publishing. The consumer tries the message at the head in place, hands it
+// back after MaxAttempts (spending one of the queue's deliveries), and
+// tries again; once the database is back, every order is reserved once,
+// in order, and nothing is dead-lettered.
+func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	warehouseName := pgtest.NewBlankDatabase(t)
+	wdb := pgtest.Open(t, warehouseName, "")
+	if err := errors.Join(postgres.Migrate(ctx, wdb), shop.Migrate(ctx, wdb)); err != nil {
+		t.Fatal(err)
+	}
+	admin := pgtest.Open(t, pgtest.Config.Database, "")
+	setDown := func(down bool) {
+		t.Helper()
+		if _, err := admin.Exec(fmt.Sprintf(`ALTER DATABASE %s ALLOW_CONNECTIONS %v`, warehouseName, !down)); err != nil {
+			t.Fatal(err)
+		}
+		if down {
+			if _, err := admin.Exec(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1`, warehouseName); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	t.Cleanup(func() { setDown(false) })
+	top := declare(t, node.URL(), 0)
+	relay := postgres.NewOutboxRelay(db, newPublisher(t, node.URL(), top, 0))
+	relay.PerAggregate, relay.PollInterval = true, 20*time.Millisecond
+	goRun(t, relay.Run)
+	h := newOrdered(shop.NewWarehouse(wdb))
+	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
+	c.RetryDelay, c.MaxAttempts = 20*time.Millisecond, 3
+	goRun(t, c.Run)
+	service := shop.NewOrderService(db)
+	place := func(n int) {
+		for range n {
+			if _, err := service.PlaceOrder(ctx, 1000); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	place(10)
+	waitFor(t, "10 orders reserved", func() bool { return h.applied.Load() == 10 })
+	setDown(true)
+	place(10)
+	waitFor(t, "a message handed back while the database is down", func() bool { return c.HandedBack() >= 1 })
+	setDown(false)
+	waitFor(t, "20 orders reserved", func() bool { return h.applied.Load() == 20 })
+	if n := count(t, wdb, `SELECT count(*) FROM reservations`); n != 20 {
+		t.Errorf("%d reservations, want 20", n)
+	}
+	h.mu.Lock()
+	if len(h.wrong) > 0 {
+		t.Errorf("applied out of order or twice: %v", h.wrong)
+	}
+	h.mu.Unlock()
+	if n := queued(t, node.URL(), top.DeadLetterQueue()); n != 0 || c.DeadLettered() != 0 {
+		t.Errorf("%d dead-lettered by the queue, %d by the consumer; want 0 and 0", n, c.DeadLettered())
+	}
+	t.Logf("handed back %d times while the database was down", c.HandedBack())
 }

@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strconv"
 	"sync"
+	"sync/atomic"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -41,7 +42,9 @@ const (
 //   - everything else may pass, errors wrapping
 //     [postgres.ErrBrokerUnavailable]: a basic.nack, no confirm before the
 //     context ended, a channel or connection closed (a node down, a queue
-//     with no quorum), no connection to be had. After such an error
+//     with no quorum), no connection to be had, a server that blocks
+//     publishers (connection.blocked: its memory or disk alarm), which
+//     fails at once rather than leave a write hanging past the context. After such an error
 //     RabbitMQ may hold the message all the same; the relay publishes it
 //     again, and RabbitMQ, which keeps no record of what it took, delivers
 //     both copies: the consumer drops the second by its key.
@@ -55,9 +58,13 @@ type Publisher struct {
 	exchange string
 	maxSize  int
 
-	mu   sync.Mutex // guards conn and ch; held while a message is handed to ch
+	mu   sync.Mutex // guards conn, blocked and ch; held while a message is handed to ch
 	conn *amqp.Connection
 	ch   *confirmChannel
+
+	// blocked holds the reason the server gave when it stopped reading
+	// from conn (connection.blocked: a memory or disk alarm), or nil.
+	blocked *atomic.Pointer[string]
 }
 
 var (
@@ -165,6 +172,9 @@ func (p *Publisher) send(ctx context.Context, msg postgres.Message) (*inflight, 
 	if err != nil {
 		return nil, fmt.Errorf("message %s: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
 	}
+	if reason := p.blocked.Load(); reason != nil {
+		return nil, fmt.Errorf("message %s: the server blocks publishers (%s): %w", msg.Key, *reason, postgres.ErrBrokerUnavailable)
+	}
 	f := &inflight{key: msg.Key, size: len(pub.Body), done: make(chan struct{})}
 	cc.mu.Lock()
 	tag := cc.ch.GetNextPublishSeqNo()
@@ -221,7 +231,8 @@ func (p *Publisher) channel() (*confirmChannel, error) {
 		if err != nil {
 			return nil, fmt.Errorf("dial: %w", err)
 		}
-		p.conn = conn
+		p.conn, p.blocked = conn, new(atomic.Pointer[string])
+		go watchBlocked(p.blocked, conn.NotifyBlocked(make(chan amqp.Blocking, 1)))
 	}
 	ch, err := p.conn.Channel()
 	if err != nil {
@@ -233,6 +244,18 @@ func (p *Publisher) channel() (*confirmChannel, error) {
 	}
 	p.ch = newConfirmChannel(ch)
 	return p.ch, nil
+}
+
+// watchBlocked records in blocked what the server says of blocking a
+// connection, until the connection closes.
+func watchBlocked(blocked *atomic.Pointer[string], blockings <-chan amqp.Blocking) {
+	for b := range blockings {
+		if b.Active {
+			blocked.Store(&b.Reason)
+		} else {
+			blocked.Store(nil)
+		}
+	}
 }
 
 // inflight is a message handed to a channel, until its confirm.

@@ -37,7 +37,7 @@ type Node struct {
 	conf     string
 	cmd      *exec.Cmd
 	exited   chan struct{}
-	epmd     *exec.Cmd
+	epmd     *exec.Cmd // its own, which Stop stops; nil on a cluster's node, whose epmd the cluster stops
 }
 
 // Options are what a node is configured with beyond its ports.
@@ -53,16 +53,58 @@ func Start(o Options) (*Node, error) {
 	if _, err := os.Stat(filepath.Join(Bin, "rabbitmq-server")); err != nil {
 		return nil, ErrNotInstalled
 	}
+	ports, err := freePorts(1)
+	if err != nil {
+		return nil, err
+	}
+	epmd, err := startEpmd(ports[0])
+	if err != nil {
+		return nil, err
+	}
+	n, err := newNode(o, ports[0], "")
+	if err != nil {
+		stopEpmd(epmd)
+		return nil, err
+	}
+	n.epmd = epmd
+	if err := n.start(); err != nil {
+		n.Remove()
+		return nil, err
+	}
+	return n, nil
+}
+
+// startEpmd starts an Erlang port mapper on port of 127.0.0.1, a child of
+// this process.
+func startEpmd(port int) (*exec.Cmd, error) {
+	cmd := exec.Command("epmd", "-port", fmt.Sprint(port), "-address", "127.0.0.1")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("rabbittest: epmd: %w", err)
+	}
+	return cmd, nil
+}
+
+func stopEpmd(cmd *exec.Cmd) {
+	if cmd != nil && cmd.Process != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}
+}
+
+// newNode makes a node's folder and configuration, not yet started, with
+// its epmd on epmdPort and, if not empty, the Erlang cookie given.
+func newNode(o Options, epmdPort int, cookie string) (*Node, error) {
 	dir, err := os.MkdirTemp("", "rabbittest-")
 	if err != nil {
 		return nil, err
 	}
-	ports, err := freePorts(3)
+	ports, err := freePorts(2)
 	if err != nil {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	n := &Node{Dir: dir, Name: fmt.Sprintf("outbox%d@localhost", ports[0]), Port: ports[0], distPort: ports[1], epmdPort: ports[2]}
+	n := &Node{Dir: dir, Name: fmt.Sprintf("outbox%d@localhost", ports[0]), Port: ports[0], distPort: ports[1], epmdPort: epmdPort}
 	conf := []string{
 		"listeners.tcp.default = 127.0.0.1:" + fmt.Sprint(n.Port),
 		"log.console = false",
@@ -72,24 +114,88 @@ func Start(o Options) (*Node, error) {
 		conf = append(conf, fmt.Sprintf("max_message_size = %d", o.MaxMessageSize))
 	}
 	n.conf = strings.Join(conf, "\n") + "\n"
-	for name, text := range map[string]string{"rabbitmq.conf": n.conf, "enabled_plugins": "[].\n"} {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o600); err != nil {
+	files := map[string]string{"rabbitmq.conf": n.conf, "enabled_plugins": "[].\n"}
+	if cookie != "" {
+		files[".erlang.cookie"] = cookie
+	}
+	for name, text := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o400); err != nil {
 			os.RemoveAll(dir)
 			return nil, err
 		}
 	}
-	n.epmd = exec.Command("epmd", "-port", fmt.Sprint(n.epmdPort), "-address", "127.0.0.1")
-	n.epmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := n.epmd.Start(); err != nil {
-		os.RemoveAll(dir)
-		return nil, fmt.Errorf("rabbittest: epmd: %w", err)
+	return n, nil
+}
+
+// Cluster is nodes that a test started and joined in one RabbitMQ cluster,
+// sharing one epmd. It is not safe for concurrent use.
+type Cluster struct {
+	Nodes []*Node
+	epmd  *exec.Cmd
+}
+
+// StartCluster starts k nodes, joins the others to the first, and waits
+// until each takes AMQP connections.
+func StartCluster(k int, o Options) (*Cluster, error) {
+	if _, err := os.Stat(filepath.Join(Bin, "rabbitmq-server")); err != nil {
+		return nil, ErrNotInstalled
 	}
-	if err := n.start(); err != nil {
-		n.Stop()
-		os.RemoveAll(dir)
+	ports, err := freePorts(1)
+	if err != nil {
 		return nil, err
 	}
-	return n, nil
+	epmd, err := startEpmd(ports[0])
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{epmd: epmd}
+	cookie := strings.Repeat(fmt.Sprint(ports[0]), 4)
+	for range k {
+		n, err := newNode(o, ports[0], cookie)
+		if err != nil {
+			c.Remove()
+			return nil, err
+		}
+		c.Nodes = append(c.Nodes, n)
+	}
+	errs := make(chan error, k)
+	for _, n := range c.Nodes {
+		go func() { errs <- n.start() }()
+	}
+	for range k {
+		if err := <-errs; err != nil {
+			c.Remove()
+			return nil, err
+		}
+	}
+	for _, n := range c.Nodes[1:] {
+		for _, args := range [][]string{{"stop_app"}, {"join_cluster", c.Nodes[0].Name}, {"start_app"}} {
+			if err := n.Ctl(args...); err != nil {
+				c.Remove()
+				return nil, err
+			}
+		}
+	}
+	return c, nil
+}
+
+// URLs are the nodes' AMQP URLs.
+func (c *Cluster) URLs() []string {
+	var urls []string
+	for _, n := range c.Nodes {
+		urls = append(urls, n.URL())
+	}
+	return urls
+}
+
+// Remove stops and removes every node, then the cluster's epmd.
+func (c *Cluster) Remove() error {
+	var errs []error
+	for _, n := range c.Nodes {
+		errs = append(errs, n.Remove())
+	}
+	stopEpmd(c.epmd)
+	return errors.Join(errs...)
 }
 
 // env is the environment of the node's commands: its folder for all it
@@ -162,11 +268,8 @@ func (n *Node) Restart() error {
 // minute) and then its epmd. It is safe to call more than once.
 func (n *Node) Stop() {
 	n.stopServer()
-	if n.epmd != nil && n.epmd.Process != nil {
-		n.epmd.Process.Kill()
-		n.epmd.Wait()
-		n.epmd = nil
-	}
+	stopEpmd(n.epmd)
+	n.epmd = nil
 }
 
 // Kill stops the node's server at once (SIGKILL to its process group), as
@@ -192,6 +295,16 @@ func (n *Node) stopServer() {
 		<-n.exited
 	}
 	n.cmd = nil
+}
+
+// Ctl runs rabbitmqctl with args against the node.
+func (n *Node) Ctl(args ...string) error {
+	cmd := exec.Command(filepath.Join(Bin, "rabbitmqctl"), append([]string{"-n", n.Name}, args...)...)
+	cmd.Env = n.env()
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("rabbitmqctl %s: %w: %s", strings.Join(args, " "), err, out)
+	}
+	return nil
 }
 
 // Remove stops the node and deletes its folder.
