@@ -65,16 +65,20 @@ type publishOnly struct{ postgres.MessageBroker }
 // returns), end to end, at a steady rate: 8 clients place 300 or 1,000
 // orders a second together for 3 s, Run is woken by each commit's NOTIFY
 // and publishes with confirms in flight to the shared node, and a Consumer
-// feeds the warehouse. It reports the rate at which orders were placed,
-// the median and the p99; it runs once whatever b.N.
+// feeds the warehouse, one message at a time or four aggregates at once
+// (Concurrency, with a prefetch of 40). It reports the rate at which orders
+// were placed, the median and the p99; it runs once whatever b.N.
 func BenchmarkLatency(b *testing.B) {
 	for _, rate := range []int{300, 1000} {
-		b.Run(fmt.Sprint("rate=", rate), func(b *testing.B) { latency(b, rate) })
+		for _, workers := range []int{1, 4} {
+			b.Run(fmt.Sprintf("rate=%d/concurrency=%d", rate, workers), func(b *testing.B) { latency(b, rate, workers) })
+		}
 	}
 }
 
-// latency is BenchmarkLatency at rate orders a second.
-func latency(b *testing.B, rate int) {
+// latency is BenchmarkLatency at rate orders a second, the consumer with
+// workers workers.
+func latency(b *testing.B, rate, workers int) {
 	const clients, seconds = 8, 3
 	orders := clients * (rate * seconds / clients)
 	db := newDatabase(b)
@@ -85,6 +89,7 @@ func latency(b *testing.B, rate int) {
 	goRun(b, relay.Run)
 	l := &latencies{committed: map[int64]time.Time{}, applied: map[int64]time.Time{}, w: shop.NewWarehouse(db)}
 	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, l)
+	c.Concurrency, c.Prefetch = workers, 40
 	goRun(b, c.Run)
 	service := shop.NewOrderService(db)
 	b.ResetTimer()

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -28,8 +30,9 @@ const (
 	DefaultMaxAttempts = 5
 )
 
-// Consumer feeds the messages of a queue to a Handler, one at a time, in
-// the queue's order, and tells RabbitMQ what became of each:
+// Consumer feeds the messages of a queue to a Handler, in the queue's order
+// (one at a time, or each aggregate's in order with Concurrency), and tells
+// RabbitMQ what became of each:
 //   - handled (applied, or a copy dropped by its key): basic.ack, only after
 //     the handler returned, so after its transaction committed. A consumer
 //     that dies before its ack leaves the message to be delivered again, and
@@ -54,8 +57,9 @@ const (
 // Run reconnects after its connection or channel closed (a node restarted),
 // RetryDelay apart; the messages it had not acked are delivered again.
 //
-// A Consumer is not safe for concurrent use: run one Run at a time. Create
-// one with [NewConsumer].
+// A Consumer is not safe for concurrent use: run one Run at a time; its
+// Handler is called from Concurrency goroutines at once. Create one with
+// [NewConsumer].
 type Consumer struct {
 	dial    func() (*amqp.Connection, error)
 	queue   string
@@ -71,6 +75,14 @@ type Consumer struct {
 	// MaxAttempts is how many times a delivery is tried in place before it
 	// is handed back; zero or less means DefaultMaxAttempts.
 	MaxAttempts int
+	// Concurrency is how many messages Run handles at once, each on one of
+	// as many workers: all the messages of an aggregate go to the same
+	// worker (by a hash of the aggregate, or of the key for a message with
+	// none), which handles them in the queue's order, so each aggregate's
+	// order holds while different aggregates are applied side by side.
+	// Zero or less means 1. Prefetch bounds what the workers hold in all:
+	// set it to at least Concurrency.
+	Concurrency int
 	// Logger, if not nil, is told of each message dead-lettered, each
 	// failure and each reconnection.
 	Logger *slog.Logger
@@ -131,19 +143,60 @@ func (c *Consumer) consume(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("consume %s: %w", c.queue, err)
 	}
+	// Each worker handles its share in order; the first that cannot tell
+	// RabbitMQ what became of a message stops them all. The deferred stop
+	// runs before the connection closes: what the workers held and had not
+	// acked is delivered again once it does.
+	ctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	workers := make([]chan amqp.Delivery, orDefault(c.Concurrency, 1))
+	var wg sync.WaitGroup
+	for i := range workers {
+		workers[i] = make(chan amqp.Delivery, orDefault(c.Prefetch, DefaultPrefetch))
+		wg.Go(func() {
+			for d := range workers[i] {
+				if ctx.Err() != nil {
+					continue
+				}
+				if err := c.handle(ctx, d); err != nil {
+					stop(err)
+				}
+			}
+		})
+	}
+	defer func() {
+		for _, w := range workers {
+			close(w)
+		}
+		wg.Wait()
+	}()
 	for {
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return context.Cause(ctx)
 		case d, ok := <-deliveries:
 			if !ok {
 				return fmt.Errorf("deliveries of %s ended: %w", c.queue, amqp.ErrClosed)
 			}
-			if err := c.handle(ctx, d); err != nil {
-				return err
+			select {
+			case workers[worker(d, len(workers))] <- d:
+			case <-ctx.Done():
+				return context.Cause(ctx)
 			}
 		}
 	}
+}
+
+// worker is the worker of n that handles d: the same for every message of
+// its aggregate.
+func worker(d amqp.Delivery, n int) int {
+	by, _ := d.Headers[HeaderAggregate].(string)
+	if by == "" {
+		by = d.MessageId
+	}
+	h := fnv.New32a()
+	h.Write([]byte(by))
+	return int(h.Sum32() % uint32(n))
 }
 
 // handle handles d and tells RabbitMQ what became of it; it returns an

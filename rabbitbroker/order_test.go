@@ -55,13 +55,15 @@ func (o *ordered) Handle(ctx context.Context, msg postgres.Message) (bool, error
 // third right after it is placed, while relays relays (PerAggregate, so
 // that they batch) publish to the node or cluster that urls dial in turn
 // and a consumer feeds the warehouse; fault runs once half of them are
-// placed. Two consumers are attached, one active at a time. Then it checks
+// placed. Two consumers are attached, one active at a time, each applying
+// four aggregates at once (Concurrency 4). Then it checks
 // what the outbox promises past the broker's door: every order's events
 // reached the warehouse in seq order and once each, none arrived before its
 // predecessor (none handed back), nothing parked, and each cancelled order
 // holds no reservation. (Caught: a queue without a single active consumer:
 // both consumers took messages, and an OrderCancelled came before its
-// OrderPlaced and was handed back.)
+// OrderPlaced and was handed back; and a consumer whose workers took
+// messages by key, not by aggregate.)
 func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stopRelay []func(), startRelay func() func())) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -83,7 +85,7 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stop
 	var consumers []*rabbitbroker.Consumer
 	for range 2 { // one active at a time: the queue's single active consumer
 		c := rabbitbroker.NewConsumer(dial, top.Queue, h)
-		c.RetryDelay = 50 * time.Millisecond
+		c.RetryDelay, c.Concurrency, c.Prefetch = 50*time.Millisecond, 4, 20
 		goRun(t, c.Run)
 		consumers = append(consumers, c)
 	}
@@ -136,7 +138,7 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stop
 		dropped, handedBack = dropped+c.Duplicates(), handedBack+c.HandedBack()
 	}
 	if handedBack != 0 {
-		t.Errorf("%d deliveries handed back, want 0: with one consumer active at a time none arrives before its predecessor", handedBack)
+		t.Errorf("%d deliveries handed back, want 0: with one consumer active at a time, and each aggregate on one of its workers, none arrives before its predecessor", handedBack)
 	}
 	t.Logf("%d events applied, %d copies dropped", h.applied.Load(), dropped)
 }
