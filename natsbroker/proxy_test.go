@@ -73,7 +73,35 @@ func (p *ackDropper) dropNextAck() { p.armed.Store(true) }
 // clientToServer copies the client's protocol to the server as it came,
 // counting each PUB or HPUB to a subject under natsbroker.SubjectPrefix.
 func (p *ackDropper) clientToServer(srv io.Writer, client io.Reader) {
-	r := bufio.NewReader(client)
+	// PUB subject [reply] size; HPUB subject [reply] hdrsize size
+	copyMessages(srv, client, "PUB", func(subject, body []byte) bool {
+		if bytes.HasPrefix(subject, []byte(natsbroker.SubjectPrefix)) && len(body) > 2 {
+			p.published.Add(1)
+		}
+		return true
+	})
+}
+
+// serverToClient copies the server's protocol to the client, and leaves
+// out the first ack to an inbox after the proxy was armed.
+func (p *ackDropper) serverToClient(client io.Writer, srv io.Reader) {
+	// MSG subject sid [reply] size; HMSG subject sid [reply] hdrsize size
+	copyMessages(client, srv, "MSG", func(subject, body []byte) bool {
+		if bytes.HasPrefix(subject, []byte("_INBOX.")) && !bytes.HasPrefix(body, []byte(`{"type":`)) && p.armed.CompareAndSwap(true, false) {
+			p.dropped.Add(1)
+			return false
+		}
+		return true
+	})
+}
+
+// copyMessages copies NATS protocol from src to dst a line at a time; a
+// line whose verb is verb or "H"+verb carries a message, whose size is its
+// last field: copyMessages reads the message's body (and its \r\n) and
+// forwards the two only if keep, given the message's subject and body, says
+// so.
+func copyMessages(dst io.Writer, src io.Reader, verb string, keep func(subject, body []byte) bool) {
+	r := bufio.NewReader(src)
 	for {
 		line, err := r.ReadBytes('\n')
 		if err != nil {
@@ -81,8 +109,7 @@ func (p *ackDropper) clientToServer(srv io.Writer, client io.Reader) {
 		}
 		var body []byte
 		fields := bytes.Fields(line)
-		if len(fields) >= 3 && (string(fields[0]) == "PUB" || string(fields[0]) == "HPUB") {
-			// PUB subject [reply] size; HPUB subject [reply] hdrsize size
+		if len(fields) >= 3 && (string(fields[0]) == verb || string(fields[0]) == "H"+verb) {
 			size, err := strconv.Atoi(string(fields[len(fields)-1]))
 			if err != nil {
 				return
@@ -91,44 +118,11 @@ func (p *ackDropper) clientToServer(srv io.Writer, client io.Reader) {
 			if _, err := io.ReadFull(r, body); err != nil {
 				return
 			}
-			if bytes.HasPrefix(fields[1], []byte(natsbroker.SubjectPrefix)) && size > 0 {
-				p.published.Add(1)
-			}
-		}
-		if _, err := srv.Write(append(line, body...)); err != nil {
-			return
-		}
-	}
-}
-
-// serverToClient copies the server's protocol to the client a line at a
-// time, reading each MSG or HMSG with its payload, and leaves out the
-// first one to an inbox after the proxy was armed.
-func (p *ackDropper) serverToClient(client io.Writer, srv io.Reader) {
-	r := bufio.NewReader(srv)
-	for {
-		line, err := r.ReadBytes('\n')
-		if err != nil {
-			return
-		}
-		var body []byte
-		fields := bytes.Fields(line)
-		if len(fields) >= 4 && (string(fields[0]) == "MSG" || string(fields[0]) == "HMSG") {
-			// MSG subject sid [reply] size; HMSG subject sid [reply] hdrsize size
-			size, err := strconv.Atoi(string(fields[len(fields)-1]))
-			if err != nil {
-				return
-			}
-			body = make([]byte, size+2) // and its \r\n
-			if _, err := io.ReadFull(r, body); err != nil {
-				return
-			}
-			if bytes.HasPrefix(fields[1], []byte("_INBOX.")) && !bytes.HasPrefix(body, []byte(`{"type":`)) && p.armed.CompareAndSwap(true, false) {
-				p.dropped.Add(1)
+			if !keep(fields[1], body) {
 				continue
 			}
 		}
-		if _, err := client.Write(append(line, body...)); err != nil {
+		if _, err := dst.Write(append(line, body...)); err != nil {
 			return
 		}
 	}

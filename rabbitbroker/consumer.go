@@ -25,9 +25,10 @@ type Handler interface {
 
 // Defaults of a [Consumer]'s fields left zero.
 const (
-	DefaultPrefetch    = 10
-	DefaultRetryDelay  = time.Second
-	DefaultMaxAttempts = 5
+	DefaultPrefetch      = 10
+	DefaultRetryDelay    = time.Second
+	DefaultMaxAttempts   = 5
+	DefaultHandleTimeout = 30 * time.Second
 )
 
 // Consumer feeds the messages of a queue to a Handler, in the queue's order
@@ -75,6 +76,10 @@ type Consumer struct {
 	// MaxAttempts is how many times a delivery is tried in place before it
 	// is handed back; zero or less means DefaultMaxAttempts.
 	MaxAttempts int
+	// HandleTimeout bounds each call of the Handler: one that runs out of
+	// time failed for a reason that may pass, and is tried again. Zero or
+	// less means DefaultHandleTimeout.
+	HandleTimeout time.Duration
 	// Concurrency is how many messages Run handles at once, each on one of
 	// as many workers: all the messages of an aggregate go to the same
 	// worker (by a hash of the aggregate, or of the key for a message with
@@ -208,7 +213,9 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 	}
 	retry := orDefault(c.RetryDelay, DefaultRetryDelay)
 	for attempt := 1; ; attempt++ {
-		applied, err := c.handler.Handle(ctx, m)
+		hctx, cancel := context.WithTimeout(ctx, orDefault(c.HandleTimeout, DefaultHandleTimeout))
+		applied, err := c.handler.Handle(hctx, m)
+		cancel()
 		switch {
 		case ctx.Err() != nil:
 			return nil // delivered again once the channel closes

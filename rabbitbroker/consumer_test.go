@@ -200,3 +200,57 @@ func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T
 	}
 	t.Logf("handed back %d times while the database was down", c.HandedBack())
 }
+
+// hangsOnce is a Handler whose first call for each message hangs until its
+// context ends, as a handler stuck on a lock or a lost connection would.
+type hangsOnce struct {
+	handler rabbitbroker.Handler
+	mu      sync.Mutex
+	calls   map[string]int
+}
+
+func (h *hangsOnce) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	h.mu.Lock()
+	h.calls[msg.Key]++
+	first := h.calls[msg.Key] == 1
+	h.mu.Unlock()
+	if first {
+		<-ctx.Done()
+		return false, ctx.Err()
+	}
+	return h.handler.Handle(ctx, msg)
+}
+
+// A Handle that hangs is cut at HandleTimeout and tried again in place: both
+// messages are applied, in order, each on its second call, and nothing is
+// handed back. (Caught: a Handle given Run's context alone: the consumer
+// hung on the first message, and the test gave up after two minutes.)
+func TestHandleThatHangsIsCutAndTriedAgain(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	top := declare(t, node.URL(), 0)
+	pub := newPublisher(t, node.URL(), top, 0)
+	for i := range 2 {
+		m := postgres.Message{ID: int64(i + 1), Key: fmt.Sprint("k", i+1), Type: shop.OrderPlaced,
+			Payload: fmt.Sprintf(`{"orderId":%d,"totalCents":100}`, i+1), Aggregate: "order/1", Seq: int64(i + 1)}
+		if err := pub.Publish(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h := &hangsOnce{handler: newOrdered(shop.NewWarehouse(db)), calls: map[string]int{}}
+	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
+	c.RetryDelay, c.HandleTimeout = 10*time.Millisecond, 100*time.Millisecond
+	goRun(t, c.Run)
+	waitFor(t, "both applied", func() bool { return c.Applied() == 2 })
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.calls["k1"] != 2 || h.calls["k2"] != 2 || c.HandedBack() != 0 {
+		t.Errorf("calls %v, handed back %d; want each message called twice, none handed back", h.calls, c.HandedBack())
+	}
+	o := h.handler.(*ordered)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.wrong) > 0 {
+		t.Errorf("applied out of order: %v", o.wrong)
+	}
+}
