@@ -22,6 +22,7 @@ import (
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"example.com/patterns/enterprise/outbox/postgres/shop/shoptest"
 )
 
 // cluster is three JetStream servers routed to each other.
@@ -151,40 +152,6 @@ func setUpReplicated(t testing.TB, c interface{ url() string }) (jetstream.JetSt
 // enough servers (nats-server's JSClusterNoPeersErrF).
 const clusterNoPeers jetstream.ErrorCode = 10005
 
-// ordered is a Handler that hands each delivery to a warehouse and checks
-// what it applied: each aggregate's seqs in order from 1, and no key twice.
-type ordered struct {
-	warehouse *shop.Warehouse
-	mu        sync.Mutex
-	last      map[string]int64
-	seen      map[string]bool
-	applied   atomic.Int64
-	wrong     []string
-}
-
-func newOrdered(wh *shop.Warehouse) *ordered {
-	return &ordered{warehouse: wh, last: map[string]int64{}, seen: map[string]bool{}}
-}
-
-func (o *ordered) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
-	applied, err := o.warehouse.Handle(ctx, msg)
-	if !applied {
-		return applied, err
-	}
-	o.applied.Add(1)
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if o.seen[msg.Key] {
-		o.wrong = append(o.wrong, fmt.Sprintf("%s applied twice", msg.Key))
-	}
-	o.seen[msg.Key] = true
-	if msg.Seq != o.last[msg.Aggregate]+1 {
-		o.wrong = append(o.wrong, fmt.Sprintf("%s seq %d applied after seq %d", msg.Aggregate, msg.Seq, o.last[msg.Aggregate]))
-	}
-	o.last[msg.Aggregate] = msg.Seq
-	return applied, err
-}
-
 // drainThroughAFault places orders from two clients, cancelling every third
 // right after it is placed, while two relays (PerAggregate, so that they
 // batch) publish to the cluster and a consumer feeds the warehouse; fault
@@ -208,7 +175,7 @@ func drainThroughAFault(t *testing.T, c interface{ url() string }, fault func())
 		relay.MaxBackoff = 500 * time.Millisecond
 		goRun(t, relay.Run)
 	}
-	h := newOrdered(shop.NewWarehouse(db))
+	h := shoptest.NewOrdered(shop.NewWarehouse(db))
 	runConsumer(t, connect(t, c.url()), h)
 
 	const clients, each = 2, 60
@@ -243,7 +210,7 @@ func drainThroughAFault(t *testing.T, c interface{ url() string }, fault func())
 	for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		events = count(t, db, `SELECT count(*) FROM outbox`)
 		unsent = count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`)
-		if unsent == 0 && int(h.applied.Load()) == events {
+		if unsent == 0 && int(h.Applied()) == events {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -259,7 +226,7 @@ func drainThroughAFault(t *testing.T, c interface{ url() string }, fault func())
 						ci.NumPending, ci.NumAckPending, ci.NumRedelivered, ci.NumWaiting)
 				}
 			}
-			t.Fatalf("after 90 s: %d of %d events unsent, %d applied; stream: %s", unsent, events, h.applied.Load(), state)
+			t.Fatalf("after 90 s: %d of %d events unsent, %d applied; stream: %s", unsent, events, h.Applied(), state)
 		}
 	}
 	var dups int64
@@ -304,9 +271,7 @@ func drainThroughAFault(t *testing.T, c interface{ url() string }, fault func())
 	if marked != events || len(stored) != events {
 		t.Errorf("%d rows marked, %d distinct messages stored; want %d each", marked, len(stored), events)
 	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	for _, w := range h.wrong {
+	for _, w := range h.Wrong() {
 		t.Error(w)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"example.com/patterns/enterprise/outbox/postgres/shop/shoptest"
 	"example.com/patterns/enterprise/outbox/rabbitbroker"
 )
 
@@ -168,7 +169,7 @@ func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T
 	relay := postgres.NewOutboxRelay(db, newPublisher(t, node.URL(), top, 0))
 	relay.PerAggregate, relay.PollInterval = true, 20*time.Millisecond
 	goRun(t, relay.Run)
-	h := newOrdered(shop.NewWarehouse(wdb))
+	h := shoptest.NewOrdered(shop.NewWarehouse(wdb))
 	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
 	c.RetryDelay, c.MaxAttempts = 20*time.Millisecond, 3
 	goRun(t, c.Run)
@@ -181,20 +182,18 @@ func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T
 		}
 	}
 	place(10)
-	waitFor(t, "10 orders reserved", func() bool { return h.applied.Load() == 10 })
+	waitFor(t, "10 orders reserved", func() bool { return h.Applied() == 10 })
 	setDown(true)
 	place(10)
 	waitFor(t, "a message handed back while the database is down", func() bool { return c.HandedBack() >= 1 })
 	setDown(false)
-	waitFor(t, "20 orders reserved", func() bool { return h.applied.Load() == 20 })
+	waitFor(t, "20 orders reserved", func() bool { return h.Applied() == 20 })
 	if n := count(t, wdb, `SELECT count(*) FROM reservations`); n != 20 {
 		t.Errorf("%d reservations, want 20", n)
 	}
-	h.mu.Lock()
-	if len(h.wrong) > 0 {
-		t.Errorf("applied out of order or twice: %v", h.wrong)
+	if wrong := h.Wrong(); len(wrong) > 0 {
+		t.Errorf("applied out of order or twice: %v", wrong)
 	}
-	h.mu.Unlock()
 	if n := queued(t, node.URL(), top.DeadLetterQueue()); n != 0 || c.DeadLettered() != 0 {
 		t.Errorf("%d dead-lettered by the queue, %d by the consumer; want 0 and 0", n, c.DeadLettered())
 	}
@@ -237,7 +236,7 @@ func TestHandleThatHangsIsCutAndTriedAgain(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	h := &hangsOnce{handler: newOrdered(shop.NewWarehouse(db)), calls: map[string]int{}}
+	h := &hangsOnce{handler: shoptest.NewOrdered(shop.NewWarehouse(db)), calls: map[string]int{}}
 	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
 	c.RetryDelay, c.HandleTimeout = 10*time.Millisecond, 100*time.Millisecond
 	goRun(t, c.Run)
@@ -247,10 +246,7 @@ func TestHandleThatHangsIsCutAndTriedAgain(t *testing.T) {
 	if h.calls["k1"] != 2 || h.calls["k2"] != 2 || c.HandedBack() != 0 {
 		t.Errorf("calls %v, handed back %d; want each message called twice, none handed back", h.calls, c.HandedBack())
 	}
-	o := h.handler.(*ordered)
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if len(o.wrong) > 0 {
-		t.Errorf("applied out of order: %v", o.wrong)
+	if wrong := h.handler.(*shoptest.Ordered).Wrong(); len(wrong) > 0 {
+		t.Errorf("applied out of order: %v", wrong)
 	}
 }

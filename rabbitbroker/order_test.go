@@ -3,7 +3,6 @@ package rabbitbroker_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -14,42 +13,9 @@ import (
 
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"example.com/patterns/enterprise/outbox/postgres/shop/shoptest"
 	"example.com/patterns/enterprise/outbox/rabbitbroker"
 )
-
-// ordered is a Handler that hands each delivery to a warehouse and checks
-// what it applied: each aggregate's seqs in order from 1, and no key twice.
-type ordered struct {
-	warehouse *shop.Warehouse
-	mu        sync.Mutex
-	last      map[string]int64
-	seen      map[string]bool
-	applied   atomic.Int64
-	wrong     []string
-}
-
-func newOrdered(wh *shop.Warehouse) *ordered {
-	return &ordered{warehouse: wh, last: map[string]int64{}, seen: map[string]bool{}}
-}
-
-func (o *ordered) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
-	applied, err := o.warehouse.Handle(ctx, msg)
-	if !applied {
-		return applied, err
-	}
-	o.applied.Add(1)
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if o.seen[msg.Key] {
-		o.wrong = append(o.wrong, fmt.Sprintf("%s applied twice", msg.Key))
-	}
-	o.seen[msg.Key] = true
-	if msg.Seq != o.last[msg.Aggregate]+1 {
-		o.wrong = append(o.wrong, fmt.Sprintf("%s seq %d applied after seq %d", msg.Aggregate, msg.Seq, o.last[msg.Aggregate]))
-	}
-	o.last[msg.Aggregate] = msg.Seq
-	return applied, err
-}
 
 // drainThroughAFault places 120 orders from two clients, cancelling every
 // third right after it is placed, while relays relays (PerAggregate, so
@@ -81,7 +47,7 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stop
 	for range relays {
 		stops = append(stops, startRelay())
 	}
-	h := newOrdered(shop.NewWarehouse(db))
+	h := shoptest.NewOrdered(shop.NewWarehouse(db))
 	var consumers []*rabbitbroker.Consumer
 	for range 2 { // one active at a time: the queue's single active consumer
 		c := rabbitbroker.NewConsumer(dial, top.Queue, h)
@@ -117,12 +83,10 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stop
 	wg.Wait()
 	events := orders + orders/3
 	waitFor(t, "every event applied and every row marked", func() bool {
-		return h.applied.Load() >= int64(events) && count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0
+		return h.Applied() >= int64(events) && count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0
 	})
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if len(h.wrong) > 0 {
-		t.Errorf("%d events applied out of order or twice, first %s", len(h.wrong), h.wrong[0])
+	if wrong := h.Wrong(); len(wrong) > 0 {
+		t.Errorf("%d events applied out of order or twice, first %s", len(wrong), wrong[0])
 	}
 	if n := count(t, db, `SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL`); n != 0 {
 		t.Errorf("%d rows parked, want 0", n)
@@ -140,7 +104,7 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stop
 	if handedBack != 0 {
 		t.Errorf("%d deliveries handed back, want 0: with one consumer active at a time, and each aggregate on one of its workers, none arrives before its predecessor", handedBack)
 	}
-	t.Logf("%d events applied, %d copies dropped", h.applied.Load(), dropped)
+	t.Logf("%d events applied, %d copies dropped", h.Applied(), dropped)
 }
 
 // dialAny dials the first of urls that answers, starting after the one

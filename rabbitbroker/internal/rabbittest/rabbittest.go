@@ -50,18 +50,11 @@ type Options struct {
 // Start starts a node in a new temporary folder and waits until it takes
 // AMQP connections, for at most two minutes.
 func Start(o Options) (*Node, error) {
-	if _, err := os.Stat(filepath.Join(Bin, "rabbitmq-server")); err != nil {
-		return nil, ErrNotInstalled
-	}
-	ports, err := freePorts(1)
+	epmd, epmdPort, err := startEpmd()
 	if err != nil {
 		return nil, err
 	}
-	epmd, err := startEpmd(ports[0])
-	if err != nil {
-		return nil, err
-	}
-	n, err := newNode(o, ports[0], "")
+	n, err := newNode(o, epmdPort, "")
 	if err != nil {
 		stopEpmd(epmd)
 		return nil, err
@@ -74,15 +67,22 @@ func Start(o Options) (*Node, error) {
 	return n, nil
 }
 
-// startEpmd starts an Erlang port mapper on port of 127.0.0.1, a child of
-// this process.
-func startEpmd(port int) (*exec.Cmd, error) {
-	cmd := exec.Command("epmd", "-port", fmt.Sprint(port), "-address", "127.0.0.1")
+// startEpmd checks that RabbitMQ is installed and starts an Erlang port
+// mapper on a free port of 127.0.0.1, a child of this process.
+func startEpmd() (cmd *exec.Cmd, port int, err error) {
+	if _, err := os.Stat(filepath.Join(Bin, "rabbitmq-server")); err != nil {
+		return nil, 0, ErrNotInstalled
+	}
+	ports, err := freePorts(1)
+	if err != nil {
+		return nil, 0, err
+	}
+	cmd = exec.Command("epmd", "-port", fmt.Sprint(ports[0]), "-address", "127.0.0.1")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("rabbittest: epmd: %w", err)
+		return nil, 0, fmt.Errorf("rabbittest: epmd: %w", err)
 	}
-	return cmd, nil
+	return cmd, ports[0], nil
 }
 
 func stopEpmd(cmd *exec.Cmd) {
@@ -137,21 +137,14 @@ type Cluster struct {
 // StartCluster starts k nodes, joins the others to the first, and waits
 // until each takes AMQP connections.
 func StartCluster(k int, o Options) (*Cluster, error) {
-	if _, err := os.Stat(filepath.Join(Bin, "rabbitmq-server")); err != nil {
-		return nil, ErrNotInstalled
-	}
-	ports, err := freePorts(1)
-	if err != nil {
-		return nil, err
-	}
-	epmd, err := startEpmd(ports[0])
+	epmd, epmdPort, err := startEpmd()
 	if err != nil {
 		return nil, err
 	}
 	c := &Cluster{epmd: epmd}
-	cookie := strings.Repeat(fmt.Sprint(ports[0]), 4)
+	cookie := strings.Repeat(fmt.Sprint(epmdPort), 4)
 	for range k {
-		n, err := newNode(o, ports[0], cookie)
+		n, err := newNode(o, epmdPort, cookie)
 		if err != nil {
 			c.Remove()
 			return nil, err
