@@ -84,3 +84,39 @@ func TestPublishSequenceStoresAPrefixAndSaysWhy(t *testing.T) {
 		})
 	}
 }
+
+// A fast batch whose ack is lost reports what the stream's flow acks said
+// it stored: 250 messages, whose batch the stream acknowledges each 100
+// stored, and a proxy drops the batch's final ack. PublishSequence returns
+// 200, with ErrBrokerUnavailable (the outcome of the rest unknown), while
+// the stream holds all 250. (Caught: a cut batch that reported none stored.)
+func TestCutSequenceReportsWhatTheFlowAcksSaid(t *testing.T) {
+	b := startBroker(t, nil)
+	_, stream := setUp(t, connect(t, b.url()), 0, 0)
+	proxy := newAckDropper(t, strings.TrimPrefix(b.url(), "nats://"))
+	nc := connect(t, proxy.url())
+	pub := newPublisher(t, nc)
+	var msgs []postgres.Message
+	for i := range 250 {
+		msgs = append(msgs, postgres.Message{ID: int64(i + 1), Key: fmt.Sprintf("key-%d", i+1), Type: "OrderPlaced", Payload: "{}"})
+	}
+	proxy.dropNextAck()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan struct{})
+	var n int
+	var err error
+	go func() { n, err = pub.PublishSequence(ctx, msgs); close(done) }()
+	waitFor(t, "the batch's ack dropped", func() bool { return proxy.dropped.Load() == 1 })
+	if err := nc.Flush(); err != nil { // the answers before the dropped ack have reached the client
+		t.Fatal(err)
+	}
+	cancel()
+	<-done
+	if n != 200 || !errors.Is(err, postgres.ErrBrokerUnavailable) {
+		t.Errorf("PublishSequence cut after its ack was lost = %d, %v; want 200 and ErrBrokerUnavailable", n, err)
+	}
+	if got := streamMessages(t, stream); got != 250 {
+		t.Errorf("the stream holds %d messages, want 250", got)
+	}
+}
