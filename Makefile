@@ -14,8 +14,8 @@
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 1 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
-#   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, a throwaway PostgreSQL (-race)
-#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
+#   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
+#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 3 min)
@@ -41,7 +41,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -186,23 +186,27 @@ failover:
 # program's module, natsbroker/cmd/shop, which holds the SDKs, exporters and
 # chromedp, and may import the lesson, so that the outbox modules need none
 # of them; then the relay process's, natsbroker/cmd/outbox-relay, whose tests
-# build it and run it as a process.
-natsbroker:
+# build it and run it as a process. The shop runs on RabbitMQ too (-broker
+# rabbitmq), which its tests start: installed first where it is missing.
+natsbroker: rabbitmq-server
 	$(call module-tests,natsbroker)
 	$(call module-tests,natsbroker/cmd/shop)
 	$(call module-tests,natsbroker/cmd/outbox-relay)
 
-# The rabbitbroker module's tests: RabbitMQ from Debian's packages, installed
-# where it is missing (apt-get install rabbitmq-server, with the package's
-# service kept from starting: policy-rc.d), then the tests, which start
-# throwaway nodes in temporary folders on loopback ports of their own, each
-# with an epmd of its own, and stop and remove them.
-rabbitbroker:
+# RabbitMQ from Debian's packages, installed where it is missing (apt-get
+# install rabbitmq-server, with the package's service kept from starting:
+# policy-rc.d); nothing here runs the service it installs.
+rabbitmq-server:
 	@test -x /usr/lib/rabbitmq/bin/rabbitmq-server || { \
 		echo "make rabbitbroker: RabbitMQ is missing; installing Debian's rabbitmq-server, its service kept from starting"; \
 		own=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; own=1; }; \
 		{ apt-get install -y --no-install-recommends rabbitmq-server >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y --no-install-recommends rabbitmq-server >/dev/null; }; }; \
 		status=$$?; [ -z "$$own" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; }
+
+# The rabbitbroker module's tests, which start throwaway nodes in temporary
+# folders on loopback ports of their own, each with an epmd of its own, and
+# stop and remove them.
+rabbitbroker: rabbitmq-server
 	$(call module-tests,rabbitbroker)
 
 # The rabbitbroker figures, into rabbitbroker/figures/measure-rabbitbroker.txt
@@ -237,18 +241,21 @@ measure-rabbitbroker: rabbitbroker
 # the database (FOLDER/postgres) and the broker's store (FOLDER/jetstream):
 # make shop SHOP_DATA=FOLDER again resumes on them, and the outbox catches up
 # with whatever was left unsent. SHOP_RELAY=log runs the log relay instead
-# of the polling relay (migrate creates its slot).
-SHOP_ADDR  ?= 127.0.0.1:8080
-SHOP_RELAY ?= polling
-SHOP_NODES ?= 1
-SHOP_DATA  ?=
-shop:
+# of the polling relay (migrate creates its slot). SHOP_BROKER=rabbitmq runs
+# the shop on RabbitMQ instead of JetStream (installed where it is missing):
+# a node the shop starts, its data in FOLDER/rabbitmq, stopped with the shop.
+SHOP_ADDR   ?= 127.0.0.1:8080
+SHOP_RELAY  ?= polling
+SHOP_NODES  ?= 1
+SHOP_DATA   ?=
+SHOP_BROKER ?= jetstream
+shop: $(if $(filter rabbitmq,$(SHOP_BROKER)),rabbitmq-server)
 	@OUTBOX_POSTGRES_DATA=$(if $(SHOP_DATA),$(abspath $(SHOP_DATA))/postgres) SHOP_DATA=$(if $(SHOP_DATA),$(abspath $(SHOP_DATA))) \
 	postgres/with-server.sh bash -c 'dir=$$(mktemp -d "$${TMPDIR:-/tmp}/shop.XXXXXX") && trap "rm -rf $$dir" EXIT && \
-		store="$${SHOP_DATA:-$$dir}/jetstream" && \
+		store="$${SHOP_DATA:-$$dir}/$(SHOP_BROKER)" && \
 		(cd natsbroker/cmd/shop && $(GO) build -o "$$dir/shop" .) && \
-		"$$dir/shop" migrate -store "$$store" -nodes $(SHOP_NODES) -relay $(SHOP_RELAY) && \
-		"$$dir/shop" serve -store "$$store" -nodes $(SHOP_NODES) -addr $(SHOP_ADDR) -relay $(SHOP_RELAY)'
+		"$$dir/shop" migrate -store "$$store" -broker $(SHOP_BROKER) -nodes $(SHOP_NODES) -relay $(SHOP_RELAY) && \
+		"$$dir/shop" serve -store "$$store" -broker $(SHOP_BROKER) -nodes $(SHOP_NODES) -addr $(SHOP_ADDR) -relay $(SHOP_RELAY)'
 
 # The shop's live page in a real browser: headless Chromium (Debian's
 # chromium, installed here where it is missing) driven by chromedp, on a

@@ -3,7 +3,7 @@ package rabbitbroker_test
 import (
 	"testing"
 
-	"example.com/patterns/enterprise/outbox/rabbitbroker/internal/rabbittest"
+	"example.com/patterns/enterprise/outbox/rabbitbroker/rabbittest"
 )
 
 // A node of a cluster of three killed mid-drain (SIGKILL, as a crash):

@@ -16,7 +16,7 @@ import (
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 	"example.com/patterns/enterprise/outbox/rabbitbroker"
-	"example.com/patterns/enterprise/outbox/rabbitbroker/internal/rabbittest"
+	"example.com/patterns/enterprise/outbox/rabbitbroker/rabbittest"
 )
 
 // maxMessageSize is the shared node's max_message_size.

@@ -11,8 +11,6 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -45,11 +43,12 @@ const badBody = `body must be one JSON object {"totalCents": a whole number of c
 //
 // GET /outbox is the operator's view: the counts of ReadLag, the row that
 // blocks others (blockingRow: a failing row, or a parked one with rows of
-// its aggregate behind it), and the warehouse consumer's lag and
-// redeliveries from JetStream, asked for at most brokerTimeout. GET
+// its aggregate behind it), and the warehouse consumer's state from the
+// broker (messages pending; from JetStream its redeliveries, from RabbitMQ
+// its consumers and dead letters), asked for at most brokerTimeout. GET
 // /outbox/parked lists the parked rows, and POST /outbox/parked/{id}/unpark
 // puts one back.
-func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer jetstream.Consumer, warehouse *countingHandler) http.Handler {
+func newHandler(db *sql.DB, orders orderPlacer, broker messageBroker, warehouse *countingHandler) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
 		var body struct {
@@ -165,17 +164,16 @@ func newHandler(db *sql.DB, orders orderPlacer, broker *embeddedBroker, consumer
 		if warehouse != nil { // what the warehouse applied, and the copies it dropped by key
 			view["warehouse"] = map[string]int64{"applied": warehouse.applied.Load(), "duplicates": warehouse.duplicates.Load()}
 		}
-		if consumer != nil {
+		if broker != nil {
 			// The broker gets a short bound of its own: while it is down the
 			// operator still gets the database's view at once.
 			bctx, cancel := context.WithTimeout(ctx, brokerTimeout)
-			info, err := consumer.Info(bctx)
+			consumer, err := broker.ConsumerView(bctx)
 			cancel()
 			if err != nil {
 				view["consumer"] = problem("cannot reach the broker: " + err.Error())
 			} else {
-				view["consumer"] = map[string]any{"pending": info.NumPending, "ackPending": info.NumAckPending,
-					"redelivered": info.NumRedelivered}
+				view["consumer"] = consumer
 			}
 		}
 		writeJSON(w, http.StatusOK, view)

@@ -97,7 +97,7 @@ func (p placer) PlaceOrderWithKey(ctx context.Context, _ string, _ int64) (int64
 // order. (Caught: a bare 500, which tells a client nothing it can act on.)
 func TestUnknownCommitTellsTheClientHowToRetry(t *testing.T) {
 	unknown := fmt.Errorf("commit: %w: %w", postgres.ErrCommitUnknown, errors.New("connection reset"))
-	srv := httptest.NewServer(newHandler(nil, placer{err: unknown}, nil, nil, nil))
+	srv := httptest.NewServer(newHandler(nil, placer{err: unknown}, nil, nil))
 	defer srv.Close()
 	const outcome = `"error":"the database did not answer the commit: whether the order was placed is unknown"`
 	for _, tc := range []struct{ key, retry string }{
@@ -135,7 +135,7 @@ func TestDatabaseThatDoesNotAnswerGetsA503AtTheDeadline(t *testing.T) {
 		}
 	}}
 	hang.err = context.DeadlineExceeded // what the driver returns at the deadline
-	srv := httptest.NewServer(newHandler(nil, hang, nil, nil, nil))
+	srv := httptest.NewServer(newHandler(nil, hang, nil, nil))
 	defer srv.Close()
 	defer close(giveUp) // before Close, which waits for the handler
 	client := &http.Client{Timeout: 4 * requestTimeout}
@@ -200,11 +200,12 @@ func TestServerAndPoolHaveLimits(t *testing.T) {
 
 // serve refuses to start, and runs no DDL, on a database that migrate has
 // not brought to the schema's version, and on a broker store where migrate
-// has not provisioned the stream; each error says to run migrate.
+// has not provisioned the stream (JetStream) or the queue (RabbitMQ); each
+// error says to run migrate.
 func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
 	db, dbs := newDatabase(t)
 	ctx := context.Background()
-	serveOnce := func(store string) error {
+	serveOnce := func(store string, broker ...string) error {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
@@ -212,7 +213,11 @@ func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
 		defer ln.Close()
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		return serve(ctx, ln, dbs, store, 1, io.Discard, "polling")
+		s := setup{store: store, broker: "jetstream", nodes: 1, relay: "polling"}
+		if len(broker) > 0 {
+			s.broker = broker[0]
+		}
+		return serve(ctx, ln, dbs, s, io.Discard)
 	}
 	if err := serveOnce(t.TempDir()); !errors.Is(err, postgres.ErrSchemaVersion) {
 		t.Errorf("serve on a blank database = %v, want ErrSchemaVersion", err)
@@ -226,5 +231,36 @@ func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
 	}
 	if err := serveOnce(t.TempDir()); err == nil || !strings.Contains(err.Error(), "run shop migrate first") {
 		t.Errorf("serve on a store without the stream = %v, want an error saying to run migrate", err)
+	}
+	if err := serveOnce(t.TempDir(), "rabbitmq"); err == nil || !strings.Contains(err.Error(), "run shop migrate first") {
+		t.Errorf("serve on a RabbitMQ node without the queue = %v, want an error saying to run migrate", err)
+	}
+}
+
+// The shop's flags are checked before anything is migrated or started: a
+// relay, a broker or a number of nodes it cannot run is refused, saying
+// which.
+func TestSetupRefusesWhatTheShopCannotRun(t *testing.T) {
+	for _, s := range []setup{
+		{broker: "jetstream", nodes: 1, relay: "polling"},
+		{broker: "jetstream", nodes: 3, relay: "log"},
+		{broker: "rabbitmq", nodes: 1, relay: "log"},
+	} {
+		if err := s.check(); err != nil {
+			t.Errorf("%+v refused: %v", s, err)
+		}
+	}
+	for _, c := range []struct {
+		s    setup
+		want string
+	}{
+		{setup{broker: "jetstream", nodes: 1, relay: "cdc"}, `-relay "cdc": want polling or log`},
+		{setup{broker: "kafka", nodes: 1, relay: "polling"}, `-broker "kafka": want jetstream or rabbitmq`},
+		{setup{broker: "rabbitmq", nodes: 3, relay: "polling"}, `-nodes 3: the shop runs one RabbitMQ node`},
+		{setup{broker: "jetstream", nodes: 2, relay: "polling"}, `-nodes 2: want 1, or 3 for a cluster`},
+	} {
+		if err := c.s.check(); err == nil || err.Error() != c.want {
+			t.Errorf("%+v: %v, want %q", c.s, err, c.want)
+		}
 	}
 }

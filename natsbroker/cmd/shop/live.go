@@ -13,10 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel/metric"
 
-	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
@@ -32,9 +30,7 @@ var page []byte
 type live struct {
 	db        *sql.DB
 	orders    *shop.OrderService
-	broker    *embeddedBroker
-	js        jetstream.JetStream
-	publisher *natsbroker.Publisher
+	broker    messageBroker
 	lossy     *lossyPublisher
 	warehouse *countingHandler
 	relay     *relayRunner
@@ -97,9 +93,10 @@ type state struct {
 		Passes  []pass `json:"passes"`
 	} `json:"relay"`
 	Broker struct {
-		Up         string `json:"up"`     // "up", "down", or "2 of 3 up"
-		Stored     *int64 `json:"stored"` // messages in the stream; nil while it cannot be asked
-		Duplicates int64  `json:"duplicates"`
+		Name       string `json:"name"`       // JetStream or RabbitMQ
+		Up         string `json:"up"`         // "up", "down", or "2 of 3 up"
+		Stored     *int64 `json:"stored"`     // messages in the stream, or waiting in the queue; nil while it cannot be asked
+		Duplicates int64  `json:"duplicates"` // copies the broker dropped (JetStream; RabbitMQ drops none)
 		LoseNext   bool   `json:"loseNextAck"`
 	} `json:"broker"`
 	Warehouse struct {
@@ -155,16 +152,13 @@ func (l *live) read(ctx context.Context) (state, error) {
 	l.mu.Lock()
 	s.Relay.Passes = append([]pass{}, l.passes...)
 	l.mu.Unlock()
-	s.Broker.Up = l.broker.State()
-	s.Broker.Duplicates = l.publisher.Duplicates()
+	s.Broker.Name, s.Broker.Up = l.broker.Name(), l.broker.State()
+	s.Broker.Duplicates = l.broker.Dropped()
 	s.Broker.LoseNext = l.lossy.loseNext.Load()
 	ictx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
-	if stream, err := l.js.Stream(ictx, natsbroker.Stream); err == nil {
-		if info, err := stream.Info(ictx); err == nil {
-			n := int64(info.State.Msgs)
-			s.Broker.Stored = &n
-		}
+	if n, err := l.broker.Stored(ictx); err == nil {
+		s.Broker.Stored = &n
 	}
 	s.Warehouse.Applied, s.Warehouse.Duplicates = l.warehouse.applied.Load(), l.warehouse.duplicates.Load()
 	return s, nil
@@ -241,6 +235,10 @@ func (l *live) routes(mux *http.ServeMux) {
 		ctx, cancel := context.WithTimeout(r.Context(), time.Minute)
 		defer cancel()
 		replayed, duplicates, err := l.replay(ctx)
+		if errors.Is(err, errNoReplay) {
+			writeJSON(w, http.StatusConflict, problem(l.broker.Name()+": "+err.Error()))
+			return
+		}
 		if err != nil {
 			writeJSON(w, http.StatusServiceUnavailable, problem("replay: "+err.Error()))
 			return
@@ -261,42 +259,80 @@ func (l *live) routes(mux *http.ServeMux) {
 	})
 }
 
-// lossyPublisher is the shop's Publisher with one fault a person can
-// inject: the next publish reaches the stream, and its ack is lost, so the
-// relay leaves the row unsent and publishes it again; JetStream drops the
-// copy by its Nats-Msg-Id.
+// lossyPublisher is the shop's publisher with one fault a person can
+// inject: the next publish reaches the broker, and its ack is lost, so the
+// relay leaves the row unsent and publishes it again. JetStream drops the
+// copy by its Nats-Msg-Id; RabbitMQ delivers it, and the warehouse drops it
+// by its key.
 type lossyPublisher struct {
-	*natsbroker.Publisher
+	broker   postgres.MessageBroker
 	loseNext atomic.Bool
+}
+
+// lossyBatches and lossySequences are a lossyPublisher of a broker that
+// publishes batches, or sequences too: the relay asks which a broker is.
+type (
+	lossyBatches   struct{ *lossyPublisher }
+	lossySequences struct{ lossyBatches }
+)
+
+// newLossyPublisher wraps broker in a lossyPublisher that is a
+// postgres.BatchPublisher, or a SequencePublisher, if broker is.
+func newLossyPublisher(broker postgres.MessageBroker) (*lossyPublisher, postgres.MessageBroker) {
+	p := &lossyPublisher{broker: broker}
+	if _, ok := broker.(postgres.BatchPublisher); !ok {
+		return p, p
+	}
+	if _, ok := broker.(postgres.SequencePublisher); !ok {
+		return p, lossyBatches{p}
+	}
+	return p, lossySequences{lossyBatches{p}}
 }
 
 var errAckLost = fmt.Errorf("the ack was lost on its way back (a fault the page injected): %w", postgres.ErrBrokerUnavailable)
 
+// MessagingSystem is the broker's, for the relay's spans.
+func (p *lossyPublisher) MessagingSystem() string {
+	if m, ok := p.broker.(postgres.MessagingSystem); ok {
+		return m.MessagingSystem()
+	}
+	return ""
+}
+
 func (p *lossyPublisher) Publish(ctx context.Context, msg postgres.Message) error {
-	err := p.Publisher.Publish(ctx, msg)
+	err := p.broker.Publish(ctx, msg)
 	if err == nil && p.loseNext.CompareAndSwap(true, false) {
 		return errAckLost
 	}
 	return err
 }
 
-func (p *lossyPublisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (int, error) {
-	n, err := p.Publisher.PublishBatch(ctx, msgs)
+// lose is a batch's or a sequence's answer with the next ack lost: the
+// first message's, and so all after it.
+func (p *lossyPublisher) lose(n int, err error) (int, error) {
 	if n > 0 && p.loseNext.CompareAndSwap(true, false) {
-		return 0, errAckLost // the first message's ack, and so all after it
+		return 0, errAckLost
 	}
 	return n, err
+}
+
+func (p lossyBatches) PublishBatch(ctx context.Context, msgs []postgres.Message) (int, error) {
+	return p.lose(p.broker.(postgres.BatchPublisher).PublishBatch(ctx, msgs))
+}
+
+func (p lossySequences) PublishSequence(ctx context.Context, msgs []postgres.Message) (int, error) {
+	return p.lose(p.broker.(postgres.SequencePublisher).PublishSequence(ctx, msgs))
 }
 
 // countingHandler is the warehouse, counting what it applied and the
 // copies it dropped.
 type countingHandler struct {
-	natsbroker.Handler
+	handler
 	applied, duplicates atomic.Int64
 }
 
 func (c *countingHandler) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
-	applied, err := c.Handler.Handle(ctx, msg)
+	applied, err := c.handler.Handle(ctx, msg)
 	switch {
 	case err != nil:
 	case applied:
@@ -361,47 +397,16 @@ func (r *relayRunner) Running() bool {
 	return r.done != nil
 }
 
-// replay delivers the whole stream again to the warehouse, through a
-// consumer of its own that lives for the replay: what a consumer reset to
-// the start, or a copy that came after the broker's duplicate window, makes
-// the warehouse see. Each message it applied before is dropped by its key
-// and counted as a duplicate, on the page, in /outbox and in /metrics. It
-// returns how many messages went through, and how many of those were
-// duplicates.
+// replay delivers every message the broker keeps again to the warehouse
+// (messageBroker.Replay): what a consumer reset to the start, or a copy
+// that came after the broker's duplicate window, makes the warehouse see.
+// Each message it applied before is dropped by its key and counted as a
+// duplicate, on the page, in /outbox and in /metrics. It returns how many
+// messages went through, and how many of those were duplicates.
 func (l *live) replay(ctx context.Context) (replayed, duplicates int64, err error) {
-	stream, err := l.js.Stream(ctx, natsbroker.Stream)
-	if err != nil {
-		return 0, 0, err
-	}
-	cfg := natsbroker.ConsumerConfig("", 30*time.Second)
-	cfg.InactiveThreshold = time.Minute // ephemeral: gone a minute after the replay, whatever happens
-	cons, err := stream.CreateConsumer(ctx, cfg)
-	if err != nil {
-		return 0, 0, err
-	}
-	defer stream.DeleteConsumer(context.WithoutCancel(ctx), cons.CachedInfo().Name)
 	applied, dups := l.warehouse.applied.Load(), l.warehouse.duplicates.Load()
-	c := natsbroker.NewConsumer(cons, l.warehouse)
-	c.MeterProvider = l.meters
-	rctx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- c.Run(rctx) }()
-	defer func() { stop(); <-done }()
-	for {
-		info, err := cons.Info(ctx)
-		if err != nil {
-			return 0, 0, err
-		}
-		if info.NumPending == 0 && info.NumAckPending == 0 {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			return 0, 0, ctx.Err()
-		case err := <-done:
-			return 0, 0, fmt.Errorf("the replay's consumer stopped: %w", err)
-		case <-time.After(20 * time.Millisecond):
-		}
+	if err := l.broker.Replay(ctx, l.warehouse, l.meters); err != nil {
+		return 0, 0, err
 	}
 	duplicates = l.warehouse.duplicates.Load() - dups
 	return l.warehouse.applied.Load() - applied + duplicates, duplicates, nil

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -16,6 +17,43 @@ import (
 
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
+
+// startOn runs the shop as s says on dbs: migrate first if migrating
+// (what it prints copied to migrated), then serve, until stop.
+func startOn(t *testing.T, dbs *pools, s setup, migrating bool, migrated io.Writer) (base string, stop func()) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	out := &syncBuffer{}
+	if migrating {
+		if migrated == nil {
+			migrated = io.Discard
+		}
+		if err := migrate(ctx, dbs.shop, s, io.MultiWriter(out, migrated)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	served := make(chan error, 1)
+	go func() { served <- serve(ctx, ln, dbs, s, out) }()
+	base = "http://" + ln.Addr().String()
+	waitFor(t, "the shop to listen", func() bool {
+		select {
+		case err := <-served:
+			t.Fatalf("serve: %v", err)
+		default:
+		}
+		return strings.Contains(out.String(), "shop: listening on "+base)
+	})
+	return base, func() {
+		cancel()
+		if err := <-served; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	}
+}
 
 // watch reads the shop's /events until an event's state satisfies ok, for
 // at most a minute, and returns that state.
@@ -82,29 +120,8 @@ func TestLivePageLosesAnAckAndCancels(t *testing.T) {
 // before it is not applied twice.
 func TestShopResumesOnItsOwnData(t *testing.T) {
 	db, dbs := newDatabase(t)
-	store := t.TempDir()
-	start := func() (base string, stop func()) {
-		t.Helper()
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		out := &syncBuffer{}
-		if err := migrate(ctx, dbs.shop, store, 1, out, "polling"); err != nil {
-			t.Fatal(err)
-		}
-		served := make(chan error, 1)
-		go func() { served <- serve(ctx, ln, dbs, store, 1, out, "polling") }()
-		base = "http://" + ln.Addr().String()
-		waitFor(t, "the shop to listen", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
-		return base, func() {
-			cancel()
-			if err := <-served; err != nil {
-				t.Errorf("serve: %v", err)
-			}
-		}
-	}
+	s := setup{store: t.TempDir(), broker: "jetstream", nodes: 1, relay: "polling"}
+	start := func() (base string, stop func()) { return startOn(t, dbs, s, true, io.Discard) }
 	base, stop := start()
 	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
 	waitFor(t, "order 1 reserved", func() bool {

@@ -1,12 +1,19 @@
 // Command shop is the outbox end to end, to run by hand: an HTTP service
 // that places orders in PostgreSQL, a relay that publishes the outbox to an
-// embedded NATS JetStream, and the warehouse consuming from it.
+// embedded NATS JetStream (or to RabbitMQ), and the warehouse consuming
+// from it.
 //
 // It has two commands, run one after the other, as a team runs migrations
 // apart from its services:
 //
 //	shop migrate -store DIR [-nodes N]              applies the database's migrations and provisions the stream and the consumer
 //	shop serve -store DIR [-nodes N] [-addr ADDR]   checks both, refuses to start if either is not as it expects, and serves
+//
+// -broker rabbitmq runs the shop on RabbitMQ instead (rabbitbroker): a node
+// the shop starts as its child process (Debian's rabbitmq-server), its data
+// in the store folder; migrate declares the exchange and the warehouse's
+// quorum queue. RabbitMQ drops no copy itself: the warehouse drops each by
+// its key.
 //
 // -relay log runs the log relay (postgres.LogRelay, reading the server's
 // log; migrate creates its slot) instead of the polling relay.
@@ -20,7 +27,7 @@
 //	POST /orders         {"totalCents":2500} places an order: 201 {"orderId":1}, from the database alone
 //	GET  /orders/{id}    the order, whether its event was sent and whether the warehouse reserved it
 //	GET  /outbox         how many messages wait (unsent, parked) and for how long
-//	POST /broker/down    stops the JetStream server (one node of a cluster); POST /broker/up starts it again on the same store
+//	POST /broker/down    stops the JetStream server (one node of a cluster) or the RabbitMQ node; POST /broker/up starts it again on the same store
 //
 // Ctrl-C stops everything (make shop then removes the broker's store and the
 // database server).
@@ -44,35 +51,35 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 func main() {
 	if len(os.Args) < 2 || (os.Args[1] != "migrate" && os.Args[1] != "serve") {
-		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR [-nodes N] [-relay polling|log] | shop serve -store DIR [-nodes N] [-addr ADDR] [-relay polling|log]")
+		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR [-broker jetstream|rabbitmq] [-nodes N] [-relay polling|log] | shop serve -store DIR [-broker jetstream|rabbitmq] [-nodes N] [-addr ADDR] [-relay polling|log]")
 		os.Exit(2)
 	}
 	cmd := os.Args[1]
 	flags := flag.NewFlagSet(cmd, flag.ExitOnError)
 	addr := flags.String("addr", "127.0.0.1:8080", "where serve's HTTP service listens")
-	store := flags.String("store", "", "the folder of the embedded JetStream server's store")
-	nodes := flags.Int("nodes", 1, "how many JetStream servers: 1, or 3 for a cluster")
-	relayKind := flags.String("relay", "polling", "which relay: polling, or log (reading the server's log)")
+	var s setup
+	flags.StringVar(&s.store, "store", "", "the folder of the broker's store")
+	flags.StringVar(&s.broker, "broker", "jetstream", "which broker: jetstream (embedded), or rabbitmq (a node the shop starts)")
+	flags.IntVar(&s.nodes, "nodes", 1, "how many JetStream servers: 1, or 3 for a cluster (RabbitMQ: 1)")
+	flags.StringVar(&s.relay, "relay", "polling", "which relay: polling, or log (reading the server's log)")
 	flags.Parse(os.Args[2:])
-	if *relayKind != "polling" && *relayKind != "log" {
-		fmt.Fprintf(os.Stderr, "shop: -relay %q: want polling or log\n", *relayKind)
+	if err := s.check(); err != nil { // before anything is migrated or started
+		fmt.Fprintln(os.Stderr, "shop:", err)
 		os.Exit(2)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	shutdown, err := setUpTracing(ctx, os.Stdout)
 	if err == nil {
-		err = run(ctx, cmd, *addr, *store, *nodes, os.Getenv("OUTBOX_POSTGRES_URL"), *relayKind)
+		err = run(ctx, cmd, *addr, os.Getenv("OUTBOX_POSTGRES_URL"), s)
 		flush, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		err = errors.Join(err, shutdown(flush))
 		cancel()
@@ -83,11 +90,34 @@ func main() {
 	}
 }
 
-func run(ctx context.Context, cmd, addr, store string, nodes int, databaseURL, relayKind string) error {
+// setup is how the shop runs: its flags.
+type setup struct {
+	store  string // the folder of the broker's store
+	broker string // jetstream or rabbitmq
+	nodes  int    // the broker's servers: 1, or 3 for a JetStream cluster
+	relay  string // polling or log
+}
+
+// check refuses a setup the shop cannot run.
+func (s setup) check() error {
+	switch {
+	case s.relay != "polling" && s.relay != "log":
+		return fmt.Errorf("-relay %q: want polling or log", s.relay)
+	case s.broker != "jetstream" && s.broker != "rabbitmq":
+		return fmt.Errorf("-broker %q: want jetstream or rabbitmq", s.broker)
+	case s.broker == "rabbitmq" && s.nodes != 1:
+		return fmt.Errorf("-nodes %d: the shop runs one RabbitMQ node", s.nodes)
+	case s.nodes != 1 && s.nodes != 3:
+		return fmt.Errorf("-nodes %d: want 1, or 3 for a cluster", s.nodes)
+	}
+	return nil
+}
+
+func run(ctx context.Context, cmd, addr, databaseURL string, s setup) error {
 	if databaseURL == "" {
 		return errors.New("OUTBOX_POSTGRES_URL is not set: run make shop")
 	}
-	if store == "" {
+	if s.store == "" {
 		return errors.New("-store is not set: name the folder of the broker's store")
 	}
 	cfg, err := pgx.ParseConfig(databaseURL)
@@ -97,13 +127,13 @@ func run(ctx context.Context, cmd, addr, store string, nodes int, databaseURL, r
 	dbs := openPools(cfg)
 	defer dbs.Close()
 	if cmd == "migrate" {
-		return migrate(ctx, dbs.shop, store, nodes, os.Stdout, relayKind)
+		return migrate(ctx, dbs.shop, s, os.Stdout)
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
 	}
-	return serve(ctx, ln, dbs, store, nodes, os.Stdout, relayKind)
+	return serve(ctx, ln, dbs, s, os.Stdout)
 }
 
 // pools are the shop's connection pools to its database, one for each of
@@ -141,22 +171,16 @@ func (p *pools) Close() {
 	p.warehouse.Close()
 }
 
-// streamConfig is the stream the shop provisions and checks on a broker of
-// nodes servers: a replica on each.
-func streamConfig(nodes int) jetstream.StreamConfig {
-	cfg := natsbroker.StreamConfig(0)
-	cfg.Replicas = nodes
-	return cfg
-}
-
 // migrate is the step before serve: it brings the database's outbox tables
-// to postgres.SchemaVersion and the shop's to shop.SchemaVersion, and creates (or updates) the stream and the
-// warehouse's durable consumer on the broker whose store is in store.
-func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Writer, relayKind string) error {
+// to postgres.SchemaVersion and the shop's to shop.SchemaVersion, and
+// provisions the broker whose store is in s.store: JetStream's stream and
+// the warehouse's durable consumer, or RabbitMQ's exchange and the
+// warehouse's queue.
+func migrate(ctx context.Context, db *sql.DB, s setup, out io.Writer) error {
 	if err := postgres.Migrate(ctx, db); err != nil {
 		return err
 	}
-	if relayKind == "log" { // the log relay's slot, before any order it must see
+	if s.relay == "log" { // the log relay's slot, before any order it must see
 		if err := postgres.CreateLogSlot(ctx, db, postgres.DefaultSlot); err != nil {
 			return err
 		}
@@ -164,35 +188,17 @@ func migrate(ctx context.Context, db *sql.DB, store string, nodes int, out io.Wr
 	if err := shop.Migrate(ctx, db); err != nil {
 		return err
 	}
-	broker, err := startBroker(store, nodes)
+	broker, err := startMessageBroker(s.broker, s.store, s.nodes)
 	if err != nil {
 		return err
 	}
 	defer broker.Stop()
-	nc, err := nats.Connect(broker.URL())
+	provisioned, err := broker.Provision(ctx)
 	if err != nil {
 		return err
 	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return err
-	}
-	// A cluster that starts again from its stores answers only once it has
-	// elected its leaders, as serve waits for them too.
-	cfg := streamConfig(nodes)
-	var stream jetstream.Stream
-	if err := whileStarting(ctx, func() (err error) { stream, err = js.CreateOrUpdateStream(ctx, cfg); return err }, refused); err != nil {
-		return fmt.Errorf("provision stream %s: %w", cfg.Name, err)
-	}
-	if err := whileStarting(ctx, func() error {
-		_, err := stream.CreateOrUpdateConsumer(ctx, natsbroker.ConsumerConfig("warehouse", 0))
-		return err
-	}, refused); err != nil {
-		return fmt.Errorf("provision consumer warehouse: %w", err)
-	}
-	fmt.Fprintf(out, "shop: database at outbox schema version %d and shop schema version %d, stream %s (replicas: %d) and consumer warehouse provisioned\n",
-		postgres.SchemaVersion, shop.SchemaVersion, cfg.Name, cfg.Replicas)
+	fmt.Fprintf(out, "shop: database at outbox schema version %d and shop schema version %d, %s %s provisioned\n",
+		postgres.SchemaVersion, shop.SchemaVersion, broker.Name(), provisioned)
 	return nil
 }
 
@@ -241,7 +247,7 @@ func newServer(h http.Handler) *http.Server {
 // and the warehouse, serves HTTP on ln until ctx ends, then stops them all.
 // Spans go to otel's global tracer provider (setUpTracing's); metrics to a
 // meter provider of serve's own, at GET /metrics.
-func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes int, out io.Writer, relayKind string) error {
+func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Writer) error {
 	db := dbs.shop
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -250,31 +256,15 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 		return err
 	}
 
-	broker, err := startBroker(store, nodes)
+	broker, err := startMessageBroker(s.broker, s.store, s.nodes)
 	if err != nil {
 		return err
 	}
 	defer broker.Stop()
-	nc, err := nats.Connect(broker.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
-	if err != nil {
+	if err := broker.Check(ctx); err != nil {
 		return err
 	}
-	defer nc.Close()
-	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(time.Minute))
-	if err != nil {
-		return err
-	}
-	if err := whileStarting(ctx, func() error { return natsbroker.CheckStream(ctx, js, streamConfig(nodes)) },
-		func(err error) bool { return errors.Is(err, natsbroker.ErrStreamConfig) }); err != nil {
-		return fmt.Errorf("%w: run shop migrate first", err)
-	}
-	var cons jetstream.Consumer
-	if err := whileStarting(ctx, func() (err error) { cons, err = js.Consumer(ctx, natsbroker.Stream, "warehouse"); return err },
-		func(err error) bool { return errors.Is(err, jetstream.ErrConsumerNotFound) }); err != nil {
-		return fmt.Errorf("consumer warehouse: %w: run shop migrate first", err)
-	}
-	publisher := natsbroker.NewPublisher(js)
-	lossy := &lossyPublisher{Publisher: publisher}
+	lossy, publisher := newLossyPublisher(broker.Publisher())
 	m, err := newMetrics()
 	if err != nil {
 		return err
@@ -288,32 +278,33 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, store string, nodes
 
 	// NewOutboxRelay's settings are a team's: order per aggregate, each
 	// pass's batch through PublishBatch, a message refused five times parked.
-	relay := postgres.NewOutboxRelay(dbs.relay, lossy)
+	relay := postgres.NewOutboxRelay(dbs.relay, publisher)
 	relay.MaxBackoff = 2 * time.Second // a demo: back quickly after /broker/up
 	relay.Logger = logger
 	relay.MeterProvider = m.provider
 	var runs interface{ Run(context.Context) error } = relay
-	logRelay := postgres.NewLogRelayConfig(&dbs.cfg.Config, lossy)
-	if relayKind == "log" { // -relay log: the other relay, reading the server's log
+	logRelay := postgres.NewLogRelayConfig(&dbs.cfg.Config, publisher)
+	if s.relay == "log" { // -relay log: the other relay, reading the server's log
 		logRelay.MarkIn, logRelay.ParkAfter = dbs.relay, postgres.DefaultParkAfter
 		logRelay.MaxBackoff, logRelay.Logger, logRelay.MeterProvider = 2*time.Second, logger, m.provider
 		runs = logRelay
 	}
-	counted := &countingHandler{Handler: shop.NewWarehouse(dbs.warehouse)}
-	warehouse := natsbroker.NewConsumer(cons, counted)
-	warehouse.Logger = logger
-	warehouse.MeterProvider = m.provider
+	counted := &countingHandler{handler: shop.NewWarehouse(dbs.warehouse)}
+	warehouse, err := broker.Warehouse(counted, logger, m.provider)
+	if err != nil {
+		return err
+	}
 	errs := make(chan error, 3)
 	orders := shop.NewOrderService(db)
 	runner := &relayRunner{relay: runs, ctx: ctx, errs: errs}
-	view := &live{db: db, orders: orders, broker: broker, js: js, publisher: publisher, lossy: lossy, warehouse: counted, relay: runner,
+	view := &live{db: db, orders: orders, broker: broker, lossy: lossy, warehouse: counted, relay: runner,
 		meters: m.provider, stopped: ctx.Done()}
 	view.state = &snapshot[state]{period: statePeriod, read: view.read, now: time.Now}
 	relay.OnPass, logRelay.OnPass = view.onPass, view.onPass
 	routes := http.NewServeMux()
 	routes.Handle("GET /metrics", m.handler)
 	view.routes(routes)
-	routes.Handle("/", traced(newHandler(db, orders, broker, cons, counted)))
+	routes.Handle("/", traced(newHandler(db, orders, broker, counted)))
 	srv := newServer(routes)
 
 	var wg sync.WaitGroup

@@ -34,11 +34,13 @@ func TestShopOverHTTP(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	var out syncBuffer
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 1, &out, "polling"); err != nil {
+	if err := migrate(ctx, dbs.shop, setup{store: store, broker: "jetstream", nodes: 1, relay: "polling"}, &out); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 1, &out, "polling") }()
+	go func() {
+		served <- serve(ctx, ln, dbs, setup{store: store, broker: "jetstream", nodes: 1, relay: "polling"}, &out)
+	}()
 	base := "http://" + ln.Addr().String()
 	waitFor(t, "the shop to say it listens", func() bool { return strings.Contains(out.String(), "shop: listening on "+base) })
 
@@ -260,11 +262,13 @@ func TestShopOnAClusterGoesOnWithANodeDown(t *testing.T) {
 	defer cancel()
 	var out syncBuffer
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 3, &out, "polling"); err != nil {
+	if err := migrate(ctx, dbs.shop, setup{store: store, broker: "jetstream", nodes: 3, relay: "polling"}, &out); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 3, &out, "polling") }()
+	go func() {
+		served <- serve(ctx, ln, dbs, setup{store: store, broker: "jetstream", nodes: 3, relay: "polling"}, &out)
+	}()
 	base := "http://" + ln.Addr().String()
 	waitFor(t, "the shop to say it listens", func() bool {
 		select {

@@ -41,11 +41,13 @@ func startShopWith(t *testing.T, relayKind string) (string, *sql.DB, *syncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	out := &syncBuffer{}
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, store, 1, out, relayKind); err != nil {
+	if err := migrate(ctx, dbs.shop, setup{store: store, broker: "jetstream", nodes: 1, relay: relayKind}, out); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, ln, dbs, store, 1, out, relayKind) }()
+	go func() {
+		served <- serve(ctx, ln, dbs, setup{store: store, broker: "jetstream", nodes: 1, relay: relayKind}, out)
+	}()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-served; err != nil {

@@ -1,9 +1,11 @@
-// Package rabbittest starts throwaway RabbitMQ nodes for tests: each in a
-// temporary folder of its own, on loopback ports of its own, with an Erlang
-// port mapper (epmd) of its own on a port of its own, so that it never
-// meets a server it did not start; Stop stops the node and its epmd, and
-// Remove deletes the folder. Both processes are the test binary's children
-// and are killed if it dies (Linux's parent-death signal).
+// Package rabbittest starts throwaway RabbitMQ nodes, for tests and for the
+// example shop (natsbroker/cmd/shop -broker rabbitmq): each in a folder of
+// its own (a temporary one unless given), on loopback ports of its own,
+// with an Erlang port mapper (epmd) of its own on a port of its own, so
+// that it never meets a server it did not start; Stop stops the node and
+// its epmd, and Remove deletes the folder. Both processes are children of
+// the program that started them, and are killed if it dies (Linux's
+// parent-death signal).
 package rabbittest
 
 import (
@@ -45,10 +47,15 @@ type Options struct {
 	// MaxMessageSize is the largest message body the node takes (its
 	// max_message_size); zero leaves the server's default, 128 MiB.
 	MaxMessageSize int
+	// Dir, if not empty, is the node's folder, made if missing and kept by
+	// Stop: a node started again on the same Dir has the queues and
+	// messages it stored before (its name is the same each time). Empty
+	// means a new temporary folder. StartCluster takes no Dir.
+	Dir string
 }
 
-// Start starts a node in a new temporary folder and waits until it takes
-// AMQP connections, for at most two minutes.
+// Start starts a node in its folder and waits until it takes AMQP
+// connections, for at most two minutes.
 func Start(o Options) (*Node, error) {
 	epmd, epmdPort, err := startEpmd()
 	if err != nil {
@@ -95,16 +102,27 @@ func stopEpmd(cmd *exec.Cmd) {
 // newNode makes a node's folder and configuration, not yet started, with
 // its epmd on epmdPort and, if not empty, the Erlang cookie given.
 func newNode(o Options, epmdPort int, cookie string) (*Node, error) {
-	dir, err := os.MkdirTemp("", "rabbittest-")
+	dir, err := o.Dir, error(nil)
+	if dir == "" {
+		dir, err = os.MkdirTemp("", "rabbittest-")
+	} else {
+		err = os.MkdirAll(dir, 0o700)
+	}
 	if err != nil {
 		return nil, err
 	}
 	ports, err := freePorts(2)
 	if err != nil {
-		os.RemoveAll(dir)
+		if o.Dir == "" {
+			os.RemoveAll(dir)
+		}
 		return nil, err
 	}
-	n := &Node{Dir: dir, Name: fmt.Sprintf("outbox%d@localhost", ports[0]), Port: ports[0], distPort: ports[1], epmdPort: epmdPort}
+	name := fmt.Sprintf("outbox%d@localhost", ports[0])
+	if o.Dir != "" {
+		name = "outbox@localhost" // its data is kept under its name: the same name each start
+	}
+	n := &Node{Dir: dir, Name: name, Port: ports[0], distPort: ports[1], epmdPort: epmdPort}
 	conf := []string{
 		"listeners.tcp.default = 127.0.0.1:" + fmt.Sprint(n.Port),
 		"log.console = false",
@@ -118,9 +136,13 @@ func newNode(o Options, epmdPort int, cookie string) (*Node, error) {
 	if cookie != "" {
 		files[".erlang.cookie"] = cookie
 	}
-	for name, text := range files {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o400); err != nil {
-			os.RemoveAll(dir)
+	for file, text := range files {
+		path := filepath.Join(dir, file)
+		os.Remove(path) // a kept folder's, written for the ports of its last start
+		if err := os.WriteFile(path, []byte(text), 0o400); err != nil {
+			if o.Dir == "" {
+				os.RemoveAll(dir)
+			}
 			return nil, err
 		}
 	}
@@ -137,6 +159,9 @@ type Cluster struct {
 // StartCluster starts k nodes, joins the others to the first, and waits
 // until each takes AMQP connections.
 func StartCluster(k int, o Options) (*Cluster, error) {
+	if o.Dir != "" {
+		return nil, errors.New("rabbittest: a cluster's nodes each make a folder of their own: Options.Dir is for Start")
+	}
 	epmd, epmdPort, err := startEpmd()
 	if err != nil {
 		return nil, err
@@ -250,10 +275,25 @@ func (n *Node) start() error {
 // lets in on loopback only.
 func (n *Node) URL() string { return fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", n.Port) }
 
-// Restart stops the node, as Stop does but keeping its epmd, and starts it
-// again on the same folder and ports: what it stored survives.
+// Restart stops the node, as Down does, and starts it again on the same
+// folder and ports: what it stored survives.
 func (n *Node) Restart() error {
-	n.stopServer()
+	n.Down()
+	return n.start()
+}
+
+// Down stops the node's server as Stop does, keeping its epmd, folder and
+// ports, so that Up starts it again: a node that goes down and comes back.
+// It is safe to call on a node that is down.
+func (n *Node) Down() { n.stopServer() }
+
+// Up starts the node again after Down or Kill (or its server's exit), on
+// the same folder and ports, and waits until it takes AMQP connections. It
+// does nothing on a node that is up.
+func (n *Node) Up() error {
+	if n.IsUp() {
+		return nil
+	}
 	return n.start()
 }
 
@@ -300,7 +340,21 @@ func (n *Node) Ctl(args ...string) error {
 	return nil
 }
 
-// Remove stops the node and deletes its folder.
+// IsUp reports whether the node's server runs: started, not exited, and
+// neither Down, Kill nor Stop since.
+func (n *Node) IsUp() bool {
+	if n.cmd == nil {
+		return false
+	}
+	select {
+	case <-n.exited:
+		return false
+	default:
+		return true
+	}
+}
+
+// Remove stops the node and deletes its folder, Options.Dir's too.
 func (n *Node) Remove() error {
 	n.Stop()
 	return os.RemoveAll(n.Dir)

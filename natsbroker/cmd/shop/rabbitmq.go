@@ -1,0 +1,217 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/metric"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/rabbitbroker"
+	"example.com/patterns/enterprise/outbox/rabbitbroker/rabbittest"
+)
+
+// rabbitMQ is the shop's broker on RabbitMQ (-broker rabbitmq): one node,
+// which the shop starts as its child process (Debian's rabbitmq-server, on
+// loopback ports of its own, its data in the store folder, so that a shop
+// started again on the same folder finds its queue and messages), and the
+// topology rabbitbroker.DefaultTopology names: the exchange outbox and the
+// warehouse's quorum queue. Down stops the node, Up starts it again on the
+// same folder.
+//
+// Unlike JetStream, RabbitMQ drops no copy itself: the copy a lost ack
+// makes the relay send again reaches the warehouse, which drops it by its
+// key (the page's "copies dropped" under the warehouse); and a queue keeps
+// no message once the warehouse acknowledged it, so there is no replay.
+type rabbitMQ struct {
+	topology  rabbitbroker.Topology
+	publisher *rabbitbroker.Publisher
+
+	mu        sync.Mutex // guards node (not safe for concurrent use), admin and warehouse
+	node      *rabbittest.Node
+	admin     *amqp.Connection // the page's and /outbox's questions; dialled again when closed
+	warehouse *rabbitbroker.Consumer
+}
+
+func startRabbitMQ(store string, nodes int) (*rabbitMQ, error) {
+	if nodes != 1 {
+		return nil, fmt.Errorf("-broker rabbitmq runs one node, not -nodes %d", nodes)
+	}
+	node, err := rabbittest.Start(rabbittest.Options{Dir: store})
+	if err != nil {
+		return nil, err
+	}
+	b := &rabbitMQ{topology: rabbitbroker.DefaultTopology, node: node}
+	b.publisher = rabbitbroker.NewPublisher(b.dial, b.topology.Exchange, 0)
+	return b, nil
+}
+
+// dial connects to the node, giving up after brokerTimeout.
+func (b *rabbitMQ) dial() (*amqp.Connection, error) {
+	return amqp.DialConfig(b.URL(), amqp.Config{Dial: amqp.DefaultDial(brokerTimeout)})
+}
+
+func (b *rabbitMQ) Name() string { return "RabbitMQ" }
+
+func (b *rabbitMQ) URL() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.node.URL()
+}
+
+func (b *rabbitMQ) Provision(ctx context.Context) (string, error) {
+	err := b.ask(ctx, func(ch *amqp.Channel) error { return b.topology.Declare(ch) })
+	if err != nil {
+		return "", fmt.Errorf("provision exchange %s and queue %s: %w", b.topology.Exchange, b.topology.Queue, err)
+	}
+	return fmt.Sprintf("exchange %s and quorum queue %s (dead letters: %s)", b.topology.Exchange, b.topology.Queue, b.topology.DeadLetterQueue()), nil
+}
+
+func (b *rabbitMQ) Check(ctx context.Context) error {
+	err := b.ask(ctx, func(ch *amqp.Channel) error {
+		if err := ch.ExchangeDeclarePassive(b.topology.Exchange, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+			return err
+		}
+		_, err := ch.QueueDeclarePassive(b.topology.Queue, true, false, false, false, nil)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("exchange %s, queue %s: %w: run shop migrate first", b.topology.Exchange, b.topology.Queue, err)
+	}
+	return nil
+}
+
+// ask calls f with a channel of its own on the admin connection (a
+// channel, since RabbitMQ closes one on a refused question), for as long
+// as ctx allows: amqp091's calls heed no context, so a call that outlives
+// ctx is left to end when its connection does.
+func (b *rabbitMQ) ask(ctx context.Context, f func(*amqp.Channel) error) error {
+	done := make(chan error, 1)
+	go func() {
+		conn, err := b.adminConn()
+		if err != nil {
+			done <- err
+			return
+		}
+		ch, err := conn.Channel()
+		if err != nil {
+			done <- err
+			return
+		}
+		err = f(ch)
+		ch.Close()
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (b *rabbitMQ) adminConn() (*amqp.Connection, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.admin != nil && !b.admin.IsClosed() {
+		return b.admin, nil
+	}
+	conn, err := amqp.DialConfig(b.node.URL(), amqp.Config{Dial: amqp.DefaultDial(brokerTimeout)})
+	if err != nil {
+		return nil, err
+	}
+	b.admin = conn
+	return conn, nil
+}
+
+func (b *rabbitMQ) Publisher() postgres.MessageBroker { return b.publisher }
+
+// Warehouse is rabbitbroker's Consumer of the warehouse's queue; RabbitMQ's
+// consumer counts what it did itself, and records no metrics of its own.
+func (b *rabbitMQ) Warehouse(h handler, logger *slog.Logger, _ metric.MeterProvider) (runner, error) {
+	c := rabbitbroker.NewConsumer(b.dial, b.topology.Queue, h)
+	c.Logger = logger
+	b.mu.Lock()
+	b.warehouse = c
+	b.mu.Unlock()
+	return c, nil
+}
+
+// Stored is how many messages wait in the warehouse's queue, ready for a
+// consumer: RabbitMQ drops each once the warehouse acknowledged it.
+func (b *rabbitMQ) Stored(ctx context.Context) (int64, error) {
+	var n int64
+	err := b.ask(ctx, func(ch *amqp.Channel) error {
+		q, err := ch.QueueDeclarePassive(b.topology.Queue, true, false, false, false, nil)
+		n = int64(q.Messages)
+		return err
+	})
+	return n, err
+}
+
+// Dropped is zero: RabbitMQ keeps no record of what it took, and drops no
+// copy.
+func (b *rabbitMQ) Dropped() int64 { return 0 }
+
+func (b *rabbitMQ) ConsumerView(ctx context.Context) (map[string]any, error) {
+	var ready, consumers, dead int
+	err := b.ask(ctx, func(ch *amqp.Channel) error {
+		q, err := ch.QueueDeclarePassive(b.topology.Queue, true, false, false, false, nil)
+		if err != nil {
+			return err
+		}
+		ready, consumers = q.Messages, q.Consumers
+		d, err := ch.QueueDeclarePassive(b.topology.DeadLetterQueue(), true, false, false, false, nil)
+		dead = d.Messages
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	view := map[string]any{"pending": ready, "consumers": consumers, "deadLetters": dead}
+	b.mu.Lock()
+	if c := b.warehouse; c != nil {
+		view["handedBack"], view["deadLettered"] = c.HandedBack(), c.DeadLettered()
+	}
+	b.mu.Unlock()
+	return view, nil
+}
+
+func (b *rabbitMQ) Replay(context.Context, handler, metric.MeterProvider) error { return errNoReplay }
+
+func (b *rabbitMQ) Down() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.node.Down()
+	return "down"
+}
+
+func (b *rabbitMQ) Up() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.node.Up()
+}
+
+func (b *rabbitMQ) State() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.node.IsUp() {
+		return "up"
+	}
+	return "down"
+}
+
+func (b *rabbitMQ) Stop() {
+	b.publisher.Close()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.admin != nil {
+		b.admin.Close()
+	}
+	b.node.Stop()
+}
+
+var _ messageBroker = (*rabbitMQ)(nil)
