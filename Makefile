@@ -214,9 +214,9 @@ rabbitbroker: rabbitmq-server
 # relay's drain rate to a RabbitMQ node (a quorum queue), confirming each
 # message against confirms in flight, beside natsbroker's drain to one
 # JetStream server on the same rows, syncing before each ack or not (six
-# interleaved rounds), then the
-# delay from an order's commit to its reservation at 300 and 1,000 orders a
-# second (once).
+# interleaved rounds), then the delay from an order's commit to its
+# delivery and to its reservation at 100, 300 and 1,000 orders a second, and
+# how busy the machine's CPUs were (once).
 measure-rabbitbroker: rabbitbroker
 	cd rabbitbroker && $(GO) test -c -o ../measure-rabbitbroker.test .
 	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .

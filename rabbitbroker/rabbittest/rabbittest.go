@@ -36,7 +36,7 @@ type Node struct {
 	Port     int    // AMQP, on 127.0.0.1
 	distPort int
 	epmdPort int
-	conf     string
+	maxSize  int // Options.MaxMessageSize
 	cmd      *exec.Cmd
 	exited   chan struct{}
 	epmd     *exec.Cmd // its own, which Stop stops; nil on a cluster's node, whose epmd the cluster stops
@@ -122,17 +122,8 @@ func newNode(o Options, epmdPort int, cookie string) (*Node, error) {
 	if o.Dir != "" {
 		name = "outbox@localhost" // its data is kept under its name: the same name each start
 	}
-	n := &Node{Dir: dir, Name: name, Port: ports[0], distPort: ports[1], epmdPort: epmdPort}
-	conf := []string{
-		"listeners.tcp.default = 127.0.0.1:" + fmt.Sprint(n.Port),
-		"log.console = false",
-		"log.file.level = warning",
-	}
-	if o.MaxMessageSize > 0 {
-		conf = append(conf, fmt.Sprintf("max_message_size = %d", o.MaxMessageSize))
-	}
-	n.conf = strings.Join(conf, "\n") + "\n"
-	files := map[string]string{"rabbitmq.conf": n.conf, "enabled_plugins": "[].\n"}
+	n := &Node{Dir: dir, Name: name, Port: ports[0], distPort: ports[1], epmdPort: epmdPort, maxSize: o.MaxMessageSize}
+	files := map[string]string{"rabbitmq.conf": n.config(), "enabled_plugins": "[].\n"}
 	if cookie != "" {
 		files[".erlang.cookie"] = cookie
 	}
@@ -239,29 +230,80 @@ func (n *Node) env() []string {
 	)
 }
 
-// start runs the node's server and waits for its AMQP port.
+// config is the node's rabbitmq.conf.
+func (n *Node) config() string {
+	conf := []string{
+		"listeners.tcp.default = 127.0.0.1:" + fmt.Sprint(n.Port),
+		"log.console = false",
+		"log.file.level = warning",
+	}
+	if n.maxSize > 0 {
+		conf = append(conf, fmt.Sprintf("max_message_size = %d", n.maxSize))
+	}
+	return strings.Join(conf, "\n") + "\n"
+}
+
+// errPortTaken is start's error when the node found one of its ports taken.
+var errPortTaken = errors.New("rabbittest: a port of the node was taken")
+
+// start runs the node's server and waits for its AMQP port. A port that
+// was free when chosen may be taken by the time the node listens (another
+// process's connection given it as its own end): then the node is started
+// again on new ports, its name kept, up to five times.
 func (n *Node) start() error {
+	for attempt := 1; ; attempt++ {
+		err := n.startOnce()
+		if !errors.Is(err, errPortTaken) || attempt == 5 {
+			return err
+		}
+		ports, err := freePorts(2)
+		if err != nil {
+			return err
+		}
+		n.Port, n.distPort = ports[0], ports[1]
+		path := filepath.Join(n.Dir, "rabbitmq.conf")
+		os.Remove(path)
+		if err := os.WriteFile(path, []byte(n.config()), 0o400); err != nil {
+			return err
+		}
+	}
+}
+
+func (n *Node) startOnce() error {
 	out, err := os.OpenFile(filepath.Join(n.Dir, "server.out"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return err
 	}
 	defer out.Close()
+	info, err := out.Stat()
+	if err != nil {
+		return err
+	}
+	from := info.Size() // where this start's output begins
 	n.cmd = exec.Command(filepath.Join(Bin, "rabbitmq-server"))
 	n.cmd.Env, n.cmd.Stdout, n.cmd.Stderr = n.env(), out, out
 	n.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL} // its own group, so that Stop reaches what it spawned
 	if err := n.cmd.Start(); err != nil {
 		return err
 	}
-	n.exited = make(chan struct{})
-	go func() { n.cmd.Wait(); close(n.exited) }()
+	cmd, exited := n.cmd, make(chan struct{})
+	n.exited = exited
+	go func() { cmd.Wait(); close(exited) }()
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		if conn, err := amqp.Dial(n.URL()); err == nil {
+		if conn, err := amqp.DialConfig(n.URL(), amqp.Config{Dial: amqp.DefaultDial(2 * time.Second)}); err == nil { // bounded: a port taken may be another's listener
 			conn.Close()
 			return nil
 		}
+		if taken(filepath.Join(n.Dir, "server.out"), from) { // it takes half a minute to exit: stop it now
+			syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			<-exited
+			n.cmd = nil
+			return fmt.Errorf("%w: node %s could not listen: %s", errPortTaken, n.Name, n.tail())
+		}
 		select {
-		case <-n.exited:
+		case <-exited:
+			n.cmd = nil
 			return fmt.Errorf("rabbittest: node %s exited while starting: %s", n.Name, n.tail())
 		case <-time.After(200 * time.Millisecond):
 		}
@@ -358,6 +400,13 @@ func (n *Node) IsUp() bool {
 func (n *Node) Remove() error {
 	n.Stop()
 	return os.RemoveAll(n.Dir)
+}
+
+// taken reports whether the node's output in file, from the offset from,
+// says that a port it would listen on was in use.
+func taken(file string, from int64) bool {
+	b, err := os.ReadFile(file)
+	return err == nil && int64(len(b)) > from && strings.Contains(string(b[from:]), "eaddrinuse")
 }
 
 // tail is the end of what the node printed, for an error.
