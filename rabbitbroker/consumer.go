@@ -12,6 +12,11 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"example.com/patterns/enterprise/outbox/postgres"
 )
@@ -92,6 +97,22 @@ type Consumer struct {
 	// failure and each reconnection.
 	Logger *slog.Logger
 
+	// TracerProvider and MeterProvider are where the consumer reports (nil:
+	// otel's global ones), as natsbroker's Consumer does. Each delivery is a
+	// consumer span, "process <queue>", the child of the relay's publish
+	// span whose context the message carries in its traceparent header, and
+	// linked to it (its creation context): the trace of the request that
+	// wrote the row goes on to Handle and the handler's transaction. The
+	// meter counts messaging.client.consumed.messages by outbox.result:
+	// applied, duplicate, retry (handed back after MaxAttempts, or cut short
+	// by Run's end), out_of_order (handed back) or dead_lettered. They are
+	// read when Run starts.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+
+	tracer   trace.Tracer
+	consumed metric.Int64Counter
+
 	applied, duplicates, handedBack, deadLettered atomic.Int64
 }
 
@@ -115,6 +136,7 @@ func (c *Consumer) DeadLettered() int64 { return c.deadLettered.Load() }
 // whose handling ctx cut short is neither acked nor handed back: RabbitMQ
 // delivers it again once the channel closes.
 func (c *Consumer) Run(ctx context.Context) error {
+	c.instrument()
 	for {
 		err := c.consume(ctx)
 		if ctx.Err() != nil {
@@ -208,24 +230,52 @@ func worker(d amqp.Delivery, n int) int {
 // error only when it could not.
 func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 	m, err := decode(d)
+	created := postgres.ContextWithTrace(ctx, m.TraceContext)
+	var links []trace.Link
+	if sc := trace.SpanContextFromContext(created); sc.IsValid() {
+		links = append(links, trace.Link{SpanContext: sc})
+	}
+	sctx, span := c.tracer.Start(created, "process "+c.queue,
+		trace.WithLinks(links...),
+		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
+			attribute.String("messaging.system", "rabbitmq"),
+			attribute.String("messaging.operation.name", "process"),
+			attribute.String("messaging.operation.type", "process"),
+			attribute.String("messaging.destination.name", c.queue),
+			attribute.String("messaging.rabbitmq.destination.routing_key", d.RoutingKey),
+			attribute.String("messaging.message.id", m.Key)))
+	result := "retry"
+	defer func() {
+		c.consumed.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("outbox.result", result)))
+		span.SetAttributes(attribute.String("outbox.result", result))
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
 	if err != nil {
+		result = "dead_lettered"
 		return c.deadLetter(d, m, err)
 	}
 	retry := orDefault(c.RetryDelay, DefaultRetryDelay)
 	for attempt := 1; ; attempt++ {
-		hctx, cancel := context.WithTimeout(ctx, orDefault(c.HandleTimeout, DefaultHandleTimeout))
-		applied, err := c.handler.Handle(hctx, m)
+		hctx, cancel := context.WithTimeout(sctx, orDefault(c.HandleTimeout, DefaultHandleTimeout))
+		var applied bool
+		applied, err = c.handler.Handle(hctx, m)
 		cancel()
 		switch {
 		case ctx.Err() != nil:
 			return nil // delivered again once the channel closes
 		case err == nil && applied:
 			c.applied.Add(1)
+			result = "applied"
 			return d.Ack(false)
 		case err == nil:
 			c.duplicates.Add(1)
+			result = "duplicate"
 			return d.Ack(false)
 		case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey):
+			result = "dead_lettered"
 			return c.deadLetter(d, m, err)
 		}
 		if c.Logger != nil {
@@ -235,6 +285,9 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 			return nil
 		}
 		if errors.Is(err, postgres.ErrOutOfOrder) || attempt >= orDefault(c.MaxAttempts, DefaultMaxAttempts) {
+			if errors.Is(err, postgres.ErrOutOfOrder) {
+				result = "out_of_order"
+			}
 			c.handedBack.Add(1)
 			return d.Nack(false, true) // spends a delivery: x-delivery-limit bounds them
 		}
@@ -250,6 +303,28 @@ func (c *Consumer) deadLetter(d amqp.Delivery, m postgres.Message, err error) er
 	}
 	return d.Nack(false, false)
 }
+
+// instrument makes the consumer's tracer and counter from its providers.
+func (c *Consumer) instrument() {
+	tp, mp := c.TracerProvider, c.MeterProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	c.tracer = tp.Tracer(instrumentationName)
+	var err error
+	c.consumed, err = mp.Meter(instrumentationName).Int64Counter("messaging.client.consumed.messages",
+		metric.WithUnit("{message}"),
+		metric.WithDescription("Messages the consumer handled, by outbox.result: applied, duplicate, retry, out_of_order or dead_lettered."))
+	if err != nil {
+		otel.Handle(err) // a no-op counter then; the consumer runs on
+	}
+}
+
+// instrumentationName names this package's tracer and meter.
+const instrumentationName = "example.com/patterns/enterprise/outbox/rabbitbroker"
 
 // errNotOutbox is what decode wraps: the message was not published by a
 // Publisher.

@@ -129,11 +129,10 @@ func (b *rabbitMQ) adminConn() (*amqp.Connection, error) {
 
 func (b *rabbitMQ) Publisher() postgres.MessageBroker { return b.publisher }
 
-// Warehouse is rabbitbroker's Consumer of the warehouse's queue; RabbitMQ's
-// consumer counts what it did itself, and records no metrics of its own.
-func (b *rabbitMQ) Warehouse(h handler, logger *slog.Logger, _ metric.MeterProvider) (runner, error) {
+// Warehouse is rabbitbroker's Consumer of the warehouse's queue.
+func (b *rabbitMQ) Warehouse(h handler, logger *slog.Logger, meters metric.MeterProvider) (runner, error) {
 	c := rabbitbroker.NewConsumer(b.dial, b.topology.Queue, h)
-	c.Logger = logger
+	c.Logger, c.MeterProvider = logger, meters
 	b.mu.Lock()
 	b.warehouse = c
 	b.mu.Unlock()

@@ -33,6 +33,13 @@ func startShop(t *testing.T) (string, *sql.DB, *syncBuffer) {
 // startShopWith is startShop with the relay of relayKind, polling or log.
 func startShopWith(t *testing.T, relayKind string) (string, *sql.DB, *syncBuffer) {
 	t.Helper()
+	return startShopOn(t, "jetstream", relayKind)
+}
+
+// startShopOn is startShop on broker, jetstream or rabbitmq, with the relay
+// of relayKind.
+func startShopOn(t *testing.T, broker, relayKind string) (string, *sql.DB, *syncBuffer) {
+	t.Helper()
 	db, dbs := newDatabase(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -41,13 +48,12 @@ func startShopWith(t *testing.T, relayKind string) (string, *sql.DB, *syncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	out := &syncBuffer{}
 	store := t.TempDir()
-	if err := migrate(ctx, dbs.shop, setup{store: store, broker: "jetstream", nodes: 1, relay: relayKind}, out); err != nil {
+	s := setup{store: store, broker: broker, nodes: 1, relay: relayKind}
+	if err := migrate(ctx, dbs.shop, s, out); err != nil {
 		t.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() {
-		served <- serve(ctx, ln, dbs, setup{store: store, broker: "jetstream", nodes: 1, relay: relayKind}, out)
-	}()
+	go func() { served <- serve(ctx, ln, dbs, s, out) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-served; err != nil {
@@ -64,15 +70,26 @@ func startShopWith(t *testing.T, relayKind string) (string, *sql.DB, *syncBuffer
 	return base, db, out
 }
 
-// One order placed over HTTP, through the outbox and a real JetStream, to
-// the warehouse, is one trace: the request's span, PlaceOrder's (whose
-// transaction stored its context in the row), the relay's publish of the
-// row, the consumer's processing and ApplyOnce, each the child of the one
-// before; the relay's pass is a trace of its own, linked from the publish.
-// (Caught: InsertOutbox not storing the context, and a Publisher not
-// sending its headers: the publish, or the processing, starts a trace of
-// its own.)
+// One order placed over HTTP, through the outbox and a real JetStream (or
+// RabbitMQ), to the warehouse, is one trace: the request's span,
+// PlaceOrder's (whose transaction stored its context in the row), the
+// relay's publish of the row, the consumer's processing and ApplyOnce, each
+// the child of the one before; the relay's pass is a trace of its own,
+// linked from the publish. (Caught: InsertOutbox not storing the context,
+// and a Publisher not sending its headers: the publish, or the processing,
+// starts a trace of its own; on RabbitMQ, a Consumer that started no span.)
 func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
+	for _, b := range []struct{ broker, process, system string }{
+		{"jetstream", "process outbox.OrderPlaced", "nats"},
+		{"rabbitmq", "process warehouse", "rabbitmq"},
+	} {
+		t.Run(b.broker, func(t *testing.T) { oneTrace(t, b.broker, b.process, b.system) })
+	}
+}
+
+// oneTrace is TestOneTraceFromTheRequestToTheReservation on broker, whose
+// consumer's span is named process and whose messaging.system is system.
+func oneTrace(t *testing.T, broker, process, system string) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	prev, prevProp := otel.GetTracerProvider(), otel.GetTextMapPropagator()
@@ -80,12 +97,12 @@ func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
 	otel.SetTextMapPropagator(propagation.TraceContext{})
 	t.Cleanup(func() { otel.SetTracerProvider(prev); otel.SetTextMapPropagator(prevProp) })
 
-	base, _, _ := startShop(t)
+	base, _, _ := startShopOn(t, broker, "polling")
 	call(t, "POST", base+"/orders", `{"totalCents":2500}`, 201, `{"orderId":1}`)
 	waitFor(t, "order 1 reserved", func() bool {
 		return get(t, base+"/orders/1") == `{"orderId":1,"totalCents":2500,"sent":true,"reserved":true}`
 	})
-	want := []string{"POST /orders", "PlaceOrder", "send OrderPlaced", "process outbox.OrderPlaced", "apply OrderPlaced"}
+	want := []string{"POST /orders", "PlaceOrder", "send OrderPlaced", process, "apply OrderPlaced"}
 	byName := map[string]sdktrace.ReadOnlySpan{}
 	var pass sdktrace.ReadOnlySpan
 	waitFor(t, "the consumer's span to end", func() bool {
@@ -98,7 +115,7 @@ func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
 			}
 		}
 		_, ok := byName[want[len(want)-1]]
-		_, processed := byName["process outbox.OrderPlaced"]
+		_, processed := byName[process]
 		return ok && processed && pass != nil
 	})
 	var parent trace.SpanContext
@@ -121,17 +138,17 @@ func TestOneTraceFromTheRequestToTheReservation(t *testing.T) {
 	if links := send.Links(); len(links) != 1 || links[0].SpanContext.SpanID() != pass.SpanContext().SpanID() {
 		t.Errorf("the publish's links = %v, want the pass %s", links, pass.SpanContext().SpanID())
 	}
-	process := byName["process outbox.OrderPlaced"]
-	if links := process.Links(); len(links) != 1 || links[0].SpanContext.SpanID() != send.SpanContext().SpanID() {
+	processed := byName[process]
+	if links := processed.Links(); len(links) != 1 || links[0].SpanContext.SpanID() != send.SpanContext().SpanID() {
 		t.Errorf("the process span's links = %v, want the publish %s, its creation context", links, send.SpanContext().SpanID())
 	}
-	for _, s := range []sdktrace.ReadOnlySpan{send, process} {
-		if system := attributeOf(s, "messaging.system"); system != "nats" {
-			t.Errorf("%s: messaging.system = %q, want nats", s.Name(), system)
+	for _, s := range []sdktrace.ReadOnlySpan{send, processed} {
+		if got := attributeOf(s, "messaging.system"); got != system {
+			t.Errorf("%s: messaging.system = %q, want %s", s.Name(), got, system)
 		}
 	}
-	if send.SpanKind() != trace.SpanKindProducer || byName["process outbox.OrderPlaced"].SpanKind() != trace.SpanKindConsumer {
-		t.Errorf("kinds: send %v, process %v; want producer and consumer", send.SpanKind(), byName["process outbox.OrderPlaced"].SpanKind())
+	if send.SpanKind() != trace.SpanKindProducer || processed.SpanKind() != trace.SpanKindConsumer {
+		t.Errorf("kinds: send %v, process %v; want producer and consumer", send.SpanKind(), processed.SpanKind())
 	}
 }
 
@@ -149,9 +166,16 @@ func attributeOf(s sdktrace.ReadOnlySpan, key string) string {
 // gauge rises with the order that waits, the failure counter counts the
 // publishes that found the broker unavailable, and once the broker is back
 // the gauge falls to zero, the message counts as sent and the warehouse's
-// consumer counts it applied.
+// consumer counts it applied: on JetStream and on RabbitMQ.
 func TestMetricsShowTheLagWhileTheBrokerIsDown(t *testing.T) {
-	base, _, _ := startShop(t)
+	for _, broker := range []string{"jetstream", "rabbitmq"} {
+		t.Run(broker, func(t *testing.T) { metricsWhileDown(t, broker) })
+	}
+}
+
+// metricsWhileDown is TestMetricsShowTheLagWhileTheBrokerIsDown on broker.
+func metricsWhileDown(t *testing.T, broker string) {
+	base, _, _ := startShopOn(t, broker, "polling")
 	call(t, "POST", base+"/broker/down", "", 200, `{"broker":"down"}`)
 	call(t, "POST", base+"/orders", `{"totalCents":4000}`, 201, `{"orderId":1}`)
 	var down map[string]float64
