@@ -10,9 +10,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -125,8 +122,7 @@ type Consumer struct {
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
 
-	tracer   trace.Tracer
-	consumed metric.Int64Counter
+	telemetry *postgres.ConsumerTelemetry
 
 	// outOfOrder counts, by message key, the deliveries each message has
 	// spent arriving before its predecessor: the bound counts those only,
@@ -171,7 +167,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	// server every half of it: a pull parked on a server that died is given
 	// up, and made again to whichever server leads the consumer now, within
 	// about pullExpiry, not the client's default 30 s.
-	c.instrument()
+	c.telemetry = postgres.NewConsumerTelemetry(c.TracerProvider, c.MeterProvider, instrumentationName, "nats",
+		"applied, duplicate, retry, out_of_order or terminated")
 	c.outOfOrder = map[string]int{}
 	it, err := c.consumer.Messages(jetstream.PullMaxMessages(prefetch), jetstream.PullExpiry(pullExpiry))
 	if err != nil {
@@ -209,32 +206,12 @@ func (c *Consumer) Run(ctx context.Context) error {
 // could not tell JetStream what became of it.
 func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration, maxOutOfOrder int) (ackErr error) {
 	m, err := decode(msg, c.prefix)
-	// The message's context is the span's parent and also its link, as
-	// OpenTelemetry's messaging conventions ask of a process span (a link
-	// to the creation context): see the doc of TracerProvider.
-	created := postgres.ContextWithTrace(ctx, m.TraceContext)
-	var links []trace.Link
-	if sc := trace.SpanContextFromContext(created); sc.IsValid() {
-		links = append(links, trace.Link{SpanContext: sc})
-	}
-	sctx, span := c.tracer.Start(created, "process "+msg.Subject(),
-		trace.WithLinks(links...),
-		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
-			attribute.String("messaging.system", "nats"),
-			attribute.String("messaging.operation.name", "process"),
-			attribute.String("messaging.operation.type", "process"),
-			attribute.String("messaging.destination.name", msg.Subject()),
-			attribute.String("messaging.message.id", m.Key)))
+	// The message's context is the span's parent and also its link: see
+	// the doc of TracerProvider.
+	sctx, done := c.telemetry.Process(ctx, m, msg.Subject())
 	var applied bool
 	result := "retry"
-	defer func() {
-		c.consumed.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("outbox.result", result)))
-		span.SetAttributes(attribute.String("outbox.result", result))
-		if err != nil {
-			span.SetStatus(codes.Error, err.Error())
-		}
-		span.End()
-	}()
+	defer func() { done(result, err) }()
 	if err == nil {
 		hctx, cancel := context.WithTimeout(sctx, deadline)
 		applied, err = c.handler.Handle(hctx, m)
@@ -264,25 +241,6 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 		return c.terminate(msg, m, err)
 	default:
 		return ack(msg.NakWithDelay(orDefault(c.RetryDelay, DefaultRetryDelay)), "ask again for", msg)
-	}
-}
-
-// instrument makes the consumer's tracer and counter from its providers.
-func (c *Consumer) instrument() {
-	tp, mp := c.TracerProvider, c.MeterProvider
-	if tp == nil {
-		tp = otel.GetTracerProvider()
-	}
-	if mp == nil {
-		mp = otel.GetMeterProvider()
-	}
-	c.tracer = tp.Tracer(instrumentationName)
-	var err error
-	c.consumed, err = mp.Meter(instrumentationName).Int64Counter("messaging.client.consumed.messages",
-		metric.WithUnit("{message}"),
-		metric.WithDescription("Messages the consumer handled, by outbox.result: applied, duplicate, retry, out_of_order or terminated."))
-	if err != nil {
-		otel.Handle(err) // a no-op counter then; the consumer runs on
 	}
 }
 

@@ -65,6 +65,72 @@ func ContextWithTrace(ctx context.Context, carrier map[string]string) context.Co
 	return w3c.Extract(ctx, propagation.MapCarrier(carrier))
 }
 
+// ConsumerTelemetry is how a consumer of outbox messages reports, as
+// natsbroker's and rabbitbroker's Consumers do: each message processed is a
+// span, and a count of messaging.client.consumed.messages by outbox.result.
+// It is safe for concurrent use. Create one with [NewConsumerTelemetry].
+type ConsumerTelemetry struct {
+	system   string
+	tracer   trace.Tracer
+	consumed metric.Int64Counter
+}
+
+// NewConsumerTelemetry returns the telemetry of a consumer whose broker is
+// system (messaging.system: "nats", "rabbitmq"), its tracer and meter named
+// scope, from tp and mp (nil: otel's global providers). results names the
+// consumer's outbox.result values, for the counter's description.
+func NewConsumerTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, scope, system, results string) *ConsumerTelemetry {
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	t := &ConsumerTelemetry{system: system, tracer: tp.Tracer(scope)}
+	var err error
+	t.consumed, err = mp.Meter(scope).Int64Counter("messaging.client.consumed.messages",
+		metric.WithUnit("{message}"),
+		metric.WithDescription("Messages the consumer handled, by outbox.result: "+results+"."))
+	if err != nil {
+		otel.Handle(err) // a no-op counter then; the consumer runs on
+	}
+	return t
+}
+
+// Process starts the span of msg's processing, "process <destination>", a
+// consumer span with the messaging attributes and attrs. Its parent is the
+// relay's publish span, whose context msg carries (TraceContext), and it
+// is linked to it too, its creation context, as OpenTelemetry's messaging
+// conventions ask (the parent they allow when one message is processed at
+// a time): the trace of the request that wrote the row goes on to the
+// handler. The context returned carries the span, for the handler; done
+// ends it with result (outbox.result) and err, the error of its processing
+// if any, and counts it.
+func (t *ConsumerTelemetry) Process(ctx context.Context, msg Message, destination string, attrs ...attribute.KeyValue) (context.Context, func(result string, err error)) {
+	created := ContextWithTrace(ctx, msg.TraceContext)
+	var links []trace.Link
+	if sc := trace.SpanContextFromContext(created); sc.IsValid() {
+		links = append(links, trace.Link{SpanContext: sc})
+	}
+	sctx, span := t.tracer.Start(created, "process "+destination,
+		trace.WithLinks(links...),
+		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
+			attribute.String("messaging.system", t.system),
+			attribute.String("messaging.operation.name", "process"),
+			attribute.String("messaging.operation.type", "process"),
+			attribute.String("messaging.destination.name", destination),
+			attribute.String("messaging.message.id", msg.Key)),
+		trace.WithAttributes(attrs...))
+	return sctx, func(result string, err error) {
+		t.consumed.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("outbox.result", result)))
+		span.SetAttributes(attribute.String("outbox.result", result))
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}
+}
+
 // relayTelemetry is what a relay reports through, made once per relay.
 type relayTelemetry struct {
 	table, kind  attribute.KeyValue // outbox.table and outbox.relay, on every measurement

@@ -12,9 +12,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -110,8 +108,7 @@ type Consumer struct {
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
 
-	tracer   trace.Tracer
-	consumed metric.Int64Counter
+	telemetry *postgres.ConsumerTelemetry
 
 	applied, duplicates, handedBack, deadLettered atomic.Int64
 }
@@ -136,7 +133,8 @@ func (c *Consumer) DeadLettered() int64 { return c.deadLettered.Load() }
 // whose handling ctx cut short is neither acked nor handed back: RabbitMQ
 // delivers it again once the channel closes.
 func (c *Consumer) Run(ctx context.Context) error {
-	c.instrument()
+	c.telemetry = postgres.NewConsumerTelemetry(c.TracerProvider, c.MeterProvider, instrumentationName, "rabbitmq",
+		"applied, duplicate, retry, out_of_order or dead_lettered")
 	for {
 		err := c.consume(ctx)
 		if ctx.Err() != nil {
@@ -230,29 +228,10 @@ func worker(d amqp.Delivery, n int) int {
 // error only when it could not.
 func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 	m, err := decode(d)
-	created := postgres.ContextWithTrace(ctx, m.TraceContext)
-	var links []trace.Link
-	if sc := trace.SpanContextFromContext(created); sc.IsValid() {
-		links = append(links, trace.Link{SpanContext: sc})
-	}
-	sctx, span := c.tracer.Start(created, "process "+c.queue,
-		trace.WithLinks(links...),
-		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
-			attribute.String("messaging.system", "rabbitmq"),
-			attribute.String("messaging.operation.name", "process"),
-			attribute.String("messaging.operation.type", "process"),
-			attribute.String("messaging.destination.name", c.queue),
-			attribute.String("messaging.rabbitmq.destination.routing_key", d.RoutingKey),
-			attribute.String("messaging.message.id", m.Key)))
+	sctx, done := c.telemetry.Process(ctx, m, c.queue,
+		attribute.String("messaging.rabbitmq.destination.routing_key", d.RoutingKey))
 	result := "retry"
-	defer func() {
-		c.consumed.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("outbox.result", result)))
-		span.SetAttributes(attribute.String("outbox.result", result))
-		if err != nil {
-			span.SetStatus(codes.Error, err.Error())
-		}
-		span.End()
-	}()
+	defer func() { done(result, err) }()
 	if err != nil {
 		result = "dead_lettered"
 		return c.deadLetter(d, m, err)
@@ -302,25 +281,6 @@ func (c *Consumer) deadLetter(d amqp.Delivery, m postgres.Message, err error) er
 			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)
 	}
 	return d.Nack(false, false)
-}
-
-// instrument makes the consumer's tracer and counter from its providers.
-func (c *Consumer) instrument() {
-	tp, mp := c.TracerProvider, c.MeterProvider
-	if tp == nil {
-		tp = otel.GetTracerProvider()
-	}
-	if mp == nil {
-		mp = otel.GetMeterProvider()
-	}
-	c.tracer = tp.Tracer(instrumentationName)
-	var err error
-	c.consumed, err = mp.Meter(instrumentationName).Int64Counter("messaging.client.consumed.messages",
-		metric.WithUnit("{message}"),
-		metric.WithDescription("Messages the consumer handled, by outbox.result: applied, duplicate, retry, out_of_order or dead_lettered."))
-	if err != nil {
-		otel.Handle(err) // a no-op counter then; the consumer runs on
-	}
 }
 
 // instrumentationName names this package's tracer and meter.
