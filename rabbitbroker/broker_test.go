@@ -3,6 +3,8 @@ package rabbitbroker_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -156,8 +158,24 @@ func TestUnroutableAndOversizedAreRejectionsAndTheRestFlows(t *testing.T) {
 		if err != nil || len(parked) != 1 || parked[0].ID != 1 {
 			t.Errorf("parked = %+v, %v; want row 1", parked, err)
 		}
-		if n := queued(t, node.URL(), top.Queue); n != 1 {
-			t.Errorf("the queue holds %d messages, want 1", n)
+		// Row 2 may be there twice: sent in the batch behind row 1 on a
+		// channel the server had not closed yet (or on the next one, if it
+		// had), and sent again by the pass, since a batch answers for its
+		// first refusal only. Row 1, never.
+		n := queued(t, node.URL(), top.Queue)
+		ch, closing := channel(t, node.URL())
+		defer closing()
+		deliveries, err := ch.Consume(top.Queue, "", true, false, false, false, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for range n {
+			ids = append(ids, fmt.Sprint((<-deliveries).Headers[rabbitbroker.HeaderID]))
+		}
+		t.Logf("the queue held rows %v", ids)
+		if len(ids) == 0 || len(ids) > 2 || slices.ContainsFunc(ids, func(id string) bool { return id != "2" }) {
+			t.Errorf("the queue held rows %v, want row 2, once or twice", ids)
 		}
 	})
 }
