@@ -221,9 +221,11 @@ func newHandler(db *sql.DB, orders orderPlacer, broker messageBroker, warehouse 
 		}
 	})
 	mux.HandleFunc("POST /broker/down", func(w http.ResponseWriter, r *http.Request) {
+		switchTimeout(w)
 		writeJSON(w, http.StatusOK, map[string]string{"broker": broker.Down()})
 	})
 	mux.HandleFunc("POST /broker/up", func(w http.ResponseWriter, r *http.Request) {
+		switchTimeout(w)
 		if err := broker.Up(); err != nil {
 			writeJSON(w, http.StatusInternalServerError, problem(err.Error()))
 			return
@@ -247,6 +249,19 @@ WHERE b.sent_at IS NULL
            WHERE w.aggregate = b.aggregate AND w.id > b.id AND w.sent_at IS NULL AND w.parked_at IS NULL)))
 ORDER BY b.id
 LIMIT 1`
+
+// switchTimeout gives the answer to POST /broker/down or /broker/up until
+// brokerSwitchTimeout to be written: stopping a RabbitMQ node, starting
+// one (up to two minutes), or a JetStream cluster electing its leaders (up
+// to 30 s) takes longer than the server's WriteTimeout, which would cut
+// the answer off.
+func switchTimeout(w http.ResponseWriter) {
+	http.NewResponseController(w).SetWriteDeadline(time.Now().Add(brokerSwitchTimeout))
+}
+
+// brokerSwitchTimeout bounds the writing of POST /broker/down's and
+// /broker/up's answers.
+const brokerSwitchTimeout = 3 * time.Minute
 
 // brokerTimeout bounds GET /outbox's question to the broker.
 const brokerTimeout = 500 * time.Millisecond

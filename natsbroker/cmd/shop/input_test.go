@@ -264,3 +264,32 @@ func TestSetupRefusesWhatTheShopCannotRun(t *testing.T) {
 		}
 	}
 }
+
+// slowBroker is a broker whose Down and Up take a while, as stopping or
+// starting a RabbitMQ node does.
+type slowBroker struct {
+	messageBroker // nil: the handlers below call Down and Up only
+	takes         time.Duration
+}
+
+func (b slowBroker) Down() string { time.Sleep(b.takes); return "down" }
+func (b slowBroker) Up() error    { time.Sleep(b.takes); return nil }
+
+// POST /broker/down and /broker/up answer however long the broker takes to
+// stop or start, beyond the server's WriteTimeout. (Caught under load: a
+// RabbitMQ node that took more than 10 s to start, and the client's
+// request ended in EOF.)
+func TestBrokerSwitchAnswersPastTheWriteTimeout(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := newServer(newHandler(nil, placer{}, slowBroker{takes: 600 * time.Millisecond}, nil))
+	srv.WriteTimeout = 200 * time.Millisecond // the broker takes three times that
+	go srv.Serve(ln)
+	defer srv.Close()
+	base := "http://" + ln.Addr().String()
+	call(t, "POST", base+"/broker/down", "", 200, `{"broker":"down"}`)
+	call(t, "POST", base+"/broker/up", "", 200, `{"broker":"up"}`)
+}
