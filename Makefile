@@ -6,7 +6,7 @@
 #   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
-#   make lint                                staticcheck (fetched through the Go module proxy), all six modules
+#   make lint                                staticcheck (fetched through the Go module proxy), all seven modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make minimum                             the minimum real outbox (postgres/minimum): its example, the article's scenario, on a throwaway PostgreSQL
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
@@ -19,12 +19,15 @@
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 3 min)
+#   make rabbitbroker                        the rabbitbroker/ module's tests: RabbitMQ (Debian's, installed if missing) on throwaway nodes, a throwaway PostgreSQL (-race)
+#   make measure-rabbitbroker                rabbitbroker/README.md's drain figures beside JetStream's, and the latency at 100, 300 and 1,000 orders a second
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
-# test, make postgres, make natsbroker, make page and make lint; make postgres runs the
-# test that every figure in the documents is one a target printed into
-# postgres/figures/ or natsbroker/figures/.
+# test, make postgres, make natsbroker, make rabbitbroker, make page and make
+# lint; make postgres runs the test that every figure in the documents is one
+# a target printed into postgres/figures/, natsbroker/figures/ or
+# rabbitbroker/figures/.
 
 PATTERN  := patterns/enterprise/outbox
 T        ?= $(PATTERN)
