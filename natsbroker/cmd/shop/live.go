@@ -94,7 +94,7 @@ type state struct {
 	} `json:"relay"`
 	Broker struct {
 		Name       string `json:"name"`       // JetStream or RabbitMQ
-		Up         string `json:"up"`         // "up", "down", or "2 of 3 up"
+		Up         string `json:"up"`         // "up", "down", "2 of 3 up", or "changing" while a RabbitMQ node stops or starts
 		Stored     *int64 `json:"stored"`     // messages in the stream, or waiting in the queue; nil while it cannot be asked
 		Duplicates int64  `json:"duplicates"` // copies the broker dropped (JetStream; RabbitMQ drops none)
 		LoseNext   bool   `json:"loseNextAck"`

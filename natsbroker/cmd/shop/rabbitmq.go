@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/otel/metric"
@@ -29,11 +30,14 @@ import (
 type rabbitMQ struct {
 	topology  rabbitbroker.Topology
 	publisher *rabbitbroker.Publisher
+	url       atomic.Pointer[string]                // the node's, read without mu: a dial never waits for a Down or Up
+	warehouse atomic.Pointer[rabbitbroker.Consumer] // once Warehouse made it
 
-	mu        sync.Mutex // guards node (not safe for concurrent use), admin and warehouse
-	node      *rabbittest.Node
-	admin     *amqp.Connection // the page's and /outbox's questions; dialled again when closed
-	warehouse *rabbitbroker.Consumer
+	mu   sync.Mutex // guards node (not safe for concurrent use); held through a Down or Up
+	node *rabbittest.Node
+
+	adminMu sync.Mutex       // guards admin
+	admin   *amqp.Connection // the page's and /outbox's questions; dialled again when closed
 }
 
 func startRabbitMQ(store string, nodes int) (*rabbitMQ, error) {
@@ -45,6 +49,7 @@ func startRabbitMQ(store string, nodes int) (*rabbitMQ, error) {
 		return nil, err
 	}
 	b := &rabbitMQ{topology: rabbitbroker.DefaultTopology, node: node}
+	b.setURL()
 	b.publisher = rabbitbroker.NewPublisher(b.dial, b.topology.Exchange, 0)
 	return b, nil
 }
@@ -56,10 +61,13 @@ func (b *rabbitMQ) dial() (*amqp.Connection, error) {
 
 func (b *rabbitMQ) Name() string { return "RabbitMQ" }
 
-func (b *rabbitMQ) URL() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.node.URL()
+func (b *rabbitMQ) URL() string { return *b.url.Load() }
+
+// setURL records the node's URL, which a start on new ports changes (a
+// port taken: rabbittest). Called with mu held, or before b is shared.
+func (b *rabbitMQ) setURL() {
+	url := b.node.URL()
+	b.url.Store(&url)
 }
 
 func (b *rabbitMQ) Provision(ctx context.Context) (string, error) {
@@ -114,12 +122,12 @@ func (b *rabbitMQ) ask(ctx context.Context, f func(*amqp.Channel) error) error {
 }
 
 func (b *rabbitMQ) adminConn() (*amqp.Connection, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
+	b.adminMu.Lock()
+	defer b.adminMu.Unlock()
 	if b.admin != nil && !b.admin.IsClosed() {
 		return b.admin, nil
 	}
-	conn, err := amqp.DialConfig(b.node.URL(), amqp.Config{Dial: amqp.DefaultDial(brokerTimeout)})
+	conn, err := amqp.DialConfig(b.URL(), amqp.Config{Dial: amqp.DefaultDial(brokerTimeout)})
 	if err != nil {
 		return nil, err
 	}
@@ -133,9 +141,7 @@ func (b *rabbitMQ) Publisher() postgres.MessageBroker { return b.publisher }
 func (b *rabbitMQ) Warehouse(h handler, logger *slog.Logger, meters metric.MeterProvider) (runner, error) {
 	c := rabbitbroker.NewConsumer(b.dial, b.topology.Queue, h)
 	c.Logger, c.MeterProvider = logger, meters
-	b.mu.Lock()
-	b.warehouse = c
-	b.mu.Unlock()
+	b.warehouse.Store(c)
 	return c, nil
 }
 
@@ -171,11 +177,9 @@ func (b *rabbitMQ) ConsumerView(ctx context.Context) (map[string]any, error) {
 		return nil, err
 	}
 	view := map[string]any{"pending": ready, "consumers": consumers, "deadLetters": dead}
-	b.mu.Lock()
-	if c := b.warehouse; c != nil {
+	if c := b.warehouse.Load(); c != nil {
 		view["handedBack"], view["deadLettered"] = c.HandedBack(), c.DeadLettered()
 	}
-	b.mu.Unlock()
 	return view, nil
 }
 
@@ -191,11 +195,17 @@ func (b *rabbitMQ) Down() string {
 func (b *rabbitMQ) Up() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.node.Up()
+	err := b.node.Up()
+	b.setURL()
+	return err
 }
 
+// State says "up" or "down", or "changing" while a Down or Up runs (the
+// page's read of it does not wait for one).
 func (b *rabbitMQ) State() string {
-	b.mu.Lock()
+	if !b.mu.TryLock() {
+		return "changing"
+	}
 	defer b.mu.Unlock()
 	if b.node.IsUp() {
 		return "up"
@@ -205,11 +215,13 @@ func (b *rabbitMQ) State() string {
 
 func (b *rabbitMQ) Stop() {
 	b.publisher.Close()
-	b.mu.Lock()
-	defer b.mu.Unlock()
+	b.adminMu.Lock()
 	if b.admin != nil {
 		b.admin.Close()
 	}
+	b.adminMu.Unlock()
+	b.mu.Lock()
+	defer b.mu.Unlock()
 	b.node.Stop()
 }
 
