@@ -6,13 +6,14 @@
 #   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
-#   make lint                                staticcheck (fetched through the Go module proxy), all seven modules
+#   make lint                                staticcheck (fetched through the Go module proxy), all eight modules
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make minimum                             the minimum real outbox (postgres/minimum): its example, the article's scenario, on a throwaway PostgreSQL
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 1 min)
+#   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and a bare pgx loop (postgres/peerbench, about 4 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
@@ -44,7 +45,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -88,6 +89,7 @@ lint:
 	cd natsbroker/cmd/outbox-relay && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker/cmd/kneeplot && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd rabbitbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd postgres/peerbench && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 # module-tests checks the module in the folder $(1) with gofmt and go vet,
 # then runs its tests on a PostgreSQL that postgres/with-server.sh starts in a
@@ -172,6 +174,22 @@ measure-hot:
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-hot.txt
 	{ $(BENCHSTAT) -filter .name:HotAggregate -row /backlog -col '/order@(table aggregate)' postgres/figures/measure-hot.txt && \
 	  $(BENCHSTAT) -filter .name:HotAggregate -row /order -col '/backlog@(1000 100000)' postgres/figures/measure-hot.txt; } | tee postgres/figures/measure-hot.stat.txt
+
+# The polling relay's drain against watermill-sql's forwarder, the peer a
+# team might adopt instead, and against the least a relay's pass sends (the
+# claim and the mark on a bare pgx connection): BenchmarkDrain in
+# postgres/peerbench, a module of its own so that watermill is no dependency
+# of postgres/. Six rounds of 10,000 orders (PEERBENCH_ORDERS), each round a
+# drain by every contender in turn and their ratios, then benchstat's
+# medians; into postgres/figures/measure-watermill.txt
+# and .stat.txt, for postgres/REFERENCE.md.
+measure-watermill:
+	cd postgres/peerbench && $(GO) test -c -o ../../measure-watermill.test .
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do ./measure-watermill.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 1x || exit 1; done' \
+		| grep -E '^(cpu:|Benchmark|--- FAIL|FAIL)' | tee postgres/figures/measure-watermill.txt
+	@rm -f measure-watermill.test
+	@! grep -E '^(--- )?FAIL' postgres/figures/measure-watermill.txt
+	$(BENCHSTAT) -filter .name:Drain postgres/figures/measure-watermill.txt | tee postgres/figures/measure-watermill.stat.txt
 
 # A failover on this machine (TestFailover): a primary and a streaming
 # standby, each a throwaway server of the test's own, producers, the polling

@@ -33,6 +33,7 @@ var targets = map[string][]string{
 	"measure-relays":       {"figures/measure-relays.txt", "figures/measure-relays.stat.txt"},
 	"failover":             {"figures/failover.txt"},
 	"measure-hot":          {"figures/measure-hot.txt", "figures/measure-hot.stat.txt"},
+	"measure-watermill":    {"figures/measure-watermill.txt", "figures/measure-watermill.stat.txt"},
 	"bench-postgres":       {"figures/bench-postgres.txt", "figures/bench-postgres.stat.txt"},
 	"measure-natsbroker":   {"../natsbroker/figures/measure-natsbroker.txt", "../natsbroker/figures/measure-natsbroker.stat.txt"},
 	"knee":                 {"../natsbroker/figures/knee.txt"},

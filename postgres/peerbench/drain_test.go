@@ -1,0 +1,340 @@
+package peerbench_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// orders is how many orders each drain moves: PEERBENCH_ORDERS, or 10,000.
+var orders = 10000
+
+func init() {
+	if v := os.Getenv("PEERBENCH_ORDERS"); v != "" {
+		if _, err := fmt.Sscan(v, &orders); err != nil || orders <= 0 {
+			panic("PEERBENCH_ORDERS must be a positive number, not " + v)
+		}
+	}
+}
+
+// BenchmarkDrain drains the same backlog, orders placed one transaction
+// each (the order's row and its message), with each contender in turn, to
+// a broker that keeps only a count, reading at most 100 rows a query, and
+// reports each one's messages a second (from its first pass to its last
+// message) and their ratios (against the bare loop in percent), so that a round's contenders are compared
+// with each other under the same load of the machine: relay is
+// NewOutboxRelay as it comes (database/sql, PerAggregate); relay-pgx the
+// same on a pgxpool.Pool; relay-table the relay over the whole table
+// (PerAggregate off); bare-pgx the two statements the article's relay
+// needs and no more, on one pgx connection (the claim, FOR UPDATE SKIP
+// LOCKED, and the mark), with the time of each, its round trip included,
+// a pass; and watermill watermill-sql's forwarder (v4, its default
+// PostgreSQL schema and offsets, polling every 10 ms) to an in-memory
+// gochannel. Each drains a database of its own, dropped after it. Setup is
+// not timed; before each drain the server checkpoints and no autovacuum
+// worker runs. ns/op is the five drains together: read the rates. make
+// measure-watermill runs it in rounds.
+func BenchmarkDrain(b *testing.B) {
+	rate := map[string]float64{}
+	for _, kind := range []string{"relay", "relay-pgx", "relay-table", "bare-pgx", "watermill"} {
+		b.StopTimer()
+		withDatabase(b, func(name string, db *sql.DB) {
+			if kind == "watermill" {
+				rate[kind] = drainWatermill(b, db)
+			} else {
+				rate[kind] = drainOurs(b, name, db, kind)
+			}
+		})
+		b.ReportMetric(rate[kind], kind+"-msgs/s")
+	}
+	for _, kind := range []string{"relay", "relay-pgx", "relay-table", "bare-pgx"} {
+		b.ReportMetric(rate[kind]/rate["watermill"], kind+"/watermill")
+		if kind != "bare-pgx" {
+			b.ReportMetric(100*rate[kind]/rate["bare-pgx"], kind+"/bare-pgx-%")
+		}
+	}
+}
+
+// withDatabase runs fn on a new, empty database of the tests' server, and
+// drops it after.
+func withDatabase(b *testing.B, fn func(name string, db *sql.DB)) {
+	ctx := context.Background()
+	admin := pgtest.Open(b, pgtest.Config.Database, "")
+	name := fmt.Sprintf("peerbench_%d", os.Getpid())
+	if _, err := admin.ExecContext(ctx, "CREATE DATABASE "+name); err != nil {
+		b.Fatal(err)
+	}
+	defer func() {
+		if _, err := admin.ExecContext(ctx, "DROP DATABASE "+name+" WITH (FORCE)"); err != nil {
+			b.Fatal(err)
+		}
+	}()
+	db := pgtest.Open(b, name, "")
+	defer db.Close()
+	fn(name, db)
+}
+
+// counted is a postgres.MessageBroker that keeps only how many messages it
+// accepted.
+type counted struct{ n atomic.Int64 }
+
+func (c *counted) Publish(ctx context.Context, _ postgres.Message) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	c.n.Add(1)
+	return nil
+}
+
+// drainOurs places the orders in db, the database named, and drains them
+// with kind, returning its rate.
+func drainOurs(b *testing.B, name string, db *sql.DB, kind string) float64 {
+	ctx := context.Background()
+	if err := postgres.Migrate(ctx, db); err != nil {
+		b.Fatal(err)
+	}
+	if err := shop.Migrate(ctx, db); err != nil {
+		b.Fatal(err)
+	}
+	orderService := shop.NewOrderService(db)
+	for i := range orders {
+		if _, err := orderService.PlaceOrder(ctx, int64(100+i)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	quiet(b, db)
+	broker := &counted{}
+	var pass func() (int, error)
+	switch kind {
+	case "relay", "relay-table":
+		relay := postgres.NewOutboxRelay(db, broker)
+		relay.PerAggregate = kind == "relay"
+		pass = func() (int, error) { return relay.PublishPending(ctx) }
+	case "relay-pgx":
+		p := newPool(b, name)
+		defer p.Close()
+		relay := postgres.NewOutboxRelayPgx(p, broker)
+		pass = func() (int, error) { return relay.PublishPending(ctx) }
+	case "bare-pgx":
+		cfg := pgtest.Config.Copy()
+		cfg.Database = name
+		conn, err := pgx.ConnectConfig(ctx, cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		bare := &barePass{conn: conn, broker: broker}
+		pass = func() (int, error) { return bare.pass(ctx) }
+		defer func() {
+			b.ReportMetric(float64(bare.claim.Microseconds())/float64(bare.passes), "bare-pgx-claim-µs/pass")
+			b.ReportMetric(float64(bare.mark.Microseconds())/float64(bare.passes), "bare-pgx-mark-µs/pass")
+		}()
+	}
+	b.StartTimer()
+	start := time.Now()
+	for broker.n.Load() < int64(orders) {
+		if n, err := pass(); err != nil || n == 0 {
+			b.Fatalf("%s: pass = %d, %v, with %d of %d messages published", kind, n, err, broker.n.Load(), orders)
+		}
+	}
+	elapsed := time.Since(start)
+	b.StopTimer()
+	return float64(orders) / elapsed.Seconds()
+}
+
+// newPool is a pool of at most four connections to the database named,
+// one of them connected.
+func newPool(b *testing.B, name string) *pgxpool.Pool {
+	cfg, err := pgxpool.ParseConfig("")
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg.ConnConfig = pgtest.Config.Copy()
+	cfg.ConnConfig.Database = name
+	cfg.MaxConns = 4
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := p.Ping(context.Background()); err != nil { // connected before the drain, as database/sql's pool is
+		b.Fatal(err)
+	}
+	return p
+}
+
+// quiet readies the server for a timed drain: a checkpoint, so that none
+// falls due in it, and no autovacuum worker running (one may be cleaning up
+// after the drain before), waited for up to a minute.
+func quiet(b *testing.B, db *sql.DB) {
+	ctx := context.Background()
+	if _, err := db.ExecContext(ctx, `CHECKPOINT`); err != nil {
+		b.Fatal(err)
+	}
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
+		var workers int
+		if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'`).Scan(&workers); err != nil {
+			b.Fatal(err)
+		}
+		if workers == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("%d autovacuum workers still running after a minute", workers)
+		}
+	}
+}
+
+// barePass is the least a polling relay's pass sends: BEGIN, the claim,
+// the mark, COMMIT, one round trip each; it times the claim and the mark.
+type barePass struct {
+	conn        *pgx.Conn
+	broker      postgres.MessageBroker
+	claim, mark time.Duration
+	passes      int
+}
+
+func (p *barePass) pass(ctx context.Context) (int, error) {
+	tx, err := p.conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	if err != nil {
+		return 0, err
+	}
+	defer tx.Rollback(ctx)
+	began := time.Now()
+	rows, err := tx.Query(ctx, `SELECT id, message_key::text, type, payload::text, COALESCE(aggregate, ''), COALESCE(seq, 0)
+		FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED`)
+	if err != nil {
+		return 0, err
+	}
+	var ids []int64
+	for rows.Next() {
+		var m postgres.Message
+		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq); err != nil {
+			return 0, err
+		}
+		if err := p.broker.Publish(ctx, m); err != nil {
+			break // the pass stops at the first failure; the rest wait
+		}
+		ids = append(ids, m.ID)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return 0, err
+	}
+	claimed := time.Now()
+	if _, err := tx.Exec(ctx, `UPDATE outbox SET sent_at = clock_timestamp() WHERE id = ANY($1)`, ids); err != nil {
+		return 0, err
+	}
+	p.claim += claimed.Sub(began)
+	p.mark += time.Since(claimed)
+	p.passes++
+	return len(ids), tx.Commit(ctx)
+}
+
+// drainWatermill writes the same orders in db, each with its message
+// published through watermill's forwarder in the order's transaction, then
+// times the forwarder moving them to a gochannel, each acknowledged as it
+// arrives, and returns its rate.
+func drainWatermill(b *testing.B, db *sql.DB) float64 {
+	ctx := context.Background()
+	logger := watermill.NopLogger{}
+	schema := wsql.DefaultPostgreSQLSchema{SubscribeBatchSize: 100}
+	offsets := wsql.DefaultPostgreSQLOffsetsAdapter{}
+	const topic = "outbox" // the forwarder's table
+	if _, err := db.ExecContext(ctx, `CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, total_cents bigint NOT NULL)`); err != nil {
+		b.Fatal(err)
+	}
+	// The forwarder's table and its consumer's offsets, made before any
+	// transaction publishes: a publisher in a transaction cannot make them.
+	setup, err := wsql.NewSubscriber(wsql.BeginnerFromStdSQL(db), wsql.SubscriberConfig{
+		SchemaAdapter: schema, OffsetsAdapter: offsets, ConsumerGroup: "relay", InitializeSchema: true}, logger)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := setup.SubscribeInitialize(topic); err != nil {
+		b.Fatal(err)
+	}
+	setup.Close()
+	for i := range orders {
+		if err := placeWatermillOrder(ctx, db, schema, topic, int64(100+i), logger); err != nil {
+			b.Fatal(err)
+		}
+	}
+	quiet(b, db)
+
+	out := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: int64(orders)}, logger)
+	defer out.Close()
+	delivered, err := out.Subscribe(ctx, "orders")
+	if err != nil {
+		b.Fatal(err)
+	}
+	sub, err := wsql.NewSubscriber(wsql.BeginnerFromStdSQL(db), wsql.SubscriberConfig{
+		SchemaAdapter: schema, OffsetsAdapter: offsets, ConsumerGroup: "relay", PollInterval: 10 * time.Millisecond}, logger)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sub.Close()
+	fwd, err := forwarder.NewForwarder(sub, out, logger, forwarder.Config{ForwarderTopic: topic})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer fwd.Close()
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	b.StartTimer()
+	start := time.Now()
+	go fwd.Run(runCtx)
+	deadline := time.After(5 * time.Minute)
+	for i := range orders {
+		select {
+		case m := <-delivered:
+			m.Ack()
+		case <-deadline:
+			b.Fatalf("watermill's forwarder delivered %d of %d messages in five minutes", i, orders)
+		}
+	}
+	elapsed := time.Since(start)
+	b.StopTimer()
+	return float64(orders) / elapsed.Seconds()
+}
+
+// placeWatermillOrder writes an order and, in its transaction, its
+// OrderPlaced message through watermill's forwarder.
+func placeWatermillOrder(ctx context.Context, db *sql.DB, schema wsql.SchemaAdapter, topic string, totalCents int64, logger watermill.LoggerAdapter) error {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback()
+	var id int64
+	if err := tx.QueryRowContext(ctx, `INSERT INTO orders (total_cents) VALUES ($1) RETURNING id`, totalCents).Scan(&id); err != nil {
+		return err
+	}
+	pub, err := wsql.NewPublisher(wsql.TxFromStdSQL(tx), wsql.PublisherConfig{SchemaAdapter: schema}, logger)
+	if err != nil {
+		return err
+	}
+	event := fmt.Appendf(nil, `{"orderId":%d,"totalCents":%d}`, id, totalCents)
+	fwd := forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: topic})
+	if err := fwd.Publish("orders", message.NewMessage(watermill.NewUUID(), event)); err != nil {
+		return err
+	}
+	return tx.Commit()
+}
