@@ -161,14 +161,19 @@ measure-relays:
 
 # A hot aggregate (BenchmarkHotAggregate): the time of a relay's passes
 # over the first 1,000 rows of one aggregate's backlog of 1,000 and of
-# 100,000 rows, with PerAggregate and over the whole table, six rounds, and
-# the plan of the claim over the larger backlog (the first round's, logged);
+# 100,000 rows, with PerAggregate and over the whole table, six rounds (in
+# each, for each backlog, the two orders one after the other, which goes
+# first alternating from round to round, so that the machine's drift falls
+# on both alike), and the plan of the claim over the larger backlog (the
+# first round's, logged);
 # then benchstat's ratios; into postgres/figures/measure-hot.txt and
 # .stat.txt, for postgres/REFERENCE.md.
 measure-hot:
 	cd postgres && $(GO) test -c -o ../measure-hot.test .
-	postgres/with-server.sh bash -c './measure-hot.test -test.run "^$$" -test.bench "^BenchmarkHotAggregate$$" -test.benchtime 1x -test.v && \
-		for round in 2 3 4 5 6; do ./measure-hot.test -test.run "^$$" -test.bench "^BenchmarkHotAggregate$$" -test.benchtime 1x || exit 1; done' \
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do for backlog in 1000 100000; do \
+		orders="table aggregate"; [ $$((round % 2)) = 0 ] && orders="aggregate table"; \
+		for order in $$orders; do ./measure-hot.test -test.run "^$$" -test.bench "^BenchmarkHotAggregate$$/^backlog=$$backlog$$/^order=$$order$$" \
+			-test.benchtime 1x $$([ $$round = 1 ] && echo -test.v) || exit 1; done; done; done' \
 		| grep -E '^(cpu:|Benchmark|    hot_test|        )' | tee postgres/figures/measure-hot.txt
 	@rm -f measure-hot.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-hot.txt
