@@ -37,20 +37,23 @@ func init() {
 
 // BenchmarkDrain drains the same backlog, orders placed one transaction
 // each (the order's row and its message), with each contender in turn, to
-// a broker that keeps only a count, reading at most 100 rows a query, and
+// a broker that keeps only a count, reading at most 100 rows a query. It
 // reports each one's messages a second (from its first pass to its last
-// message) and their ratios (against the bare loop in percent), so that a round's contenders are compared
-// with each other under the same load of the machine: relay is
-// NewOutboxRelay as it comes (database/sql, PerAggregate); relay-pgx the
-// same on a pgxpool.Pool; relay-table the relay over the whole table
-// (PerAggregate off); bare-pgx the two statements the article's relay
-// needs and no more, on one pgx connection (the claim, FOR UPDATE SKIP
-// LOCKED, and the mark), with the time of each, its round trip included,
-// a pass; and watermill watermill-sql's forwarder (v4, its default
-// PostgreSQL schema and offsets, polling every 10 ms) to an in-memory
-// gochannel. Each drains a database of its own, dropped after it. Setup is
-// not timed; before each drain the server checkpoints and no autovacuum
-// worker runs. ns/op is the five drains together: read the rates. make
+// message) and their ratios (against the bare loop in percent), so that a
+// round's contenders are compared under the same load of the machine.
+//
+// The contenders: relay is NewOutboxRelay as it comes (database/sql,
+// PerAggregate); relay-pgx the same on a pgxpool.Pool; relay-table the
+// relay over the whole table (PerAggregate off); bare-pgx the two
+// statements the article's relay needs and no more, on one pgx connection
+// (the claim, FOR UPDATE SKIP LOCKED, and the mark), with the time of
+// each, its round trip included, a pass; and watermill watermill-sql's
+// forwarder (v4, its default PostgreSQL schema and offsets, polling every
+// 10 ms) to an in-memory gochannel.
+//
+// Each drains a database of its own, dropped after it. Setup is not timed;
+// before each drain the server checkpoints and no autovacuum worker runs.
+// ns/op is the five drains together: read the rates. make
 // measure-watermill runs it in rounds.
 func BenchmarkDrain(b *testing.B) {
 	rate := map[string]float64{}
@@ -84,7 +87,7 @@ func withDatabase(b *testing.B, fn func(name string, db *sql.DB)) {
 	}
 	defer func() {
 		if _, err := admin.ExecContext(ctx, "DROP DATABASE "+name+" WITH (FORCE)"); err != nil {
-			b.Fatal(err)
+			b.Error(err)
 		}
 	}()
 	db := pgtest.Open(b, name, "")
