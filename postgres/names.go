@@ -34,7 +34,7 @@ type Outbox struct {
 // in.
 type statements struct {
 	insertRow, insertTracedRow                     string
-	claimRows, claimRuns, markSent                 string
+	claimRows, claimRuns, checkRuns, markSent      string
 	recordFailure, readLag, deleteSent, listParked string
 	unpark, dropParked                             string
 }
@@ -61,7 +61,7 @@ func NewOutbox(table string) (*Outbox, error) {
 	o := &Outbox{table: table}
 	o.sql = statements{
 		insertRow: o.named(insertRow), insertTracedRow: o.named(insertTracedRow),
-		claimRows: o.named(claimRows), claimRuns: o.named(claimRuns),
+		claimRows: o.named(claimRows), claimRuns: o.named(claimRuns), checkRuns: o.named(checkRuns),
 		markSent: o.named(markSent), recordFailure: o.named(recordFailure),
 		readLag: o.named(readLag), deleteSent: o.named(deleteSent), listParked: o.named(listParked),
 		unpark: o.named(unpark), dropParked: o.named(dropParked),
