@@ -8,6 +8,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -92,17 +93,29 @@ func (b *broker) url() string {
 	return "nats://" + net.JoinHostPort(b.opts.Host, strconv.Itoa(b.opts.Port))
 }
 
-// freePort is a loopback port that was free a moment ago: a server that is
-// stopped and started again needs the same one.
+// freePort is a loopback port that was free a moment ago, and that it has
+// not handed out before in this process: a server that is stopped and
+// started again needs the same one, and the system may hand out a port
+// again as soon as its listener is closed (here, a few sets of six ports in
+// a thousand held one twice), which would give two servers of a cluster
+// one port.
 func freePort(t testing.TB) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close() // held until a new port is found, so that the next try gets another
+		port := ln.Addr().(*net.TCPAddr).Port
+		if _, given := handedOut.LoadOrStore(port, true); !given {
+			return port
+		}
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
 }
+
+// handedOut are the ports freePort has handed out.
+var handedOut sync.Map
 
 // connect opens a client connection to url that reconnects for ever, a
 // tenth of a second apart, and closes it when t ends.

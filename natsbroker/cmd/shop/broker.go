@@ -52,22 +52,20 @@ func startBroker(storeDir string, n int) (*embeddedBroker, error) {
 		return nil, fmt.Errorf("a broker of %d nodes: want 1 or 3", n)
 	}
 	b := &embeddedBroker{}
+	ports, err := freePorts(2 * n) // a client port and a route port a node
+	if err != nil {
+		return nil, err
+	}
 	var routes []*url.URL
 	for i := range n {
-		port, err := freePort()
-		if err != nil {
-			return nil, err
-		}
+		port := ports[2*i]
 		opts := server.Options{
 			ServerName: fmt.Sprintf("n%d", i+1), Host: "127.0.0.1", Port: port, JetStream: true,
 			StoreDir: filepath.Join(storeDir, fmt.Sprintf("n%d", i+1)), NoSigs: true, NoLog: true,
 			SyncAlways: true,
 		}
 		if n > 1 {
-			routePort, err := freePort()
-			if err != nil {
-				return nil, err
-			}
+			routePort := ports[2*i+1]
 			opts.Cluster = server.ClusterOpts{Name: "shop", Host: "127.0.0.1", Port: routePort}
 			routes = append(routes, &url.URL{Scheme: "nats", Host: fmt.Sprintf("127.0.0.1:%d", routePort)})
 		}
@@ -83,15 +81,21 @@ func startBroker(storeDir string, n int) (*embeddedBroker, error) {
 	return b, nil
 }
 
-// freePort is a loopback port that was free a moment ago, kept across
-// Down and Up.
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
+// freePorts returns k loopback ports, all different, that were free a
+// moment ago, kept across Down and Up. Each is held until all are chosen:
+// a port closed at once may be handed out again by the next, and a node
+// whose port another node took is never ready.
+func freePorts(k int) ([]int, error) {
+	var ports []int
+	for range k {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		defer ln.Close()
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
+	return ports, nil
 }
 
 // Nodes is how many servers the broker has.
