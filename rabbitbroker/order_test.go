@@ -2,7 +2,9 @@ package rabbitbroker_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
+	"log/slog"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -35,12 +37,14 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stop
 	db := newDatabase(t)
 	top := declare(t, urls[0], 0)
 	dial := dialAny(urls)
+	logger := slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})) // why passes and deliveries fail, if they do
 	startRelay := func() (stop func()) {
 		pub := rabbitbroker.NewPublisher(dial, top.Exchange, 0)
 		t.Cleanup(func() { pub.Close() })
 		relay := postgres.NewOutboxRelay(db, pub)
 		relay.PerAggregate, relay.BatchSize, relay.PollInterval = true, 10, 20*time.Millisecond
 		relay.PassTimeout = 5 * time.Second
+		relay.Logger = logger
 		return goRun(t, relay.Run)
 	}
 	var stops []func()
@@ -51,7 +55,7 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stop
 	var consumers []*rabbitbroker.Consumer
 	for range 2 { // one active at a time: the queue's single active consumer
 		c := rabbitbroker.NewConsumer(dial, top.Queue, h)
-		c.RetryDelay, c.Concurrency, c.Prefetch = 50*time.Millisecond, 4, 20
+		c.RetryDelay, c.Concurrency, c.Prefetch, c.Logger = 50*time.Millisecond, 4, 20, logger
 		goRun(t, c.Run)
 		consumers = append(consumers, c)
 	}
@@ -94,8 +98,13 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stop
 			for _, c := range consumers {
 				handedBack = append(handedBack, c.HandedBack())
 			}
-			t.Fatalf("not every event applied and every row marked within 5m: %d of %d applied, %d rows unsent, handed back %v",
-				h.Applied(), events, unsent, handedBack)
+			var attempts int
+			var lastError sql.NullString
+			if err := db.QueryRow(`SELECT attempts, last_error FROM outbox WHERE sent_at IS NULL ORDER BY id LIMIT 1`).Scan(&attempts, &lastError); err != nil {
+				t.Error(err)
+			}
+			t.Fatalf("not every event applied and every row marked within 5m: %d of %d applied, %d rows unsent (the first tried %d times, its last error %q), handed back %v",
+				h.Applied(), events, unsent, attempts, lastError.String, handedBack)
 		}
 	}
 	if wrong := h.Wrong(); len(wrong) > 0 {
