@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -148,7 +149,7 @@ type Cluster struct {
 }
 
 // StartCluster starts k nodes, joins the others to the first, and waits
-// until each takes AMQP connections.
+// until each takes AMQP connections and the first sees all k running.
 func StartCluster(k int, o Options) (*Cluster, error) {
 	if o.Dir != "" {
 		return nil, errors.New("rabbittest: a cluster's nodes each make a folder of their own: Options.Dir is for Start")
@@ -184,6 +185,13 @@ func StartCluster(k int, o Options) (*Cluster, error) {
 				return nil, err
 			}
 		}
+	}
+	// start_app may return before the first node counts the others as
+	// running, and a quorum queue declared then gets as members only the
+	// nodes running: one node's loss may take its quorum with it.
+	if err := c.Nodes[0].Ctl("-t", "120", "await_online_nodes", strconv.Itoa(k)); err != nil {
+		c.Remove()
+		return nil, err
 	}
 	return c, nil
 }
