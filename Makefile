@@ -12,8 +12,8 @@
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
-#   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 1 min)
-#   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and a bare pgx loop (postgres/peerbench, about 4 min)
+#   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
+#   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and a bare pgx loop (postgres/peerbench, about 2 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C

@@ -31,7 +31,9 @@ import (
 // holds no reservation. (Caught: a queue without a single active consumer:
 // both consumers took messages, and an OrderCancelled came before its
 // OrderPlaced and was handed back; and a consumer whose workers took
-// messages by key, not by aggregate.)
+// messages by key, not by aggregate.) The relays' and consumers' failures
+// are logged into the test's output, and a drain that runs out of time says
+// the first unsent row's attempts and last error.
 func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stopRelay []func(), startRelay func() func())) {
 	ctx := context.Background()
 	db := newDatabase(t)
