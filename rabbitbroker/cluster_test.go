@@ -1,7 +1,9 @@
 package rabbitbroker_test
 
 import (
+	"strings"
 	"testing"
+	"time"
 
 	"example.com/patterns/enterprise/outbox/rabbitbroker/rabbittest"
 )
@@ -20,7 +22,27 @@ func TestQueueLeaderKilledMidDrainLosesNothingConfirmed(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Remove() })
-	drainThroughAFault(t, c.URLs(), 2, func([]func(), func() func()) {
+	// The queue's followers may still be starting when its declaration
+	// returns; the leader is killed only once all three are online (killed
+	// before, it once left a queue that refused every publish for five
+	// minutes).
+	ready := func(queue string) {
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+			out, err := c.Nodes[0].CtlOutput("list_queues", "-q", "--no-table-headers", "name", "online")
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, line := range strings.Split(out, "\n") {
+				if name, online, ok := strings.Cut(line, "\t"); ok && name == queue && strings.Count(online, "@") == len(c.Nodes) {
+					return
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("queue %s: not all %d members online within 2 minutes:\n%s", queue, len(c.Nodes), out)
+			}
+		}
+	}
+	drainThroughAFault(t, c.URLs(), 2, ready, func([]func(), func() func()) {
 		c.Nodes[0].Kill()
 	})
 }

@@ -33,11 +33,15 @@ import (
 // OrderPlaced and was handed back; and a consumer whose workers took
 // messages by key, not by aggregate.) The relays' and consumers' failures
 // are logged into the test's output, and a drain that runs out of time says
-// the first unsent row's attempts and last error.
-func drainThroughAFault(t *testing.T, urls []string, relays int, fault func(stopRelay []func(), startRelay func() func())) {
+// the first unsent row's attempts and last error. ready, if not nil, is
+// called with the queue once it is declared, before anything is placed.
+func drainThroughAFault(t *testing.T, urls []string, relays int, ready func(queue string), fault func(stopRelay []func(), startRelay func() func())) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	top := declare(t, urls[0], 0)
+	if ready != nil {
+		ready(top.Queue)
+	}
 	dial := dialAny(urls)
 	logger := slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})) // why passes and deliveries fail, if they do
 	startRelay := func() (stop func()) {
@@ -159,7 +163,7 @@ func dialAny(urls []string) func() (*amqp.Connection, error) {
 func TestFourRelaysKeepEachOrdersEventsInOrderThroughCancellations(t *testing.T) {
 	rng := rand.New(rand.NewPCG(39, 39))
 	t.Log("seed 39")
-	drainThroughAFault(t, []string{node.URL()}, 4, func(stopRelay []func(), startRelay func() func()) {
+	drainThroughAFault(t, []string{node.URL()}, 4, nil, func(stopRelay []func(), startRelay func() func()) {
 		for _, i := range rng.Perm(len(stopRelay))[:2] {
 			stopRelay[i]()
 		}

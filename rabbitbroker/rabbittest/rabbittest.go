@@ -382,12 +382,19 @@ func (n *Node) stopServer() {
 
 // Ctl runs rabbitmqctl with args against the node.
 func (n *Node) Ctl(args ...string) error {
+	_, err := n.CtlOutput(args...)
+	return err
+}
+
+// CtlOutput is Ctl, returning what rabbitmqctl printed.
+func (n *Node) CtlOutput(args ...string) (string, error) {
 	cmd := exec.Command(filepath.Join(Bin, "rabbitmqctl"), append([]string{"-n", n.Name}, args...)...)
 	cmd.Env = n.env()
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("rabbitmqctl %s: %w: %s", strings.Join(args, " "), err, out)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("rabbitmqctl %s: %w: %s", strings.Join(args, " "), err, out)
 	}
-	return nil
+	return string(out), nil
 }
 
 // IsUp reports whether the node's server runs: started, not exited, and
