@@ -13,7 +13,7 @@
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
-#   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and a bare pgx loop (postgres/peerbench, about 2 min)
+#   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
@@ -184,14 +184,16 @@ measure-hot:
 # team might adopt instead, and against the least a relay's pass sends (the
 # claim and the mark on a bare pgx connection): BenchmarkDrain in
 # postgres/peerbench, a module of its own so that watermill is no dependency
-# of postgres/. Six rounds of 10,000 orders (PEERBENCH_ORDERS), each round a
-# drain by every contender in turn and their ratios, then benchstat's
+# of postgres/. Six rounds, each a drain of 5,000 and one of 20,000 orders
+# (PEERBENCH_ORDERS) by every contender in turn and their ratios, and in the
+# first the plan of watermill's query for a batch (logged); then benchstat's
 # medians; into postgres/figures/measure-watermill.txt
 # and .stat.txt, for postgres/REFERENCE.md.
 measure-watermill:
 	cd postgres/peerbench && $(GO) test -c -o ../../measure-watermill.test .
-	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do ./measure-watermill.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 1x || exit 1; done' \
-		| grep -E '^(cpu:|Benchmark|--- FAIL|FAIL)' | tee postgres/figures/measure-watermill.txt
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do ./measure-watermill.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 1x \
+			$$([ $$round = 1 ] && echo -test.v) || exit 1; done' \
+		| grep -E '^(cpu:|Benchmark|--- FAIL|FAIL|    drain_test|        )' | tee postgres/figures/measure-watermill.txt
 	@rm -f measure-watermill.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-watermill.txt
 	$(BENCHSTAT) -filter .name:Drain postgres/figures/measure-watermill.txt | tee postgres/figures/measure-watermill.stat.txt

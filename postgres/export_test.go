@@ -17,15 +17,15 @@ import (
 // budget's limits written in, for EXPLAIN.
 var ClaimQuery = strings.NewReplacer(
 	batchSize, strconv.Itoa(DefaultBatchSize),
-	"$1", "'"+millis(DefaultPassTimeout)+"'",
-	"$2", "'"+millis(2*DefaultPassTimeout)+"'",
+	passLimit, "'"+millis(DefaultPassTimeout)+"'",
+	passIdle, "'"+millis(2*DefaultPassTimeout)+"'",
 ).Replace(claimRows)
 
 // ClaimRunsQuery is ClaimQuery for a relay with PerAggregate.
 var ClaimRunsQuery = strings.NewReplacer(
 	batchSize, strconv.Itoa(DefaultBatchSize),
-	"$1", "'"+millis(DefaultPassTimeout)+"'",
-	"$2", "'"+millis(2*DefaultPassTimeout)+"'",
+	passLimit, "'"+millis(DefaultPassTimeout)+"'",
+	passIdle, "'"+millis(2*DefaultPassTimeout)+"'",
 ).Replace(claimRuns)
 
 // FlushWALPgx is the flush a pass on a pgx pool makes the server do, on one

@@ -328,7 +328,7 @@ func BenchmarkHotAggregate(b *testing.B) {
 				}
 				if backlog > 1000 && testing.Verbose() {
 					query := map[bool]string{false: postgres.ClaimQuery, true: postgres.ClaimRunsQuery}[perAggregate]
-					b.Logf("the claim over the whole table (order=%s), %d rows of one aggregate waiting, after the passes:\n%s", order, backlog, explain(b, db, query))
+					b.Logf("the claim (order=%s), %d rows of one aggregate waiting, after the passes:\n%s", order, backlog, explain(b, db, query))
 				}
 				b.ReportMetric(float64(elapsed.Microseconds())/passes, "µs/pass")
 				b.ReportMetric(passes*postgres.DefaultBatchSize/elapsed.Seconds(), "msgs/s")

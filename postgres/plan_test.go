@@ -63,3 +63,46 @@ func seqTuplesRead(t *testing.T, db *sql.DB, updated int64) int64 {
 	n = waitForQuery(t, db, query)
 	return n
 }
+
+// A relay's claim has no parameters (its batch size and limits are written
+// into its text), so that the server plans it once per connection and
+// keeps that plan: with parameters it planned each of a connection's first
+// five claims afresh, and went on doing so for claimRuns while the outbox
+// grew. The test runs 20 passes of each claim, with rows written between
+// them, and reads the pool's two connections' prepared statements
+// (pg_prepared_statements): the claim's runs all on its one plan.
+func TestClaimIsPlannedOncePerConnection(t *testing.T) {
+	ctx := context.Background()
+	for _, perAggregate := range []bool{false, true} {
+		t.Run(fmt.Sprintf("PerAggregate=%v", perAggregate), func(t *testing.T) {
+			db := newDatabase(t)
+			db.SetMaxOpenConns(2) // a pass may flush the server's log on a second one
+			relay := postgres.NewOutboxRelay(db, discard{})
+			relay.PerAggregate = perAggregate
+			for i := range 20 {
+				insertRun(t, db, "hot", 10*i+1, 10)
+				if n, err := relay.PublishPending(ctx); n != 10 || err != nil {
+					t.Fatalf("pass %d = %d, %v; want 10, <nil>", i+1, n, err)
+				}
+			}
+			var generic, custom int
+			for range 2 { // both connections, held at once
+				conn, err := db.Conn(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer conn.Close()
+				var g, c int
+				if err := conn.QueryRowContext(ctx, `SELECT COALESCE(sum(generic_plans), 0), COALESCE(sum(custom_plans), 0)
+					FROM pg_prepared_statements
+					WHERE statement LIKE '%SKIP LOCKED%' AND statement NOT LIKE '%pg_prepared_statements%'`).Scan(&g, &c); err != nil {
+					t.Fatal(err)
+				}
+				generic, custom = generic+g, custom+c
+			}
+			if custom != 0 || generic != 20 {
+				t.Errorf("the claim ran %d times on a plan of its own and %d on a kept plan, want 0 and 20", custom, generic)
+			}
+		})
+	}
+}

@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"fmt"
 	"os"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -24,55 +26,80 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-// orders is how many orders each drain moves: PEERBENCH_ORDERS, or 10,000.
-var orders = 10000
+// backlogs are the sizes of the drains, in orders: PEERBENCH_ORDERS, a
+// comma-separated list, or 5,000 and 20,000. Watermill's forwarder reads, for
+// every batch, each message past its consumer group's offset (see
+// BenchmarkDrain), so its rate falls as its backlog grows while the relay's
+// does not: the ratios hold for a backlog, so the figures give a short one
+// and a long one.
+var backlogs = []int{5000, 20000}
 
 func init() {
 	if v := os.Getenv("PEERBENCH_ORDERS"); v != "" {
-		if _, err := fmt.Sscan(v, &orders); err != nil || orders <= 0 {
-			panic("PEERBENCH_ORDERS must be a positive number, not " + v)
+		backlogs = nil
+		for _, f := range strings.Split(v, ",") {
+			var n int
+			if _, err := fmt.Sscan(f, &n); err != nil || n <= 0 {
+				panic("PEERBENCH_ORDERS must be positive numbers separated by commas, not " + v)
+			}
+			backlogs = append(backlogs, n)
 		}
 	}
 }
 
 // BenchmarkDrain drains the same backlog, orders placed one transaction
 // each (the order's row and its message), with each contender in turn, to
-// a broker that keeps only a count, reading at most 100 rows a query. It
-// reports each one's messages a second (from its first pass to its last
-// message) and their ratios (against the bare loop in percent), so that a
-// round's contenders are compared under the same load of the machine.
+// a broker that keeps only a count, reading at most 100 rows a query, for
+// each of the backlogs (orders=N). It reports each one's messages a second
+// (from its first pass to its last message) and their ratios (to
+// watermill's, and in percent to a bare loop's: each relay's to the loop of
+// its own statements, those loops' to the least), so that a round's
+// contenders are compared under the same load of the machine.
 //
 // The contenders: relay is NewOutboxRelay as it comes (database/sql,
 // PerAggregate); relay-pgx the same on a pgxpool.Pool; relay-table the
-// relay over the whole table (PerAggregate off); bare-pgx the two
-// statements the article's relay needs and no more, on one pgx connection
-// (the claim, FOR UPDATE SKIP LOCKED, and the mark), with the time of
-// each, its round trip included, a pass; and watermill watermill-sql's
+// relay over the whole table (PerAggregate off); bare-relay and bare-table
+// the statements relay and relay-table send in this drain (BEGIN, the
+// claim, the mark, COMMIT), the claim's text as the relay sent it
+// (captured by a pgx tracer), on one pgx connection with nothing else;
+// bare-pgx the two statements the article's relay needs and no more, the
+// same way (the claim, FOR UPDATE SKIP LOCKED, and the mark); each bare
+// loop also reports the time of its claim and its mark, round trip
+// included, a pass; and watermill watermill-sql's
 // forwarder (v4, its default PostgreSQL schema and offsets, polling every
-// 10 ms) to an in-memory gochannel.
+// 10 ms) to an in-memory gochannel. With -test.v it logs the plan of
+// watermill's query for a batch as its drain begins (EXPLAIN ANALYZE,
+// BUFFERS): it gathers every message past the offset, and sorts them, to
+// return the first 100.
 //
 // Each drains a database of its own, dropped after it. Setup is not timed;
 // before each drain the server checkpoints and no autovacuum worker runs.
-// ns/op is the five drains together: read the rates. make
+// ns/op is the seven drains together: read the rates. make
 // measure-watermill runs it in rounds.
 func BenchmarkDrain(b *testing.B) {
-	rate := map[string]float64{}
-	for _, kind := range []string{"relay", "relay-pgx", "relay-table", "bare-pgx", "watermill"} {
-		b.StopTimer()
-		withDatabase(b, func(name string, db *sql.DB) {
-			if kind == "watermill" {
-				rate[kind] = drainWatermill(b, db)
-			} else {
-				rate[kind] = drainOurs(b, name, db, kind)
+	for _, orders := range backlogs {
+		b.Run(fmt.Sprintf("orders=%d", orders), func(b *testing.B) {
+			rate := map[string]float64{}
+			for _, kind := range []string{"relay", "relay-pgx", "relay-table", "bare-relay", "bare-table", "bare-pgx", "watermill"} {
+				b.StopTimer()
+				withDatabase(b, func(name string, db *sql.DB) {
+					if kind == "watermill" {
+						rate[kind] = drainWatermill(b, db, orders)
+					} else {
+						rate[kind] = drainOurs(b, name, db, kind, orders)
+					}
+				})
+				b.ReportMetric(rate[kind], kind+"-msgs/s")
+			}
+			for _, kind := range []string{"relay", "relay-pgx", "relay-table", "bare-relay", "bare-table", "bare-pgx"} {
+				b.ReportMetric(rate[kind]/rate["watermill"], kind+"/watermill")
+			}
+			// Each relay against the bare loop of its own statements, and
+			// those against the least.
+			for kind, bare := range map[string]string{"relay": "bare-relay", "relay-pgx": "bare-relay", "relay-table": "bare-table", "bare-relay": "bare-pgx", "bare-table": "bare-pgx"} {
+				b.ReportMetric(100*rate[kind]/rate[bare], kind+"/"+bare+"-%")
 			}
 		})
-		b.ReportMetric(rate[kind], kind+"-msgs/s")
-	}
-	for _, kind := range []string{"relay", "relay-pgx", "relay-table", "bare-pgx"} {
-		b.ReportMetric(rate[kind]/rate["watermill"], kind+"/watermill")
-		if kind != "bare-pgx" {
-			b.ReportMetric(100*rate[kind]/rate["bare-pgx"], kind+"/bare-pgx-%")
-		}
 	}
 }
 
@@ -107,15 +134,19 @@ func (c *counted) Publish(ctx context.Context, _ postgres.Message) error {
 	return nil
 }
 
-// drainOurs places the orders in db, the database named, and drains them
-// with kind, returning its rate.
-func drainOurs(b *testing.B, name string, db *sql.DB, kind string) float64 {
+// drainOurs places that many orders in db, the database named, and drains
+// them with kind, returning its rate.
+func drainOurs(b *testing.B, name string, db *sql.DB, kind string, orders int) float64 {
 	ctx := context.Background()
 	if err := postgres.Migrate(ctx, db); err != nil {
 		b.Fatal(err)
 	}
 	if err := shop.Migrate(ctx, db); err != nil {
 		b.Fatal(err)
+	}
+	claimSQL := leastClaim
+	if kind == "bare-relay" || kind == "bare-table" {
+		claimSQL = relaysClaim(b, name, kind == "bare-relay") // while the outbox is empty: its pass publishes nothing
 	}
 	orderService := shop.NewOrderService(db)
 	for i := range orders {
@@ -136,7 +167,7 @@ func drainOurs(b *testing.B, name string, db *sql.DB, kind string) float64 {
 		defer p.Close()
 		relay := postgres.NewOutboxRelayPgx(p, broker)
 		pass = func() (int, error) { return relay.PublishPending(ctx) }
-	case "bare-pgx":
+	case "bare-relay", "bare-table", "bare-pgx":
 		cfg := pgtest.Config.Copy()
 		cfg.Database = name
 		conn, err := pgx.ConnectConfig(ctx, cfg)
@@ -144,11 +175,11 @@ func drainOurs(b *testing.B, name string, db *sql.DB, kind string) float64 {
 			b.Fatal(err)
 		}
 		defer conn.Close(ctx)
-		bare := &barePass{conn: conn, broker: broker}
+		bare := &barePass{conn: conn, broker: broker, claimSQL: claimSQL, relayColumns: kind != "bare-pgx"}
 		pass = func() (int, error) { return bare.pass(ctx) }
 		defer func() {
-			b.ReportMetric(float64(bare.claim.Microseconds())/float64(bare.passes), "bare-pgx-claim-µs/pass")
-			b.ReportMetric(float64(bare.mark.Microseconds())/float64(bare.passes), "bare-pgx-mark-µs/pass")
+			b.ReportMetric(float64(bare.claim.Microseconds())/float64(bare.passes), kind+"-claim-µs/pass")
+			b.ReportMetric(float64(bare.mark.Microseconds())/float64(bare.passes), kind+"-mark-µs/pass")
 		}()
 	}
 	b.StartTimer()
@@ -205,13 +236,69 @@ func quiet(b *testing.B, db *sql.DB) {
 	}
 }
 
-// barePass is the least a polling relay's pass sends: BEGIN, the claim,
-// the mark, COMMIT, one round trip each; it times the claim and the mark.
+// leastClaim is the claim the article's relay needs and no more.
+const leastClaim = `SELECT id, message_key::text, type, payload::text, COALESCE(aggregate, ''), COALESCE(seq, 0)
+	FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED`
+
+// relaysClaim is the text of the claim a relay made by NewOutboxRelayPgx,
+// with perAggregate, sends to the database named, captured by a pgx tracer
+// from one pass: call it while the outbox is empty. The claim has no
+// parameters: its batch size and limits are written into it.
+func relaysClaim(b *testing.B, name string, perAggregate bool) string {
+	var t claimTracer
+	cfg, err := pgxpool.ParseConfig("")
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg.ConnConfig = pgtest.Config.Copy()
+	cfg.ConnConfig.Database, cfg.ConnConfig.Tracer, cfg.MaxConns = name, &t, 2
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer p.Close()
+	relay := postgres.NewOutboxRelayPgx(p, &counted{})
+	relay.PerAggregate = perAggregate
+	if n, err := relay.PublishPending(context.Background()); n != 0 || err != nil {
+		b.Fatalf("the pass that shows the claim: %d, %v; want 0, <nil> (an empty outbox)", n, err)
+	}
+	if t.claim == "" {
+		b.Fatal("the relay's pass sent no claim (FOR UPDATE ... SKIP LOCKED) that the tracer saw")
+	}
+	return t.claim
+}
+
+// claimTracer is a pgx.QueryTracer that keeps the text of the last claim
+// (a statement with FOR UPDATE and SKIP LOCKED) its connections sent.
+type claimTracer struct {
+	mu    sync.Mutex
+	claim string
+}
+
+func (t *claimTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(data.SQL, "FOR UPDATE") && strings.Contains(data.SQL, "SKIP LOCKED") {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		t.claim = data.SQL
+	}
+	return ctx
+}
+
+func (t *claimTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// barePass is a polling relay's pass with nothing but its statements:
+// BEGIN, the claim (claimSQL), the mark, COMMIT, one round trip each; it
+// times the claim and the mark. With relayColumns the claim returns the
+// columns the relay's claims do (the message, the log's position, and with
+// PerAggregate the unsent head), read and dropped; otherwise
+// leastClaim's.
 type barePass struct {
-	conn        *pgx.Conn
-	broker      postgres.MessageBroker
-	claim, mark time.Duration
-	passes      int
+	conn         *pgx.Conn
+	broker       postgres.MessageBroker
+	claimSQL     string
+	relayColumns bool
+	claim, mark  time.Duration
+	passes       int
 }
 
 func (p *barePass) pass(ctx context.Context) (int, error) {
@@ -221,15 +308,24 @@ func (p *barePass) pass(ctx context.Context) (int, error) {
 	}
 	defer tx.Rollback(ctx)
 	began := time.Now()
-	rows, err := tx.Query(ctx, `SELECT id, message_key::text, type, payload::text, COALESCE(aggregate, ''), COALESCE(seq, 0)
-		FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED`)
+	rows, err := tx.Query(ctx, p.claimSQL)
 	if err != nil {
 		return 0, err
 	}
 	var ids []int64
 	for rows.Next() {
 		var m postgres.Message
-		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq); err != nil {
+		dest := []any{&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq}
+		if p.relayColumns {
+			var rejections int
+			var traceparent, tracestate, walInserted, head string
+			var walFlushed bool
+			dest = append(dest, &rejections, &traceparent, &tracestate, &walFlushed, &walInserted)
+			if len(rows.FieldDescriptions()) > len(dest) {
+				dest = append(dest, &head)
+			}
+		}
+		if err := rows.Scan(dest...); err != nil {
 			return 0, err
 		}
 		if err := p.broker.Publish(ctx, m); err != nil {
@@ -251,11 +347,11 @@ func (p *barePass) pass(ctx context.Context) (int, error) {
 	return len(ids), tx.Commit(ctx)
 }
 
-// drainWatermill writes the same orders in db, each with its message
+// drainWatermill writes that many orders in db, each with its message
 // published through watermill's forwarder in the order's transaction, then
 // times the forwarder moving them to a gochannel, each acknowledged as it
 // arrives, and returns its rate.
-func drainWatermill(b *testing.B, db *sql.DB) float64 {
+func drainWatermill(b *testing.B, db *sql.DB, orders int) float64 {
 	ctx := context.Background()
 	logger := watermill.NopLogger{}
 	schema := wsql.DefaultPostgreSQLSchema{SubscribeBatchSize: 100}
@@ -281,6 +377,9 @@ func drainWatermill(b *testing.B, db *sql.DB) float64 {
 		}
 	}
 	quiet(b, db)
+	if testing.Verbose() {
+		b.Logf("watermill's query for a batch, %d messages past its offset:\n%s", orders, explainWatermill(b, db, schema, offsets, topic))
+	}
 
 	out := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: int64(orders)}, logger)
 	defer out.Close()
@@ -340,4 +439,45 @@ func placeWatermillOrder(ctx context.Context, db *sql.DB, schema wsql.SchemaAdap
 		return err
 	}
 	return tx.Commit()
+}
+
+// explainWatermill is the plan of the query watermill's subscriber runs for
+// the first batch of topic, run in a transaction that is rolled back.
+func explainWatermill(b *testing.B, db *sql.DB, schema wsql.SchemaAdapter, offsets wsql.OffsetsAdapter, topic string) string {
+	ctx := context.Background()
+	q, err := schema.SelectQuery(wsql.SelectQueryParams{Topic: topic, ConsumerGroup: "relay", OffsetsAdapter: offsets})
+	if err != nil {
+		b.Fatal(err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer tx.Rollback()
+	before, err := offsets.BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams{Topic: topic, ConsumerGroup: "relay"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, q := range before { // the consumer group's offset, as a subscriber writes it first
+		if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
+			b.Fatal(err)
+		}
+	}
+	rows, err := tx.QueryContext(ctx, "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF, SUMMARY ON) "+q.Query, q.Args...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer rows.Close()
+	var plan strings.Builder
+	for rows.Next() {
+		var line string
+		if err := rows.Scan(&line); err != nil {
+			b.Fatal(err)
+		}
+		plan.WriteString("    " + line + "\n")
+	}
+	if err := rows.Err(); err != nil {
+		b.Fatal(err)
+	}
+	return plan.String()
 }
