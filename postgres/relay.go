@@ -674,7 +674,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		}
 	}
 
-	var sent []int64
+	sent := make([]int64, 0, len(msgs))
 	var failed []failure
 	var stop error      // why publishing stopped before the end of the batch, if it matters
 	var refused []error // with PerAggregate, the refusals the pass went on after
@@ -1049,21 +1049,27 @@ func (head unsentHead) passedOver(msgs []claimed) bool {
 func claim(ctx context.Context, tx txn, query string, batch int, limit, idle string, perAggregate bool) ([]claimed, walPosition, unsentHead, error) {
 	var wal walPosition
 	var head unsentHead
-	query = strings.NewReplacer(batchSize, strconv.Itoa(batch), passLimit, "'"+limit+"'", passIdle, "'"+idle+"'").Replace(query)
+	query = strings.ReplaceAll(strings.ReplaceAll(strings.ReplaceAll(query,
+		batchSize, strconv.Itoa(batch)), passLimit, "'"+limit+"'"), passIdle, "'"+idle+"'")
 	rows, err := tx.query(ctx, query)
 	if err != nil {
 		return nil, wal, head, fmt.Errorf("claim outbox rows: %w", err)
 	}
 	defer rows.Close()
+	// Each row is scanned into m, then copied into msgs: every column is
+	// written each time (strings, numbers), so nothing of the row before is
+	// left in m, and one set of destinations serves every row.
+	var m claimed
+	var traceparent, tracestate, headText string
+	dest := []any{&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq, &m.rejections,
+		&traceparent, &tracestate, &wal.flushed, &wal.inserted} // the WAL's the same in every row
+	if perAggregate {
+		dest = append(dest, &headText) // and so is the head
+	}
 	var msgs []claimed
 	for rows.Next() {
-		var m claimed
-		var traceparent, tracestate string
-		dest := []any{&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq, &m.rejections,
-			&traceparent, &tracestate, &wal.flushed, &wal.inserted} // the WAL's the same in every row
-		var headText string
-		if perAggregate {
-			dest = append(dest, &headText) // and so is the head
+		if msgs == nil { // one allocation for a default batch, none for an empty claim
+			msgs = make([]claimed, 0, min(batch, DefaultBatchSize))
 		}
 		if err := rows.Scan(dest...); err != nil {
 			return nil, wal, head, fmt.Errorf("claim outbox rows: %w", err)

@@ -424,6 +424,22 @@ func taken(file string, from int64) bool {
 	return err == nil && int64(len(b)) > from && strings.Contains(string(b[from:]), "eaddrinuse")
 }
 
+// Log is the end of the node's log file, at most the last 4 KB: its
+// warnings and errors (the node logs nothing below warning), for a test
+// that failed to say what the server saw.
+func (n *Node) Log() string {
+	files, _ := filepath.Glob(filepath.Join(n.Dir, "log", "*.log"))
+	var b []byte
+	for _, f := range files {
+		text, _ := os.ReadFile(f)
+		b = append(b, text...)
+	}
+	if len(b) > 4096 {
+		b = b[len(b)-4096:]
+	}
+	return string(b)
+}
+
 // tail is the end of what the node printed, for an error.
 func (n *Node) tail() string {
 	b, _ := os.ReadFile(filepath.Join(n.Dir, "server.out"))
