@@ -46,10 +46,10 @@ var ErrClaimLost = errors.New("postgres: relay pass lost its claim")
 // alone (set_config with true is SET LOCAL). From the claim on, no statement
 // and no lock wait may last longer than passLimit ms, and no pause between
 // statements longer than passIdle ms, after which the server ends the
-// session and frees the rows. The claim itself runs under the session's own limits and
-// the pass's context. An uncorrelated subquery in WHERE is run once, as the
-// plan's first step, whether or not any row matches ("One-Time Filter" in
-// EXPLAIN). A statement of its own would do the same for one round trip
+// session and frees the rows. The claim itself runs under the session's own
+// limits and the pass's context. An uncorrelated subquery in WHERE is run
+// once, as the plan's first step, whether or not any row matches
+// ("One-Time Filter" in EXPLAIN). A statement of its own would do the same for one round trip
 // more a pass: 16% of a pass of one row, measured.
 //
 // It also turns off sequential scans for the rest of the pass, whose

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
+
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 	"example.com/patterns/enterprise/outbox/rabbitbroker"
@@ -220,4 +222,60 @@ func TestServerThatBlocksPublishersIsUnavailable(t *testing.T) {
 		defer cancel()
 		return pub.Publish(ctx, msg) == nil
 	})
+}
+
+// A message refused (basic.nack) closes the channel it went on, and the
+// next message goes on a new one; a message taken keeps it. With RabbitMQ
+// 3.10 a channel that had messages in flight to a quorum queue whose leader
+// was killed refused every later message for as long as it lived, while a
+// new channel's went through to the new leader
+// (TestQueueLeaderKilledMidDrainLosesNothingConfirmed met it). Here a
+// queue refuses by design: it holds two messages at most and refuses more
+// (x-overflow reject-publish). (Caught: a Publisher that kept the refusing
+// channel: the fourth message went on it.)
+func TestRefusedMessageClosesItsChannel(t *testing.T) {
+	ch, closing := channel(t, node.URL())
+	defer closing()
+	const name = "limited"
+	if err := ch.ExchangeDeclare(name, amqp.ExchangeFanout, false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(name, false, true, false, false, amqp.Table{"x-max-length": 2, "x-overflow": "reject-publish"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ch.QueueBind(name, "", name, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	pub := rabbitbroker.NewPublisher(dialer(node.URL()), name, 0)
+	defer pub.Close()
+	publish := func(id int64) error {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		return pub.Publish(ctx, postgres.Message{ID: id, Key: fmt.Sprint("k", id), Type: "OrderPlaced", Payload: "{}"})
+	}
+	if err := publish(1); err != nil {
+		t.Fatal(err)
+	}
+	first := rabbitbroker.ChannelOf(pub)
+	if err := publish(2); err != nil {
+		t.Fatal(err)
+	}
+	if got := rabbitbroker.ChannelOf(pub); got != first {
+		t.Fatal("a message taken changed the Publisher's channel")
+	}
+	if err := publish(3); !errors.Is(err, postgres.ErrBrokerUnavailable) || !strings.Contains(err.Error(), "basic.nack") {
+		t.Fatalf("the third message, over the queue's length: %v; want a refusal (basic.nack) wrapping ErrBrokerUnavailable", err)
+	}
+	if !first.IsClosed() || rabbitbroker.ChannelOf(pub) != nil {
+		t.Fatal("the channel that refused a message is still the Publisher's")
+	}
+	if _, err := ch.QueuePurge(name, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := publish(4); err != nil {
+		t.Fatal(err)
+	}
+	if got := rabbitbroker.ChannelOf(pub); got == nil || got == first || got.IsClosed() {
+		t.Fatal("the message after the refusal did not go on a new channel")
+	}
 }

@@ -33,16 +33,15 @@ import (
 // OrderPlaced and was handed back; and a consumer whose workers took
 // messages by key, not by aggregate.) The relays' and consumers' failures
 // are logged into the test's output, and a drain that runs out of time says
-// the first unsent row's attempts and last error. declared, if not nil,
-// declares the topology the drain uses, before anything is placed;
-// otherwise it is declared on urls[0].
-func drainThroughAFault(t *testing.T, urls []string, relays int, declared func() rabbitbroker.Topology, fault func(stopRelay []func(), startRelay func() func())) {
+// the first unsent row's attempts and last error. ready, if not nil, is
+// called with the queue once it is declared, before anything is placed.
+func drainThroughAFault(t *testing.T, urls []string, relays int, ready func(queue string), fault func(stopRelay []func(), startRelay func() func())) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	if declared == nil {
-		declared = func() rabbitbroker.Topology { return declare(t, urls[0], 0) }
+	top := declare(t, urls[0], 0)
+	if ready != nil {
+		ready(top.Queue)
 	}
-	top := declared()
 	dial := dialAny(urls)
 	logger := slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})) // why passes and deliveries fail, if they do
 	startRelay := func() (stop func()) {

@@ -50,7 +50,14 @@ const (
 //     both copies: the consumer drops the second by its key.
 //
 // A Publisher holds one connection and one channel in confirm mode, dialled
-// when first needed and again after either closed. It is safe for
+// when first needed and again after either closed; it closes the channel
+// itself, and opens another for the next message, after a message on it was
+// refused (basic.nack) or got no confirm before its context ended. (With
+// RabbitMQ 3.10, a quorum queue's leader killed while a channel had
+// messages in flight to it left that channel refusing every later message,
+// for as long as it lived, while a new channel's went through to the new
+// leader; messages still in flight on a closed channel fail as unknown,
+// and go again.) It is safe for
 // concurrent use by multiple goroutines; Close it when done. Create one
 // with [NewPublisher].
 type Publisher struct {
@@ -175,7 +182,7 @@ func (p *Publisher) send(ctx context.Context, msg postgres.Message) (*inflight, 
 	if reason := p.blocked.Load(); reason != nil {
 		return nil, fmt.Errorf("message %s: the server blocks publishers (%s): %w", msg.Key, *reason, postgres.ErrBrokerUnavailable)
 	}
-	f := &inflight{key: msg.Key, size: len(pub.Body), done: make(chan struct{})}
+	f := &inflight{key: msg.Key, size: len(pub.Body), cc: cc, done: make(chan struct{})}
 	cc.mu.Lock()
 	tag := cc.ch.GetNextPublishSeqNo()
 	cc.pending[tag] = f
@@ -194,6 +201,7 @@ func (p *Publisher) wait(ctx context.Context, msg postgres.Message, f *inflight)
 	select {
 	case <-f.done:
 	case <-ctx.Done():
+		p.drop(f.cc)
 		return fmt.Errorf("message %s: no confirm before the context ended, so whether RabbitMQ took it is unknown: %w: %w",
 			msg.Key, postgres.ErrBrokerUnavailable, ctx.Err())
 	}
@@ -209,7 +217,19 @@ func (p *Publisher) wait(ctx context.Context, msg postgres.Message, f *inflight)
 		return fmt.Errorf("message %s: the channel closed before its confirm, so whether RabbitMQ took it is unknown: %w: %w",
 			msg.Key, postgres.ErrBrokerUnavailable, f.closed)
 	}
+	p.drop(f.cc)
 	return fmt.Errorf("message %s: RabbitMQ refused it (basic.nack): %w", msg.Key, postgres.ErrBrokerUnavailable)
+}
+
+// drop closes cc, if it is still the Publisher's channel, so that the next
+// message goes on a new one: see Publisher on why. The connection stays.
+func (p *Publisher) drop(cc *confirmChannel) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ch == cc {
+		cc.ch.Close()
+		p.ch = nil
+	}
 }
 
 // failed says what err, from handing msg to the channel, means: it may pass.
@@ -262,7 +282,8 @@ func watchBlocked(blocked *atomic.Pointer[string], blockings <-chan amqp.Blockin
 type inflight struct {
 	key  string
 	size int
-	done chan struct{} // closed once one of the three below is known
+	cc   *confirmChannel // the channel it was sent on
+	done chan struct{}   // closed once one of the three below is known
 
 	acked    bool
 	returned *amqp.Return // set before the confirm, when no queue took it
