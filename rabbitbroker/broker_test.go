@@ -266,9 +266,10 @@ func TestRefusedMessageClosesItsChannel(t *testing.T) {
 	if err := publish(3); !errors.Is(err, postgres.ErrBrokerUnavailable) || !strings.Contains(err.Error(), "basic.nack") {
 		t.Fatalf("the third message, over the queue's length: %v; want a refusal (basic.nack) wrapping ErrBrokerUnavailable", err)
 	}
-	if !first.IsClosed() || rabbitbroker.ChannelOf(pub) != nil {
+	if rabbitbroker.ChannelOf(pub) != nil {
 		t.Fatal("the channel that refused a message is still the Publisher's")
 	}
+	waitFor(t, "the channel that refused a message closed", first.IsClosed)
 	if _, err := ch.QueuePurge(name, false); err != nil {
 		t.Fatal(err)
 	}

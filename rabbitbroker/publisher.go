@@ -52,7 +52,7 @@ const (
 // A Publisher holds one connection and one channel in confirm mode, dialled
 // when first needed and again after either closed; it closes the channel
 // itself, and opens another for the next message, after a message on it was
-// refused (basic.nack) or got no confirm before its context ended. (With
+// refused (basic.nack). (With
 // RabbitMQ 3.10, a quorum queue's leader killed while a channel had
 // messages in flight to it left that channel refusing every later message,
 // for as long as it lived, while a new channel's went through to the new
@@ -201,7 +201,6 @@ func (p *Publisher) wait(ctx context.Context, msg postgres.Message, f *inflight)
 	select {
 	case <-f.done:
 	case <-ctx.Done():
-		p.drop(f.cc)
 		return fmt.Errorf("message %s: no confirm before the context ended, so whether RabbitMQ took it is unknown: %w: %w",
 			msg.Key, postgres.ErrBrokerUnavailable, ctx.Err())
 	}
@@ -223,12 +222,15 @@ func (p *Publisher) wait(ctx context.Context, msg postgres.Message, f *inflight)
 
 // drop closes cc, if it is still the Publisher's channel, so that the next
 // message goes on a new one: see Publisher on why. The connection stays.
+// The close waits for the server's answer, so it runs on its own, never
+// under p.mu: a server that stopped reading (a blocked connection) would
+// hold every Publish behind it.
 func (p *Publisher) drop(cc *confirmChannel) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.ch == cc {
-		cc.ch.Close()
 		p.ch = nil
+		go cc.ch.Close()
 	}
 }
 
