@@ -52,14 +52,12 @@ const (
 // A Publisher holds one connection and one channel in confirm mode, dialled
 // when first needed and again after either closed; it closes the channel
 // itself, and opens another for the next message, after a message on it was
-// refused (basic.nack). (With
-// RabbitMQ 3.10, a quorum queue's leader killed while a channel had
-// messages in flight to it left that channel refusing every later message,
-// for as long as it lived, while a new channel's went through to the new
-// leader; messages still in flight on a closed channel fail as unknown,
-// and go again.) It is safe for
-// concurrent use by multiple goroutines; Close it when done. Create one
-// with [NewPublisher].
+// refused (basic.nack). (With RabbitMQ 3.10, a quorum queue's leader killed
+// while a channel had messages in flight to it left that channel refusing
+// every later message, for as long as it lived, while a new channel's went
+// through to the new leader; messages still in flight on a closed channel
+// fail as unknown, and go again.) It is safe for concurrent use by
+// multiple goroutines; Close it when done. Create one with [NewPublisher].
 type Publisher struct {
 	dial     func() (*amqp.Connection, error)
 	exchange string
