@@ -163,7 +163,7 @@ func drainOurs(b *testing.B, name string, db *sql.DB, kind string, orders int) f
 		relay.PerAggregate = kind == "relay"
 		pass = func() (int, error) { return relay.PublishPending(ctx) }
 	case "relay-pgx":
-		p := newPool(b, name)
+		p := newPool(b, name, nil)
 		defer p.Close()
 		relay := postgres.NewOutboxRelayPgx(p, broker)
 		pass = func() (int, error) { return relay.PublishPending(ctx) }
@@ -195,14 +195,14 @@ func drainOurs(b *testing.B, name string, db *sql.DB, kind string, orders int) f
 }
 
 // newPool is a pool of at most four connections to the database named,
-// one of them connected.
-func newPool(b *testing.B, name string) *pgxpool.Pool {
+// one of them connected, whose queries tracer sees, if not nil.
+func newPool(b *testing.B, name string, tracer pgx.QueryTracer) *pgxpool.Pool {
 	cfg, err := pgxpool.ParseConfig("")
 	if err != nil {
 		b.Fatal(err)
 	}
 	cfg.ConnConfig = pgtest.Config.Copy()
-	cfg.ConnConfig.Database = name
+	cfg.ConnConfig.Database, cfg.ConnConfig.Tracer = name, tracer
 	cfg.MaxConns = 4
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
@@ -246,16 +246,7 @@ const leastClaim = `SELECT id, message_key::text, type, payload::text, COALESCE(
 // parameters: its batch size and limits are written into it.
 func relaysClaim(b *testing.B, name string, perAggregate bool) string {
 	var t claimTracer
-	cfg, err := pgxpool.ParseConfig("")
-	if err != nil {
-		b.Fatal(err)
-	}
-	cfg.ConnConfig = pgtest.Config.Copy()
-	cfg.ConnConfig.Database, cfg.ConnConfig.Tracer, cfg.MaxConns = name, &t, 2
-	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
+	p := newPool(b, name, &t)
 	defer p.Close()
 	relay := postgres.NewOutboxRelayPgx(p, &counted{})
 	relay.PerAggregate = perAggregate
