@@ -703,17 +703,20 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		}
 		msg := pending[n] // the message the broker did not accept
 		pending = pending[n+1:]
-		if ctx.Err() == nil {
-			// The broker's failure, or the end of the pass's budget (a
-			// publish that hung): either way written to the row, so that it
-			// says why the message is stuck. Only a refusal the broker made
-			// in time counts as a rejection; a timeout never parks a row.
-			f := failure{id: msg.ID, key: msg.Key, err: err, rejected: pubCtx.Err() == nil && errors.Is(err, ErrRejected)}
-			f.park = f.rejected && r.ParkAfter > 0 && msg.rejections+1 >= r.ParkAfter
-			failed = append(failed, f)
+		if ctx.Err() != nil { // stopped: nothing is written to the row
+			stop = fmt.Errorf("publish message %d: %w", msg.ID, err)
+			break
 		}
-		if pubCtx.Err() == nil { // the broker's own failure, not the end of the pass
-			f := failed[len(failed)-1]
+		// The broker's failure, or the end of the pass's budget (a publish
+		// that hung): either way written to the row, so that it says why the
+		// message is stuck. Only a refusal the broker made in time counts as
+		// a rejection; a timeout never parks a row. Each context is read
+		// once: a parent's Err is set before its children are cancelled.
+		inTime := pubCtx.Err() == nil
+		f := failure{id: msg.ID, key: msg.Key, err: err, rejected: inTime && errors.Is(err, ErrRejected)}
+		f.park = f.rejected && r.ParkAfter > 0 && msg.rejections+1 >= r.ParkAfter
+		failed = append(failed, f)
+		if inTime { // the broker's own failure, not the end of the pass
 			if f.park {
 				res.parked = append(res.parked, msg.ID)
 				if r.PerAggregate { // parked, it still holds back its aggregate

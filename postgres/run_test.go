@@ -215,3 +215,46 @@ func TestRunReturnsAfterMarkingWhatTheBrokerAccepted(t *testing.T) {
 	}
 	wantSent(t, db, true, true, true, false, false)
 }
+
+// A context's Err is set before the contexts made from it are cancelled, so
+// a relay can see its stop while the pass's budget has not yet heard of it.
+// The broker fails message 2 inside that moment: the pass stops there, marks
+// message 1, writes nothing to row 2 (a stop is not the broker's failure)
+// and returns the stop. (It read the two contexts one after the other and
+// took a failure it had not recorded: a panic, seen once in CI.)
+func TestStopSeenBeforeThePassBudgetHearsOfItEndsThePass(t *testing.T) {
+	db := newDatabase(t)
+	place(t, db, 100, 200, 300)
+	ctx := &stopsFirst{Context: context.Background()}
+	broker := brokerFunc(func(_ context.Context, m postgres.Message) error {
+		if m.ID == 2 {
+			ctx.stopped.Store(true)
+			return context.Canceled
+		}
+		return nil
+	})
+	n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx)
+	if n != 1 || !errors.Is(err, context.Canceled) {
+		t.Fatalf("pass = %d, %v; want 1, context.Canceled", n, err)
+	}
+	wantSent(t, db, true, false, false)
+	var attempts int
+	if err := db.QueryRow(`SELECT attempts FROM outbox WHERE id = 2`).Scan(&attempts); err != nil || attempts != 0 {
+		t.Errorf("row 2: %d attempts (%v), want 0", attempts, err)
+	}
+}
+
+// stopsFirst is a context whose Err reports the stop while its Done is
+// never closed: the moment, frozen, between a cancelled context's Err and
+// its children's cancellation.
+type stopsFirst struct {
+	context.Context
+	stopped atomic.Bool
+}
+
+func (c *stopsFirst) Err() error {
+	if c.stopped.Load() {
+		return context.Canceled
+	}
+	return nil
+}
