@@ -243,6 +243,14 @@ func TestRefusedMessageClosesItsChannel(t *testing.T) {
 	if _, err := ch.QueueDeclare(name, false, true, false, false, amqp.Table{"x-max-length": 2, "x-overflow": "reject-publish"}); err != nil {
 		t.Fatal(err)
 	}
+	defer func() { // the node outlives the test: go test -count=2 declares them again
+		if _, err := ch.QueueDelete(name, false, false, false); err != nil {
+			t.Error(err)
+		}
+		if err := ch.ExchangeDelete(name, false, false); err != nil {
+			t.Error(err)
+		}
+	}()
 	if err := ch.QueueBind(name, "", name, false, nil); err != nil {
 		t.Fatal(err)
 	}
