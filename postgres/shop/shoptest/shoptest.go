@@ -19,29 +19,43 @@ type Ordered struct {
 	applied   atomic.Int64
 	mu        sync.Mutex
 	last      map[string]int64
-	seen      map[string]bool
+	seen      map[string]bool // applied, as far as Ordered learned
+	late      map[string]bool // of seen, those learned from a copy
 	wrong     []string
 }
 
 // NewOrdered returns an Ordered that hands deliveries to w.
 func NewOrdered(w *shop.Warehouse) *Ordered {
-	return &Ordered{warehouse: w, last: map[string]int64{}, seen: map[string]bool{}}
+	return &Ordered{warehouse: w, last: map[string]int64{}, seen: map[string]bool{}, late: map[string]bool{}}
 }
 
 // Handle hands msg to the warehouse and, if it applied msg, checks that
 // msg's key was not applied before and that msg comes next in its
 // aggregate.
+//
+// A copy the warehouse drops, of a key Ordered never saw applied, counts as
+// applied then, late: the delivery that applied it heard an error after its
+// commit (a consumer stopped mid-commit, the outcome unknown to it), and the
+// copy is the first Ordered learns of it. If that delivery's own return
+// comes after the copy's, it is not counted again. Late counts them.
 func (o *Ordered) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
 	applied, err := o.warehouse.Handle(ctx, msg)
-	if !applied {
+	if !applied && err != nil {
 		return applied, err
 	}
-	o.applied.Add(1)
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.seen[msg.Key] {
+	switch {
+	case !applied && o.seen[msg.Key]: // a copy of what was applied
+		return applied, err
+	case !applied:
+		o.late[msg.Key] = true
+	case o.late[msg.Key] && o.seen[msg.Key]: // counted when its copy came
+		return applied, err
+	case o.seen[msg.Key]:
 		o.wrong = append(o.wrong, fmt.Sprintf("%s applied twice", msg.Key))
 	}
+	o.applied.Add(1)
 	o.seen[msg.Key] = true
 	if msg.Seq != o.last[msg.Aggregate]+1 {
 		o.wrong = append(o.wrong, fmt.Sprintf("%s seq %d applied after seq %d", msg.Aggregate, msg.Seq, o.last[msg.Aggregate]))
@@ -50,8 +64,16 @@ func (o *Ordered) Handle(ctx context.Context, msg postgres.Message) (bool, error
 	return applied, err
 }
 
-// Applied is how many messages the warehouse applied.
+// Applied is how many messages the warehouse applied, as far as Ordered
+// learned.
 func (o *Ordered) Applied() int64 { return o.applied.Load() }
+
+// Late is how many of Applied Ordered learned of only from a copy.
+func (o *Ordered) Late() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return len(o.late)
+}
 
 // Wrong lists what was applied out of order or twice, in the order found.
 func (o *Ordered) Wrong() []string {
