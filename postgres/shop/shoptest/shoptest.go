@@ -20,7 +20,7 @@ type Ordered struct {
 	mu        sync.Mutex
 	last      map[string]int64
 	seen      map[string]bool // applied, as far as Ordered learned
-	late      map[string]bool // of seen, those learned from a copy
+	late      map[string]bool // of seen, learned from a copy: true until its own delivery returns
 	wrong     []string
 }
 
@@ -50,7 +50,8 @@ func (o *Ordered) Handle(ctx context.Context, msg postgres.Message) (bool, error
 		return applied, err
 	case !applied:
 		o.late[msg.Key] = true
-	case o.late[msg.Key] && o.seen[msg.Key]: // counted when its copy came
+	case o.late[msg.Key]: // counted when its copy came; once only
+		o.late[msg.Key] = false
 		return applied, err
 	case o.seen[msg.Key]:
 		o.wrong = append(o.wrong, fmt.Sprintf("%s applied twice", msg.Key))
