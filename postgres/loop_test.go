@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 
@@ -401,6 +402,35 @@ func TestServerErrorAtCommitIsARollbackNotAnUnknownOutcome(t *testing.T) {
 	}
 	var n int
 	if err := db.QueryRow(`SELECT count(*) FROM deferred_unique`).Scan(&n); err != nil || n != 0 {
+		t.Errorf("rows kept: %d, %v; want 0", n, err)
+	}
+}
+
+// A commit the server answers with a rollback (a statement failed and fn
+// went on, so the transaction was aborted) is a rollback known for certain:
+// Transaction's error wraps pgx.ErrTxCommitRollback, not ErrCommitUnknown,
+// on database/sql as on pgx, and nothing fn wrote is kept. (Caught: the
+// database/sql path took it for an unknown outcome.)
+func TestCommitTheServerTurnedIntoARollbackIsNotAnUnknownOutcome(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	if _, err := db.Exec(`CREATE TABLE aborted (k integer)`); err != nil {
+		t.Fatal(err)
+	}
+	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO aborted VALUES (1)`); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `SELECT 1/0`); err == nil {
+			return errors.New("SELECT 1/0 did not fail")
+		}
+		return nil // the error swallowed: the transaction is aborted, and COMMIT rolls it back
+	})
+	if errors.Is(err, postgres.ErrCommitUnknown) || !errors.Is(err, pgx.ErrTxCommitRollback) {
+		t.Fatalf("Transaction = %v; want pgx.ErrTxCommitRollback, not ErrCommitUnknown", err)
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM aborted`).Scan(&n); err != nil || n != 0 {
 		t.Errorf("rows kept: %d, %v; want 0", n, err)
 	}
 }

@@ -273,7 +273,8 @@ func TestForgetProcessedForgetsOnlyClosedPositions(t *testing.T) {
 // A message the broker rejects for ever is parked after ParkAfter
 // rejections, and the rows after it flow; each failed pass wrote its
 // attempt, with the error, even though it sent nothing. ListParked shows it,
-// ReadLag counts it, Unpark puts it back, after the rows that went on.
+// ReadLag counts it, Unpark puts it back, after the rows that went on, its
+// rejections counted from zero again.
 func TestRejectedMessageIsParkedAndTheRestFlow(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -313,13 +314,22 @@ func TestRejectedMessageIsParkedAndTheRestFlow(t *testing.T) {
 		t.Errorf("ReadLag = %+v, %v; want 0 unsent, 1 parked", lag, err)
 	}
 
-	rejecting.Delete(int64(2))
 	if err := postgres.Unpark(ctx, db, 2); err != nil {
 		t.Fatal(err)
 	}
 	if err := postgres.Unpark(ctx, db, 2); !errors.Is(err, postgres.ErrNotParked) {
 		t.Errorf("Unpark of a row not parked = %v, want ErrNotParked", err)
 	}
+	// Its rejections start again from zero: one more is not yet ParkAfter.
+	// (Caught: an Unpark that kept them, so that the next refusal parked
+	// the row again at once.)
+	if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, postgres.ErrRejected) {
+		t.Fatalf("pass after Unpark, the broker still refusing = %d, %v; want 0, ErrRejected", n, err)
+	}
+	if parked, err := postgres.ListParked(ctx, db, 0); err != nil || len(parked) != 0 {
+		t.Fatalf("ListParked after one refusal past Unpark = %+v, %v; want none: its rejections start from zero", parked, err)
+	}
+	rejecting.Delete(int64(2))
 	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("pass after Unpark = %d, %v; want 1", n, err)
 	}

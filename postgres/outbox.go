@@ -68,8 +68,10 @@ var ErrCommitUnknown = errors.New("postgres: commit outcome unknown")
 //
 // If fn returns an error, or panics, the transaction is rolled back and the
 // error is returned unchanged (the panic goes on). If the commit fails with
-// the server's own error, nothing fn wrote is kept; any other commit error
-// wraps [ErrCommitUnknown], and then what fn wrote may be kept or not.
+// the server's own error, or the server answers it with a rollback (a
+// statement had failed and fn went on: [pgx.ErrTxCommitRollback]), nothing
+// fn wrote is kept; any other commit error wraps [ErrCommitUnknown], and
+// then what fn wrote may be kept or not.
 func Transaction(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
 	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
@@ -82,14 +84,15 @@ func Transaction(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) err
 	return commit(tx)
 }
 
-// commit commits tx and tells an error the server sent (the transaction was
-// rolled back) from one it did not (the outcome is unknown).
+// commit commits tx and tells an error the server sent, or a commit it
+// turned into a rollback (the transaction was rolled back), from one it did
+// not send (the outcome is unknown).
 func commit(tx *sql.Tx) error {
 	err := tx.Commit()
 	switch {
 	case err == nil:
 		return nil
-	case sqlState(err) != "":
+	case sqlState(err) != "", errors.Is(err, pgx.ErrTxCommitRollback):
 		return fmt.Errorf("commit: %w", err)
 	default:
 		return fmt.Errorf("commit: %w: %w", ErrCommitUnknown, err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -101,14 +102,17 @@ func TestLostConfirmIsSentAgainAndTheCopyDropped(t *testing.T) {
 	wantEachOrderReservedOnce(t, db, 1)
 }
 
-// What can never be published is a rejection, and what follows it flows:
-// a message no queue takes (an exchange with nothing bound: returned), and
-// one over the node's max_message_size, refused by the Publisher before it
-// is sent when it knows the limit, and by the server, which closes the
-// channel, when it does not; the Publisher opens a new channel for the
-// next message. Through a relay with ParkAfter 1, the big row is parked
-// and the order after it reserved.
-func TestUnroutableAndOversizedAreRejectionsAndTheRestFlows(t *testing.T) {
+// What can never be published is a rejection, and what follows it flows: a
+// message over the node's max_message_size, refused by the Publisher before
+// it is sent when it knows the limit, and by the server, which closes the
+// channel, when it does not; the Publisher opens a new channel for the next
+// message. Through a relay with ParkAfter 1, the big row is parked and the
+// order after it reserved. A message no queue takes (an exchange with
+// nothing bound: returned, NO_ROUTE) is a topology fault, which a
+// re-declare mends, so it may pass: ErrBrokerUnavailable, and once the
+// queue is bound again the same message goes through. (Caught: NO_ROUTE as
+// a rejection, which parks rows a binding would have taken.)
+func TestUnroutableMayPassAndOversizedIsARejection(t *testing.T) {
 	ctx := context.Background()
 	top := declare(t, node.URL(), 0)
 	msg := postgres.Message{ID: 1, Key: "k1", Type: "OrderPlaced", Payload: `{"orderId":1,"totalCents":100}`}
@@ -125,7 +129,6 @@ func TestUnroutableAndOversizedAreRejectionsAndTheRestFlows(t *testing.T) {
 		msg  postgres.Message
 		why  string
 	}{
-		{"unroutable", newPublisher(t, node.URL(), unbound, 0), msg, "no queue takes routing key OrderPlaced"},
 		{"over the size the publisher knows", newPublisher(t, node.URL(), top, maxMessageSize), big, "over the"},
 		{"over the size the server takes", newPublisher(t, node.URL(), top, 0), big, "larger than configured max size"},
 	} {
@@ -134,11 +137,29 @@ func TestUnroutableAndOversizedAreRejectionsAndTheRestFlows(t *testing.T) {
 			if !errors.Is(err, postgres.ErrRejected) || !strings.Contains(err.Error(), tc.why) {
 				t.Fatalf("Publish = %v; want ErrRejected saying %q", err, tc.why)
 			}
-			if err := tc.pub.Publish(ctx, postgres.Message{ID: 3, Key: "k3", Type: "OrderPlaced", Payload: "{}"}); err != nil && tc.name != "unroutable" {
+			if err := tc.pub.Publish(ctx, postgres.Message{ID: 3, Key: "k3", Type: "OrderPlaced", Payload: "{}"}); err != nil {
 				t.Errorf("the next Publish = %v; want <nil>", err)
 			}
 		})
 	}
+	t.Run("unroutable", func(t *testing.T) {
+		pub := newPublisher(t, node.URL(), unbound, 0)
+		err := pub.Publish(ctx, msg)
+		if !errors.Is(err, postgres.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) || !strings.Contains(err.Error(), "no queue takes routing key OrderPlaced") {
+			t.Fatalf("Publish = %v; want ErrBrokerUnavailable, not ErrRejected, saying no queue takes routing key OrderPlaced", err)
+		}
+		ch, closing := channel(t, node.URL())
+		defer closing()
+		if err := ch.QueueBind(unbound.Queue, "#", unbound.Exchange, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.Publish(ctx, msg); err != nil {
+			t.Fatalf("Publish once the queue is bound again = %v; want <nil>", err)
+		}
+		if n := queued(t, node.URL(), unbound.Queue); n != 1 {
+			t.Errorf("the queue holds %d messages, want 1", n)
+		}
+	})
 	t.Run("relay", func(t *testing.T) {
 		db := newDatabase(t)
 		top := declare(t, node.URL(), 0)
@@ -286,5 +307,92 @@ func TestRefusedMessageClosesItsChannel(t *testing.T) {
 	}
 	if got := rabbitbroker.ChannelOf(pub); got == nil || got == first || got.IsClosed() {
 		t.Fatal("the message after the refusal did not go on a new channel")
+	}
+}
+
+// A server that stops reading (here a proxy that stalls, while what the
+// server sends still flows, heartbeats too): a publish stuck in its write
+// returns when its context ends, with ErrBrokerUnavailable and the
+// context's error, saying the outcome is unknown, and so does a small one
+// queued behind it on the same connection; the Publisher then drops the
+// connection, and the next publish dials a new one and goes through.
+// (Caught: a Publisher that held its lock across the write, and a client
+// whose write does not heed the context: both calls returned only when
+// the connection failed, with the write's error, not the context's.)
+func TestPublishToAServerThatStopsReadingEndsWithItsContext(t *testing.T) {
+	top := declare(t, node.URL(), 0)
+	proxy := newStallingProxy(t, strings.TrimPrefix(strings.TrimSuffix(node.URL(), "/"), "amqp://guest:guest@"))
+	var conns []*watchedConn
+	var connsMu sync.Mutex
+	dial := func() (*amqp.Connection, error) {
+		return amqp.DialConfig(proxy.url(), amqp.Config{Dial: func(network, addr string) (net.Conn, error) {
+			c, err := net.DialTimeout(network, addr, 30*time.Second)
+			if err != nil {
+				return nil, err
+			}
+			w := &watchedConn{Conn: c}
+			connsMu.Lock()
+			conns = append(conns, w)
+			connsMu.Unlock()
+			return w, nil
+		}})
+	}
+	const big = 32 << 20
+	pub := rabbitbroker.NewPublisher(dial, top.Exchange, 2*big)
+	t.Cleanup(func() { pub.Close() })
+	publish := func(ctx context.Context, id int64, size int) error {
+		return pub.Publish(ctx, postgres.Message{ID: id, Key: fmt.Sprint("k", id), Type: "OrderPlaced", Payload: strings.Repeat("x", size)})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := publish(ctx, 1, 2); err != nil {
+		t.Fatal(err)
+	}
+	connsMu.Lock()
+	first := conns[0]
+	connsMu.Unlock()
+
+	proxy.stall()
+	type result struct {
+		id  int64
+		err error
+	}
+	results := make(chan result, 2)
+	bigCtx, cancelBig := context.WithCancel(context.Background())
+	defer cancelBig()
+	before := first.offered.Load()
+	go func() { results <- result{2, publish(bigCtx, 2, big)} }()
+	// The big message's write is under way and stuck: more of it offered
+	// than the kernel's buffers hold, and less than all of it.
+	waitFor(t, "the big message's write stuck", func() bool {
+		offered := first.offered.Load() - before
+		return first.writing.Load() > 0 && offered > 1<<20 && offered < big
+	})
+	smallCtx, cancelSmall := context.WithCancel(context.Background())
+	defer cancelSmall()
+	go func() { results <- result{3, publish(smallCtx, 3, 2)} }()
+	cancelBig()
+	cancelSmall()
+	for range 2 {
+		var r result
+		select {
+		case r = <-results:
+		case <-time.After(2 * time.Minute):
+			t.Fatal("a publish to a server that stopped reading did not return within 2m of its context's end")
+		}
+		if !errors.Is(r.err, postgres.ErrBrokerUnavailable) || !errors.Is(r.err, context.Canceled) || !strings.Contains(r.err.Error(), "unknown") {
+			t.Errorf("message %d: %v; want ErrBrokerUnavailable and context.Canceled, the outcome unknown", r.id, r.err)
+		}
+	}
+	proxy.resume()
+	waitFor(t, "the stuck connection closed", func() bool { return first.writing.Load() == 0 })
+	if err := publish(ctx, 4, 2); err != nil {
+		t.Fatalf("a publish after the stall: %v", err)
+	}
+	connsMu.Lock()
+	n := len(conns)
+	connsMu.Unlock()
+	if n != 2 {
+		t.Errorf("%d connections dialled, want 2 (the stuck one dropped, one new)", n)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -35,18 +36,20 @@ const (
 //
 // What the server says comes back as the relay needs it:
 //   - a confirm (basic.ack): accepted;
-//   - a message no queue takes (returned, NO_ROUTE: nothing is bound to its
-//     type) or over the size the server takes (the Publisher's
-//     MaxMessageSize, or the server's, which closes the channel): errors
+//   - a message over the size the server takes (the Publisher's
+//     maxSize, or the server's, which closes the channel): an error
 //     wrapping [postgres.ErrRejected], which a relay may park;
 //   - everything else may pass, errors wrapping
-//     [postgres.ErrBrokerUnavailable]: a basic.nack, no confirm before the
-//     context ended, a channel or connection closed (a node down, a queue
-//     with no quorum), no connection to be had, a server that blocks
-//     publishers (connection.blocked: its memory or disk alarm), which
-//     fails at once rather than leave a write hanging past the context. After such an error
-//     RabbitMQ may hold the message all the same; the relay publishes it
-//     again, and RabbitMQ, which keeps no record of what it took, delivers
+//     [postgres.ErrBrokerUnavailable]: a message no queue takes (returned,
+//     NO_ROUTE: nothing is bound to its type, a topology fault that a
+//     re-declare mends, so the row waits rather than being parked), a
+//     basic.nack, no confirm before the context ended, a channel or
+//     connection closed (a node down, a queue with no quorum), no
+//     connection to be had, a server that blocks publishers
+//     (connection.blocked: its memory or disk alarm), which fails at once
+//     rather than leave a write hanging past the context. After such an
+//     error RabbitMQ may hold the message all the same; the relay publishes
+//     it again, and RabbitMQ, which keeps no record of what it took, delivers
 //     both copies: the consumer drops the second by its key.
 //
 // A Publisher holds one connection and one channel in confirm mode, dialled
@@ -56,20 +59,32 @@ const (
 // while a channel had messages in flight to it left that channel refusing
 // every later message, for as long as it lived, while a new channel's went
 // through to the new leader; messages still in flight on a closed channel
-// fail as unknown, and go again.) It is safe for concurrent use by
-// multiple goroutines; Close it when done. Create one with [NewPublisher].
+// fail as unknown, and go again.)
+//
+// Publish and PublishBatch are bounded by their context at every step: a
+// channel being opened, the network write and the confirm. The client's
+// writes do not heed a context, so each message is handed to the server on
+// a goroutine of its own; if the context ends first (a server that stopped
+// reading, its TCP window full), the call returns an error wrapping
+// [postgres.ErrBrokerUnavailable] that says the outcome is unknown, and the
+// Publisher closes that connection at once (a deadline on its socket ends
+// the stuck write); the next message dials a new one. A dial is bounded by
+// the dial function's own timeout (amqp.Dial's is 30 s); a caller whose
+// context ends meanwhile returns all the same.
+//
+// It is safe for concurrent use by multiple goroutines; Close it when done.
+// Create one with [NewPublisher].
 type Publisher struct {
 	dial     func() (*amqp.Connection, error)
 	exchange string
 	maxSize  int
 
-	mu   sync.Mutex // guards conn, blocked and ch; held while a message is handed to ch
-	conn *amqp.Connection
-	ch   *confirmChannel
+	opening sync.Mutex // held while a connection is dialled or a channel opened
 
-	// blocked holds the reason the server gave when it stopped reading
-	// from conn (connection.blocked: a memory or disk alarm), or nil.
-	blocked *atomic.Pointer[string]
+	mu      sync.Mutex // guards conn, blocked and ch; never held across network I/O
+	conn    *amqp.Connection
+	blocked *atomic.Pointer[string] // conn's, set by watchBlocked
+	ch      *confirmChannel         // a channel on conn, or nil
 }
 
 var (
@@ -101,19 +116,24 @@ func (p *Publisher) MessagingSystem() string { return "rabbitmq" }
 // Close closes the Publisher's connection; messages in flight get no
 // confirm, and their Publish returns an error wrapping
 // postgres.ErrBrokerUnavailable.
+// It waits at most CloseTimeout for the server's answer.
 func (p *Publisher) Close() error {
 	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.conn == nil {
+	conn := p.conn
+	p.conn, p.ch = nil, nil
+	p.mu.Unlock()
+	if conn == nil {
 		return nil
 	}
-	err := p.conn.Close()
-	p.conn, p.ch = nil, nil
+	err := conn.CloseDeadline(time.Now().Add(CloseTimeout))
 	if errors.Is(err, amqp.ErrClosed) {
 		return nil
 	}
 	return err
 }
+
+// CloseTimeout bounds how long Close waits for the server to answer.
+const CloseTimeout = 5 * time.Second
 
 // Publish publishes msg and waits for its confirm, or for ctx to end.
 func (p *Publisher) Publish(ctx context.Context, msg postgres.Message) error {
@@ -171,16 +191,58 @@ func (p *Publisher) send(ctx context.Context, msg postgres.Message) (*inflight, 
 		Type:         msg.Type,
 		Body:         []byte(msg.Payload),
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	cc, err := p.channel()
+	type handed struct {
+		f   *inflight
+		err error
+	}
+	done := make(chan handed, 1)
+	var using atomic.Pointer[amqp.Connection] // the connection the goroutine writes to
+	go func() {
+		f, err := p.hand(ctx, msg, pub, &using)
+		done <- handed{f, err}
+	}()
+	select {
+	case h := <-done:
+		return h.f, h.err
+	case <-ctx.Done():
+	}
+	select {
+	case h := <-done: // handed over as the context ended
+		return h.f, h.err
+	default:
+	}
+	if conn := using.Load(); conn != nil {
+		// The write, or the channel's opening, is stuck: the server does not
+		// read. The next message dials anew, and a deadline on the socket
+		// ends the stuck write; nothing else sent on this connection can be
+		// trusted to arrive.
+		p.mu.Lock()
+		if p.conn == conn {
+			p.conn, p.ch = nil, nil
+		}
+		p.mu.Unlock()
+		go conn.CloseDeadline(time.Now())
+	}
+	return nil, fmt.Errorf("message %s: not handed to RabbitMQ before the context ended, so whether it took it is unknown; the connection is closed: %w: %w",
+		msg.Key, postgres.ErrBrokerUnavailable, ctx.Err())
+}
+
+// hand gets the Publisher's channel and writes msg to it, as pub, telling
+// using of the connection before any network I/O on it. It runs on a
+// goroutine of its own: the client's writes do not heed ctx.
+func (p *Publisher) hand(ctx context.Context, msg postgres.Message, pub amqp.Publishing, using *atomic.Pointer[amqp.Connection]) (*inflight, error) {
+	cc, err := p.channel(using)
 	if err != nil {
 		return nil, fmt.Errorf("message %s: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
 	}
-	if reason := p.blocked.Load(); reason != nil {
+	if reason := cc.blocked.Load(); reason != nil {
 		return nil, fmt.Errorf("message %s: the server blocks publishers (%s): %w", msg.Key, *reason, postgres.ErrBrokerUnavailable)
 	}
 	f := &inflight{key: msg.Key, size: len(pub.Body), cc: cc, done: make(chan struct{})}
+	// The delivery tag the client gives the message and its write go
+	// together, so that tags follow the order of writes on the channel.
+	cc.sending.Lock()
+	defer cc.sending.Unlock()
 	cc.mu.Lock()
 	tag := cc.ch.GetNextPublishSeqNo()
 	cc.pending[tag] = f
@@ -204,8 +266,8 @@ func (p *Publisher) wait(ctx context.Context, msg postgres.Message, f *inflight)
 	}
 	switch {
 	case f.returned != nil:
-		return fmt.Errorf("message %s: no queue takes routing key %s on exchange %s (%d %s): %w",
-			msg.Key, msg.Type, p.exchange, f.returned.ReplyCode, f.returned.ReplyText, postgres.ErrRejected)
+		return fmt.Errorf("message %s: no queue takes routing key %s on exchange %s (%d %s; a binding missing, which a re-declare of the topology mends): %w",
+			msg.Key, msg.Type, p.exchange, f.returned.ReplyCode, f.returned.ReplyText, postgres.ErrBrokerUnavailable)
 	case f.acked:
 		return nil
 	case f.closed != nil && f.closed.Code == amqp.PreconditionFailed && f.tooLarge():
@@ -241,20 +303,39 @@ func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error)
 }
 
 // channel returns the open confirm channel, dialling and opening one if
-// there is none. p.mu is held.
-func (p *Publisher) channel() (*confirmChannel, error) {
-	if p.ch != nil && !p.ch.ch.IsClosed() {
-		return p.ch, nil
+// there is none; it stores in using the connection it is about to do
+// network I/O on, so that a caller whose context ends can close it.
+func (p *Publisher) channel(using *atomic.Pointer[amqp.Connection]) (*confirmChannel, error) {
+	p.mu.Lock()
+	cc := p.ch
+	p.mu.Unlock()
+	if cc != nil && !cc.ch.IsClosed() {
+		using.Store(cc.conn)
+		return cc, nil
 	}
-	if p.conn == nil || p.conn.IsClosed() {
-		conn, err := p.dial()
+	p.opening.Lock()
+	defer p.opening.Unlock()
+	p.mu.Lock()
+	conn, cc := p.conn, p.ch
+	p.mu.Unlock()
+	if cc != nil && !cc.ch.IsClosed() { // another goroutine opened it meanwhile
+		using.Store(cc.conn)
+		return cc, nil
+	}
+	blocked := p.blocked
+	if conn == nil || conn.IsClosed() {
+		c, err := p.dial()
 		if err != nil {
 			return nil, fmt.Errorf("dial: %w", err)
 		}
-		p.conn, p.blocked = conn, new(atomic.Pointer[string])
-		go watchBlocked(p.blocked, conn.NotifyBlocked(make(chan amqp.Blocking, 1)))
+		conn, blocked = c, new(atomic.Pointer[string])
+		go watchBlocked(blocked, conn.NotifyBlocked(make(chan amqp.Blocking, 1)))
+		p.mu.Lock()
+		p.conn, p.blocked, p.ch = conn, blocked, nil
+		p.mu.Unlock()
 	}
-	ch, err := p.conn.Channel()
+	using.Store(conn)
+	ch, err := conn.Channel()
 	if err != nil {
 		return nil, fmt.Errorf("open a channel: %w", err)
 	}
@@ -262,8 +343,11 @@ func (p *Publisher) channel() (*confirmChannel, error) {
 		ch.Close()
 		return nil, fmt.Errorf("confirm mode: %w", err)
 	}
-	p.ch = newConfirmChannel(ch)
-	return p.ch, nil
+	cc = newConfirmChannel(conn, ch, blocked)
+	p.mu.Lock()
+	p.ch = cc
+	p.mu.Unlock()
+	return cc, nil
 }
 
 // watchBlocked records in blocked what the server says of blocking a
@@ -308,13 +392,20 @@ func (f *inflight) tooLarge() bool {
 // confirmChannel is a channel in confirm mode with the messages it holds in
 // flight, by delivery tag, and a goroutine that tells each of its confirm.
 type confirmChannel struct {
-	ch      *amqp.Channel
-	mu      sync.Mutex
+	conn *amqp.Connection // the connection ch is on
+	ch   *amqp.Channel
+
+	// blocked holds the reason the server gave when it stopped reading
+	// from conn (connection.blocked: a memory or disk alarm), or nil.
+	blocked *atomic.Pointer[string]
+
+	sending sync.Mutex // held from a message's delivery tag to its write
+	mu      sync.Mutex // guards pending
 	pending map[uint64]*inflight
 }
 
-func newConfirmChannel(ch *amqp.Channel) *confirmChannel {
-	cc := &confirmChannel{ch: ch, pending: map[uint64]*inflight{}}
+func newConfirmChannel(conn *amqp.Connection, ch *amqp.Channel, blocked *atomic.Pointer[string]) *confirmChannel {
+	cc := &confirmChannel{conn: conn, ch: ch, blocked: blocked, pending: map[uint64]*inflight{}}
 	// Unbuffered: the client hands over a message's return before it reads
 	// that message's confirm, so listen has every return before the
 	// confirm it precedes.
