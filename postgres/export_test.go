@@ -2,12 +2,14 @@ package postgres
 
 import (
 	"context"
-
-	"github.com/jackc/pgx/v5/pgxpool"
-
+	"database/sql"
+	"log/slog"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // This file is compiled only into the package's tests. It lets them reach
@@ -63,3 +65,40 @@ func SetMigrationLockWait(d time.Duration) (restore func()) {
 
 // DeleteSentQuery is one batch of DeleteSent, for EXPLAIN.
 const DeleteSentQuery = deleteSent
+
+// Marks is the log relay's marking of what it delivered, for the tests to
+// drive one mark at a time.
+type Marks struct{ m *marks }
+
+// NewMarks returns the marks a LogRelay with MarkIn db makes.
+func NewMarks(db *sql.DB, timeout time.Duration, logger *slog.Logger, report func(PassReport)) *Marks {
+	return &Marks{newMarks(&LogRelay{MarkIn: db, PublishTimeout: timeout, Logger: logger, OnPass: report})}
+}
+
+// Delivered notes rows of table delivered up to end, starting a mark.
+func (m *Marks) Delivered(ctx context.Context, table string, ids []int64, end uint64) {
+	tables := make([]string, len(ids))
+	for i := range tables {
+		tables[i] = table
+	}
+	m.m.delivered(ctx, tables, ids, pglogrepl.LSN(end))
+}
+
+// Retry lets the next mark start now, past its backoff, and starts it.
+func (m *Marks) Retry(ctx context.Context) {
+	m.m.notBefore = time.Time{}
+	m.m.start(ctx)
+}
+
+// Wait waits for the mark being written, if one is, and takes its result.
+func (m *Marks) Wait() {
+	if m.m.busy {
+		m.m.ended(<-m.m.done)
+	}
+}
+
+// MarkedTo is the position up to which every row delivered is marked.
+func (m *Marks) MarkedTo() uint64 { return uint64(m.m.markedTo) }
+
+// Idle reports whether every row delivered is marked (or given up on).
+func (m *Marks) Idle() bool { return m.m.idle() }

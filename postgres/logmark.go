@@ -4,19 +4,48 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"log/slog"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pglogrepl"
 )
 
+// ErrNotMarked is reported (LogRelay.OnPass, in PassReport.Err) for rows
+// the log relay delivered and then could not find to mark sent, after
+// MarkRetries marks over some seconds: deleted, or in a table the relay's
+// MarkIn does not see. They stay counted as unsent, and the slot moves
+// past them all the same, so that one missing row does not hold the log
+// for ever.
+var ErrNotMarked = errors.New("postgres: delivered rows not found to mark sent")
+
+// MarkRetries is how many marks in a row may miss a delivered row before
+// the log relay gives up on it (ErrNotMarked). A row the log carried can
+// be invisible to other sessions for a moment after its commit (the
+// server writes the commit to the log before it makes it visible), so a
+// mark that finds fewer rows than it was given tries the rest again.
+const MarkRetries = 10
+
+// markBackoff is how long the marks wait after the first mark that fell
+// short before the next one starts, doubling with each such mark up to
+// maxMarkBackoff.
+const (
+	markBackoff    = 50 * time.Millisecond
+	maxMarkBackoff = 5 * time.Second
+)
+
 // marks is how a log relay session marks the rows it delivered sent
 // (LogRelay.MarkIn): in a goroutine, so that the stream never waits for a
 // write; one mark at a time, each of every row delivered since the one
-// before began. A mark runs before the server hears of the rows it marks:
-// what the slot has confirmed is marked (or its mark failed and was
-// logged), so that a crash between the two never leaves a delivered row
-// counted as unsent for ever. Used by the session's goroutine only.
+// before began, and of the rows the one before could not mark. A mark runs
+// before the server hears of the rows it marks: the slot is told of a
+// position only once every row delivered before it is marked (or, not
+// found after MarkRetries marks, given up on and logged), so that neither
+// a crash nor a mark that failed or matched fewer rows than it was given
+// ever leaves a delivered row counted as unsent for ever. Used by the
+// session's goroutine only.
 type marks struct {
 	db      *sql.DB
 	timeout time.Duration
@@ -28,18 +57,33 @@ type marks struct {
 	busy      bool               // a mark is being written
 	done      chan markResult    // where it ends
 	markedTo  pglogrepl.LSN      // every row delivered before it has been marked
+
+	short     int            // marks in a row that fell short: their rows wait in pending
+	notBefore time.Time      // no mark starts before it, after one that fell short
+	missed    map[rowRef]int // rows not found, by how many marks in a row missed them
+	now       func() time.Time
 }
 
-// markResult is what one mark did: up to which position, how many rows.
+// rowRef names a row of an outbox table.
+type rowRef struct {
+	table string
+	id    int64
+}
+
+// markResult is what one mark did: up to which position, how many rows,
+// and which it could not mark.
 type markResult struct {
 	upTo   pglogrepl.LSN
 	marked int
+	unseen map[string][]int64 // rows the mark's snapshot did not hold: not visible yet, or gone
+	failed map[string][]int64 // rows whose statement failed
 	err    error
 }
 
 func newMarks(r *LogRelay) *marks {
 	return &marks{db: r.MarkIn, timeout: orDefault(r.PublishTimeout, DefaultPassTimeout), logger: r.Logger,
-		report: r.OnPass, pending: map[string][]int64{}, done: make(chan markResult, 1)}
+		report: r.OnPass, pending: map[string][]int64{}, done: make(chan markResult, 1),
+		missed: map[rowRef]int{}, now: time.Now}
 }
 
 // delivered notes a transaction delivered whole, its rows by table, up to
@@ -53,9 +97,10 @@ func (m *marks) delivered(ctx context.Context, tables []string, ids []int64, end
 }
 
 // start hands what is pending to a goroutine that marks it, unless a mark
-// is being written or nothing is pending.
+// is being written, nothing is pending, or the backoff after a mark that
+// fell short has not passed.
 func (m *marks) start(ctx context.Context) {
-	if m.busy || len(m.pending) == 0 {
+	if m.busy || len(m.pending) == 0 || m.now().Before(m.notBefore) {
 		return
 	}
 	rows, upTo := m.pending, m.pendingTo
@@ -63,8 +108,7 @@ func (m *marks) start(ctx context.Context) {
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.timeout)
 	go func() {
 		defer cancel()
-		n, err := m.write(mctx, rows)
-		m.done <- markResult{upTo: upTo, marked: n, err: err}
+		m.done <- m.write(mctx, rows, upTo)
 	}()
 }
 
@@ -74,53 +118,160 @@ func (m *marks) poll(ctx context.Context) {
 	select {
 	case res := <-m.done:
 		m.ended(res)
-		m.start(ctx)
 	default:
 	}
+	m.start(ctx)
 }
 
 // finish, as the session ends, waits for the mark being written and marks
-// what is still pending.
+// what is still pending, trying again after each mark that fell short, for
+// at most the marks' timeout in all. What is left then is marked by a later
+// session, which the server sends the same transactions again.
 func (m *marks) finish(ctx context.Context) {
 	if m.busy {
 		m.ended(<-m.done)
 	}
-	if len(m.pending) > 0 {
-		mctx, cancel := context.WithTimeout(ctx, m.timeout)
-		defer cancel()
-		n, err := m.write(mctx, m.pending)
-		m.ended(markResult{upTo: m.pendingTo, marked: n, err: err})
+	fctx, cancel := context.WithTimeout(ctx, m.timeout)
+	defer cancel()
+	for len(m.pending) > 0 && fctx.Err() == nil {
+		if wait := m.notBefore.Sub(m.now()); wait > 0 {
+			t := time.NewTimer(wait)
+			select {
+			case <-t.C:
+			case <-fctx.Done():
+				t.Stop()
+				return
+			}
+		}
+		rows := m.pending
 		m.pending = map[string][]int64{}
+		m.ended(m.write(fctx, rows, m.pendingTo))
 	}
 }
 
+// ended takes a mark's result: the position moves on if every row up to it
+// is marked (or given up on); otherwise the rows it could not mark wait in
+// pending, for the next mark, after a backoff.
 func (m *marks) ended(res markResult) {
-	m.busy, m.markedTo = false, res.upTo
-	if m.report != nil {
-		m.report(PassReport{Marked: res.marked, Err: res.err})
+	m.busy = false
+	missedAgain := map[rowRef]int{}
+	var gaveUp []rowRef
+	for table, ids := range res.unseen {
+		keep := ids[:0]
+		for _, id := range ids {
+			ref := rowRef{table, id}
+			if n := m.missed[ref] + 1; n >= MarkRetries {
+				gaveUp = append(gaveUp, ref)
+			} else {
+				missedAgain[ref] = n
+				keep = append(keep, id)
+			}
+		}
+		if len(keep) > 0 {
+			m.pending[table] = append(keep, m.pending[table]...)
+		}
 	}
+	m.missed = missedAgain
+	for table, ids := range res.failed {
+		m.pending[table] = append(append([]int64(nil), ids...), m.pending[table]...)
+	}
+	err := res.err
+	if len(gaveUp) > 0 {
+		gone := fmt.Errorf("%d rows (%s) not found after %d marks: %w", len(gaveUp), refsText(gaveUp), MarkRetries, ErrNotMarked)
+		err = errors.Join(err, gone)
+		if m.logger != nil {
+			m.logger.Error("outbox: log relay gave up marking delivered rows it cannot find; they stay counted as unsent",
+				"rows", len(gaveUp), "ids", refsText(gaveUp), "err", gone)
+		}
+	}
+	if len(missedAgain) == 0 && len(res.failed) == 0 {
+		m.markedTo, m.short, m.notBefore = res.upTo, 0, time.Time{}
+	} else {
+		m.short++
+		m.pendingTo = max(m.pendingTo, res.upTo)
+		m.notBefore = m.now().Add(min(markBackoff<<min(m.short-1, 16), maxMarkBackoff))
+		if m.logger != nil && len(missedAgain) > 0 {
+			m.logger.Debug("outbox: log relay's mark found fewer rows than it delivered; trying again",
+				"missing", len(missedAgain), "marks", m.short)
+		}
+	}
+	if m.report != nil {
+		m.report(PassReport{Marked: res.marked, Err: err})
+	}
+}
+
+// refsText is up to ten rows' table and id, for a log line.
+func refsText(refs []rowRef) string {
+	var b strings.Builder
+	for i, ref := range refs {
+		if i == 10 {
+			fmt.Fprintf(&b, " and %d more", len(refs)-i)
+			break
+		}
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%s %d", ref.table, ref.id)
+	}
+	return b.String()
 }
 
 // idle reports whether every row delivered has been marked.
 func (m *marks) idle() bool { return !m.busy && len(m.pending) == 0 }
 
-// write marks rows sent, one statement a table, and logs a failure. A row
-// parked meanwhile, or marked already, is left as it is.
-func (m *marks) write(ctx context.Context, rows map[string][]int64) (int, error) {
-	marked, failed := 0, []error(nil)
+// logMark marks the rows $1 of a table sent and returns how many it
+// marked and, as text ("1,2"), the ids its snapshot did not hold: rows
+// not visible yet, or gone. A row parked meanwhile, or marked already, is
+// in the snapshot and left as it is. The main query sees the table as the
+// UPDATE found it, before its changes.
+const logMark = `
+WITH marked AS (
+	UPDATE %[1]s SET sent_at = clock_timestamp()
+	WHERE id = ANY($1) AND sent_at IS NULL AND parked_at IS NULL
+	RETURNING id)
+SELECT (SELECT count(*) FROM marked),
+       array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[]) AS u(id)
+                             WHERE NOT EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id)), ',')`
+
+// write marks rows sent, one statement a table, and logs a failure.
+func (m *marks) write(ctx context.Context, rows map[string][]int64, upTo pglogrepl.LSN) markResult {
+	res := markResult{upTo: upTo}
+	var failed []error
 	for table, ids := range rows {
-		res, err := m.db.ExecContext(ctx, `UPDATE `+table+` SET sent_at = clock_timestamp()
-			WHERE id = ANY($1) AND sent_at IS NULL AND parked_at IS NULL`, ids)
+		var n int
+		var unseen string
+		err := m.db.QueryRowContext(ctx, fmt.Sprintf(logMark, table), ids).Scan(&n, &unseen)
+		if err == nil && unseen != "" {
+			var missing []int64
+			for _, s := range strings.Split(unseen, ",") {
+				id, perr := strconv.ParseInt(s, 10, 64)
+				if perr != nil {
+					err = fmt.Errorf("read the ids not found: %w", perr)
+					break
+				}
+				missing = append(missing, id)
+			}
+			if err == nil {
+				if res.unseen == nil {
+					res.unseen = map[string][]int64{}
+				}
+				res.unseen[table] = missing
+			}
+		}
 		if err != nil {
 			failed = append(failed, err)
+			if res.failed == nil {
+				res.failed = map[string][]int64{}
+			}
+			res.failed[table] = ids
 			if m.logger != nil {
-				m.logger.Error("outbox: log relay could not mark delivered rows sent; they stay counted as unsent",
+				m.logger.Error("outbox: log relay could not mark delivered rows sent; it tries again before the slot moves past them",
 					"table", table, "rows", len(ids), "err", err)
 			}
 			continue
 		}
-		n, _ := res.RowsAffected()
-		marked += int(n)
+		res.marked += n
 	}
-	return marked, errors.Join(failed...)
+	res.err = errors.Join(failed...)
+	return res
 }

@@ -117,9 +117,13 @@ type LogRelay struct {
 	// only once its rows are marked, and a session's end waits for its
 	// marks. So ReadLag counts only the rows not yet delivered (or
 	// delivered a moment ago), and DeleteSent cleans up the delivered
-	// ones, as for the polling relay. A mark that fails is logged and
-	// leaves the rows counted as unsent; they were delivered, and are not
-	// sent again for it.
+	// ones, as for the polling relay. A mark that fails, or that finds
+	// fewer rows than it was given (a row the log carried can be invisible
+	// to other sessions for a moment after its commit), is logged and
+	// tried again, after a backoff, before the slot moves past its rows; a
+	// row still not found after MarkRetries marks (deleted meanwhile) is
+	// given up on, logged and reported as ErrNotMarked, so that it does
+	// not hold the log for ever.
 	MarkIn *sql.DB
 
 	// ParkAfter, with MarkIn, is how many rejections (broker errors
@@ -612,9 +616,9 @@ func batchOf(msgs []Message, limit int) int {
 	return n
 }
 
-// park counts the broker's refusal of the transaction's row i in MarkIn
-// and, once the row's rejections reach ParkAfter, parks it, logs it and
-// reports true: the relay then skips it. Without MarkIn or ParkAfter, or if
+// park counts the broker's refusal of the transaction's row i in MarkIn,
+// within PublishTimeout, and, once the row's rejections reach ParkAfter,
+// parks it, logs it and reports true: the relay then skips it. Without MarkIn or ParkAfter, or if
 // the count cannot be written, it reports false, and the refusal stops the
 // session as any failure does.
 func (s *stream) park(ctx context.Context, i int, refusal error) bool {
@@ -624,6 +628,8 @@ func (s *stream) park(ctx context.Context, i int, refusal error) bool {
 	}
 	msg := s.txn[i]
 	var parked bool
+	ctx, cancel := context.WithTimeout(ctx, orDefault(r.PublishTimeout, DefaultPassTimeout))
+	defer cancel()
 	err := r.MarkIn.QueryRowContext(ctx, `UPDATE `+s.tables[i]+`
 		SET attempts = attempts + 1, rejections = rejections + 1, last_error = $2,
 		    parked_at = CASE WHEN rejections + 1 >= $3 THEN clock_timestamp() END
