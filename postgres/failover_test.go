@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -22,6 +23,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
@@ -355,5 +357,59 @@ func TestRelayWaitsForItsStandbysAndSaysSo(t *testing.T) {
 	relay.Standbys = []string{""}
 	if err := relay.Validate(); !errors.Is(err, postgres.ErrInvalidConfig) {
 		t.Errorf("Validate with an empty standby name = %v, want ErrInvalidConfig", err)
+	}
+}
+
+// A relay whose role cannot read its standbys' positions (no
+// pg_read_all_stats: pg_stat_replication shows it flush_lsn NULL) fails its
+// first pass with ErrStandbysUnreadable, naming the grant, rather than
+// blaming a standby for being behind; Run stops on it, as on any failure
+// no retry mends; granted the role, the pass goes on to wait for the
+// standby as usual. (Caught: every pass failed with ErrStandbyBehind, for
+// ever, blaming the standby for a missing grant.)
+func TestRelayWhoseRoleCannotReadItsStandbysSaysWhichGrant(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	place(t, db, 2500)
+	role := name + "_relay"
+	for _, stmt := range []string{
+		`CREATE ROLE ` + role + ` LOGIN`,
+		`GRANT SELECT, UPDATE ON outbox TO ` + role,
+	} {
+		if _, err := db.Exec(stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := pgtest.Config.Copy()
+	cfg.Database, cfg.User = name, role
+	asRole := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() {
+		asRole.Close()
+		db.Exec(`DROP OWNED BY ` + role)
+		if _, err := db.Exec(`DROP ROLE ` + role); err != nil {
+			t.Error(err)
+		}
+	})
+	broker := &recorder{}
+	relay := postgres.NewOutboxRelay(asRole, broker)
+	relay.Standbys = []string{"standby"}
+	relay.PassTimeout = 300 * time.Millisecond
+	n, err := relay.PublishPending(ctx)
+	if n != 0 || !errors.Is(err, postgres.ErrStandbysUnreadable) || errors.Is(err, postgres.ErrStandbyBehind) || !strings.Contains(err.Error(), "pg_read_all_stats") {
+		t.Fatalf("pass = %d, %v; want nothing and ErrStandbysUnreadable naming pg_read_all_stats", n, err)
+	}
+	relay.PollInterval = time.Hour
+	if err := relay.Run(ctx); !errors.Is(err, postgres.ErrStandbysUnreadable) {
+		t.Errorf("Run = %v; want it stopped with ErrStandbysUnreadable", err)
+	}
+	if _, err := db.Exec(`GRANT pg_read_all_stats TO ` + role); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, postgres.ErrStandbyBehind) {
+		t.Errorf("pass once granted = %d, %v; want nothing and ErrStandbyBehind (no standby is connected)", n, err)
+	}
+	if len(broker.Published()) != 0 {
+		t.Errorf("published %d messages with no standby to have them", len(broker.Published()))
 	}
 }

@@ -360,6 +360,8 @@ type OutboxRelay struct {
 	// behind) publishes nothing and fails with [ErrStandbyBehind]: events
 	// wait while a standby is away; decide whether that is what you want,
 	// or name fewer. Empty: the pass waits for the primary's own log only.
+	// The relay's role needs pg_read_all_stats to read the standbys'
+	// positions; without it a pass fails with [ErrStandbysUnreadable].
 	Standbys []string
 
 	// PollInterval, MaxBackoff, PollOnly and Logger configure Run: how long
@@ -795,9 +797,19 @@ func why(txCtx context.Context, err error) string {
 // rows wait for a later pass.
 var ErrStandbyBehind = errors.New("postgres: a standby the relay waits for is behind")
 
+// ErrStandbysUnreadable is returned, wrapped, by
+// [OutboxRelay.PublishPending] when the relay has Standbys and its role
+// cannot read their positions: pg_stat_replication shows a role without
+// the privileges of pg_read_all_stats (nor superuser) a NULL flush_lsn,
+// which would look like a standby for ever behind. Grant the role
+// pg_read_all_stats. Run stops on it, as on any failure no retry mends.
+var ErrStandbysUnreadable = errors.New("postgres: the relay's role cannot read its standbys' positions (it needs pg_read_all_stats)")
+
 // standbysFlushed says whether every standby of $2, by application_name,
-// is connected and has flushed the log up to $1.
-const standbysFlushed = `SELECT count(DISTINCT application_name) = cardinality($2::text[])
+// is connected and has flushed the log up to $1, and whether the role may
+// read the standbys' positions at all.
+const standbysFlushed = `SELECT count(DISTINCT application_name) = cardinality($2::text[]),
+       pg_has_role('pg_read_all_stats', 'USAGE')
 FROM pg_stat_replication WHERE application_name = ANY($2::text[]) AND flush_lsn >= $1::pg_lsn`
 
 // waitForStandbys waits until every standby of r.Standbys has flushed the
@@ -806,13 +818,16 @@ FROM pg_stat_replication WHERE application_name = ANY($2::text[]) AND flush_lsn 
 func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx txn, lsn string) error {
 	names := slices.Compact(slices.Sorted(slices.Values(r.Standbys)))
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
-		var caught bool
-		err := tx.queryRow(ctx, standbysFlushed, lsn, names).Scan(&caught)
+		var caught, readable bool
+		err := tx.queryRow(ctx, standbysFlushed, lsn, names).Scan(&caught, &readable)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			return fmt.Errorf("read the standbys' positions: %w", err)
 		case err == nil && caught:
 			return nil
+		case err == nil && !readable:
+			return fmt.Errorf("%w: pg_stat_replication shows the role flush_lsn NULL for %v: GRANT pg_read_all_stats TO the relay's role",
+				ErrStandbysUnreadable, names)
 		}
 		if err != nil || !pause(ctx, wait) {
 			return fmt.Errorf("%w: %v had not all flushed the log to %s, past the claimed rows' commits, within the pass's budget",
@@ -881,6 +896,9 @@ func (r *OutboxRelay) flush(ctx context.Context, tx txn, lsn string) (flushed bo
 // (a table, column or function that does not exist, a permission denied)
 // or 3D000 (a database that does not exist).
 func cannotPass(err error) bool {
+	if errors.Is(err, ErrStandbysUnreadable) {
+		return true
+	}
 	code := sqlState(err)
 	return strings.HasPrefix(code, "42") || code == "3D000"
 }
