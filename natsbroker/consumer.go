@@ -56,8 +56,9 @@ var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a
 //     that arrived before its predecessor): NakWithDelay(RetryDelay), to
 //     be delivered again;
 //   - never to be applied (a payload the handler cannot read, wrapping
-//     [postgres.ErrMalformedMessage], or no key, or headers that are not
-//     an outbox message's), or still before its predecessor after
+//     [postgres.ErrMalformedMessage], or no key, an error the handler wraps
+//     around [postgres.ErrPermanent], or headers that are not an outbox
+//     message's), or still before its predecessor after
 //     MaxOutOfOrder deliveries (its predecessor was terminated, or parked
 //     in the outbox, and may never come; see MaxOutOfOrder for how many is
 //     enough): Term, with the reason, and a log line at level Error; it is
@@ -236,7 +237,7 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 		result = map[bool]string{true: "applied", false: "duplicate"}[applied]
 		delete(c.outOfOrder, m.Key)
 		return ack(msg.Ack(), "ack", msg)
-	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, errNotOutbox):
+	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, postgres.ErrPermanent), errors.Is(err, errNotOutbox):
 		result = "terminated"
 		return c.terminate(msg, m, err)
 	default:

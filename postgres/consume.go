@@ -23,6 +23,14 @@ var ErrOutOfOrder = errors.New("postgres: message arrived before its predecessor
 // look at) instead of asking for it again.
 var ErrMalformedMessage = errors.New("postgres: message payload cannot be read")
 
+// ErrPermanent is what a handler wraps for a message that can never be
+// applied, for a reason of its own that no retry mends (an order the
+// warehouse will never stock, say): the broker's consumers give up on it at
+// once (dead-letter, terminate), with a log line. Any other error is taken
+// for one that may pass, and the message waits and is tried again, however
+// long it takes.
+var ErrPermanent = errors.New("postgres: message can never be applied")
+
 // ErrNoMessageKey is returned by [ApplyOnce] for a message whose Key is
 // empty, such as one published without an outbox: with no key there is no
 // way to tell a duplicate from a new message.

@@ -30,7 +30,7 @@ type Handler interface {
 const (
 	DefaultPrefetch      = 10
 	DefaultRetryDelay    = time.Second
-	DefaultMaxAttempts   = 5
+	DefaultMaxRetryDelay = 30 * time.Second
 	DefaultHandleTimeout = 30 * time.Second
 )
 
@@ -43,20 +43,34 @@ const (
 //     the handler drops that copy. RabbitMQ drops no copies itself: every
 //     copy a relay published reaches Handle, and Duplicates counts those
 //     dropped;
-//   - failed for a reason that may pass (a database that is down): tried
-//     again in place after RetryDelay, so the messages behind it keep
-//     their order, up to MaxAttempts tries, then handed back
-//     (basic.nack, requeue), which spends one of the queue's deliveries;
+//   - failed for a reason that may pass (a database that is down, a lock
+//     timeout, a Handle that ran out of HandleTimeout): tried again in
+//     place, however long it takes, RetryDelay after the first failure and
+//     twice as long after each next one, up to MaxRetryDelay, so the
+//     messages behind it keep their order; it is never handed back for it,
+//     so such failures spend none of the queue's deliveries. Waiting and
+//     OldestWaiting say how many wait so and since when, and the Logger
+//     hears of each step of the backoff, not of each try. What waits is
+//     bounded by Prefetch: RabbitMQ sends no more unacked messages;
 //   - arrived before its predecessor ([postgres.ErrOutOfOrder]): handed
-//     back after RetryDelay, spending a delivery;
+//     back after RetryDelay, spending a delivery. The messages of an
+//     aggregate go to one worker in the queue's order, so a predecessor that
+//     merely fails waits in front of it and this does not happen; it
+//     happens when the predecessor is not ahead of it in the queue (lost,
+//     or dead-lettered by an operator's hand);
 //   - never to be applied (a payload the handler cannot read, wrapping
-//     [postgres.ErrMalformedMessage], no key, headers that are not an
-//     outbox message's): basic.nack without requeue, which dead-letters it
-//     at once, with a log line at level Error.
+//     [postgres.ErrMalformedMessage], no key, an error the handler wraps
+//     around [postgres.ErrPermanent], headers that are not an outbox
+//     message's): basic.nack without requeue, which dead-letters it at
+//     once, with a log line at level Error.
 //
 // A message handed back more often than the queue's x-delivery-limit
-// (Topology.DeliveryLimit) is dead-lettered by RabbitMQ: nothing is tried
-// for ever. The dead-letter queue keeps it for an operator.
+// (Topology.DeliveryLimit) is dead-lettered by RabbitMQ. The dead-letter
+// queue keeps it for an operator. One more thing spends a delivery: a
+// message held unacked past the server's consumer_timeout (30 minutes by
+// default) closes the channel, and RabbitMQ delivers it again; an outage
+// of the handler's database longer than the delivery limit times
+// consumer_timeout would dead-letter the message waiting in front.
 //
 // Run reconnects after its connection or channel closed (a node restarted),
 // RetryDelay apart; the messages it had not acked are delivered again.
@@ -72,13 +86,14 @@ type Consumer struct {
 	// Prefetch is how many unacked messages RabbitMQ sends ahead (the
 	// channel's basic.qos); zero or less means DefaultPrefetch.
 	Prefetch int
-	// RetryDelay is the wait before a failed message is tried again, or
-	// handed back, and between reconnections; zero or less means
-	// DefaultRetryDelay.
+	// RetryDelay is the wait before a failed message is first tried again,
+	// or before one out of order is handed back, and between
+	// reconnections; zero or less means DefaultRetryDelay.
 	RetryDelay time.Duration
-	// MaxAttempts is how many times a delivery is tried in place before it
-	// is handed back; zero or less means DefaultMaxAttempts.
-	MaxAttempts int
+	// MaxRetryDelay is the longest wait between two tries of a message
+	// that keeps failing for a reason that may pass: the wait doubles from
+	// RetryDelay up to it. Zero or less means DefaultMaxRetryDelay.
+	MaxRetryDelay time.Duration
 	// HandleTimeout bounds each call of the Handler: one that runs out of
 	// time failed for a reason that may pass, and is tried again. Zero or
 	// less means DefaultHandleTimeout.
@@ -102,15 +117,18 @@ type Consumer struct {
 	// linked to it (its creation context): the trace of the request that
 	// wrote the row goes on to Handle and the handler's transaction. The
 	// meter counts messaging.client.consumed.messages by outbox.result:
-	// applied, duplicate, retry (handed back after MaxAttempts, or cut short
-	// by Run's end), out_of_order (handed back) or dead_lettered. They are
-	// read when Run starts.
+	// applied, duplicate, retry (cut short by Run's end), out_of_order
+	// (handed back) or dead_lettered. They are read when Run starts.
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
 
 	telemetry *postgres.ConsumerTelemetry
 
 	applied, duplicates, handedBack, deadLettered atomic.Int64
+
+	// waitingSince holds, for each message being tried again in place, the
+	// time (UnixNano) of its first failure.
+	waitingSince sync.Map // delivery tag → int64
 }
 
 // NewConsumer returns a Consumer of queue, over connections dial makes,
@@ -121,13 +139,37 @@ func NewConsumer(dial func() (*amqp.Connection, error), queue string, h Handler)
 
 // Applied, Duplicates, HandedBack and DeadLettered count the messages the
 // handler applied, the copies it dropped, the deliveries this Consumer
-// handed back (requeued: out of order, or failed MaxAttempts times), and the
-// messages it dead-lettered (not those RabbitMQ dead-lettered past the
-// delivery limit).
+// handed back (requeued: out of order), and the messages it dead-lettered
+// (not those RabbitMQ dead-lettered past the delivery limit).
 func (c *Consumer) Applied() int64      { return c.applied.Load() }
 func (c *Consumer) Duplicates() int64   { return c.duplicates.Load() }
 func (c *Consumer) HandedBack() int64   { return c.handedBack.Load() }
 func (c *Consumer) DeadLettered() int64 { return c.deadLettered.Load() }
+
+// Waiting is how many messages are being tried again in place now, after
+// failures that may pass, and OldestWaiting how long ago the oldest of
+// them first failed (zero if none waits): what to watch during an outage
+// of the handler's database. Both are safe to call while Run runs.
+func (c *Consumer) Waiting() int {
+	n := 0
+	c.waitingSince.Range(func(_, _ any) bool { n++; return true })
+	return n
+}
+
+// OldestWaiting: see Waiting.
+func (c *Consumer) OldestWaiting() time.Duration {
+	var oldest int64
+	c.waitingSince.Range(func(_, v any) bool {
+		if since := v.(int64); oldest == 0 || since < oldest {
+			oldest = since
+		}
+		return true
+	})
+	if oldest == 0 {
+		return 0
+	}
+	return time.Since(time.Unix(0, oldest))
+}
 
 // Run consumes until ctx ends, and then returns ctx's error. A message
 // whose handling ctx cut short is neither acked nor handed back: RabbitMQ
@@ -236,7 +278,9 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 		result = "dead_lettered"
 		return c.deadLetter(d, m, err)
 	}
-	retry := orDefault(c.RetryDelay, DefaultRetryDelay)
+	delay := orDefault(c.RetryDelay, DefaultRetryDelay)
+	maxDelay := max(orDefault(c.MaxRetryDelay, DefaultMaxRetryDelay), delay)
+	defer c.waitingSince.Delete(d.DeliveryTag)
 	for attempt := 1; ; attempt++ {
 		hctx, cancel := context.WithTimeout(sctx, orDefault(c.HandleTimeout, DefaultHandleTimeout))
 		var applied bool
@@ -248,28 +292,47 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 		case err == nil && applied:
 			c.applied.Add(1)
 			result = "applied"
+			c.appliedAfter(m, attempt)
 			return d.Ack(false)
 		case err == nil:
 			c.duplicates.Add(1)
 			result = "duplicate"
+			c.appliedAfter(m, attempt)
 			return d.Ack(false)
-		case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey):
+		case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, postgres.ErrPermanent):
 			result = "dead_lettered"
 			return c.deadLetter(d, m, err)
-		}
-		if c.Logger != nil {
-			c.Logger.Warn("message failed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "attempt", attempt, "error", err)
-		}
-		if !sleep(ctx, retry) {
-			return nil
-		}
-		if errors.Is(err, postgres.ErrOutOfOrder) || attempt >= orDefault(c.MaxAttempts, DefaultMaxAttempts) {
-			if errors.Is(err, postgres.ErrOutOfOrder) {
-				result = "out_of_order"
+		case errors.Is(err, postgres.ErrOutOfOrder):
+			if c.Logger != nil {
+				c.Logger.Warn("message arrived before its predecessor; handing it back", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "error", err)
 			}
+			if !sleep(ctx, orDefault(c.RetryDelay, DefaultRetryDelay)) {
+				return nil
+			}
+			result = "out_of_order"
 			c.handedBack.Add(1)
 			return d.Nack(false, true) // spends a delivery: x-delivery-limit bounds them
 		}
+		if attempt == 1 {
+			c.waitingSince.Store(d.DeliveryTag, time.Now().UnixNano())
+		}
+		// One line a step of the backoff, not a try: an outage of an hour
+		// logs a handful of lines a message, not thousands.
+		if c.Logger != nil && (attempt == 1 || delay < maxDelay) {
+			c.Logger.Warn("message failed; trying it again in place", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq,
+				"attempt", attempt, "next_try_in", delay, "error", err)
+		}
+		if !sleep(ctx, delay) {
+			return nil
+		}
+		delay = min(2*delay, maxDelay)
+	}
+}
+
+// appliedAfter logs a message handled after it had failed.
+func (c *Consumer) appliedAfter(m postgres.Message, attempt int) {
+	if attempt > 1 && c.Logger != nil {
+		c.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "attempts", attempt)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -34,6 +35,9 @@ func (f *flaky) Handle(ctx context.Context, msg postgres.Message) (bool, error) 
 	if fail {
 		return false, errors.New("warehouse database: connection refused")
 	}
+	if msg.Key == "k7" {
+		return false, fmt.Errorf("order 7: product discontinued: %w", postgres.ErrPermanent)
+	}
 	applied, err := f.handler.Handle(ctx, msg)
 	if err == nil {
 		f.mu.Lock()
@@ -48,7 +52,8 @@ func (f *flaky) Handle(ctx context.Context, msg postgres.Message) (bool, error) 
 // four tries is tried again in place (the messages behind it wait, so the
 // order holds) and applied, without being dead-lettered though four is past
 // the limit: tries in place spend no delivery; a payload that can never be
-// read is dead-lettered at once, one delivery; a message whose predecessor
+// read, or that the handler says can never apply (wrapping
+// postgres.ErrPermanent), is dead-lettered at once, one delivery; a message whose predecessor
 // never comes is handed back, spending a delivery each time, and RabbitMQ
 // dead-letters it when it comes back a fourth time, past the limit. Nothing is retried for ever. (Caught: a
 // Consumer that handed a failed message back at once: k2 was dead-lettered
@@ -65,6 +70,7 @@ func TestConsumerRetriesInPlaceAndDeadLettersWhatCannotApply(t *testing.T) {
 		{ID: 4, Key: "k4", Type: shop.OrderPlaced, Payload: `not json`, Aggregate: "order/4", Seq: 1},
 		{ID: 5, Key: "k5", Type: shop.OrderCancelled, Payload: `{"orderId":5,"totalCents":500}`, Aggregate: "order/5", Seq: 2},
 		{ID: 6, Key: "k6", Type: shop.OrderPlaced, Payload: `{"orderId":6,"totalCents":600}`, Aggregate: "order/6", Seq: 1},
+		{ID: 7, Key: "k7", Type: shop.OrderPlaced, Payload: `{"orderId":7,"totalCents":700}`, Aggregate: "order/7", Seq: 1},
 	} {
 		if err := pub.Publish(ctx, m); err != nil {
 			t.Fatal(err)
@@ -72,23 +78,23 @@ func TestConsumerRetriesInPlaceAndDeadLettersWhatCannotApply(t *testing.T) {
 	}
 	h := &flaky{handler: shop.NewWarehouse(db), failures: 4, tries: map[string]int{}}
 	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
-	c.RetryDelay, c.MaxAttempts = 10*time.Millisecond, 10
+	c.RetryDelay, c.MaxRetryDelay = 10*time.Millisecond, 10*time.Millisecond
 	goRun(t, c.Run)
-	waitFor(t, "k4 and k5 dead-lettered", func() bool { return queued(t, node.URL(), top.DeadLetterQueue()) >= 2 })
+	waitFor(t, "k4, k5 and k7 dead-lettered", func() bool { return queued(t, node.URL(), top.DeadLetterQueue()) >= 3 })
 	waitFor(t, "the queue empty", func() bool { return queued(t, node.URL(), top.Queue) == 0 })
-	if n := queued(t, node.URL(), top.DeadLetterQueue()); n != 2 {
-		t.Errorf("%d messages dead-lettered, want 2: k4 and k5", n)
+	if n := queued(t, node.URL(), top.DeadLetterQueue()); n != 3 {
+		t.Errorf("%d messages dead-lettered, want 3: k4, k5 and k7", n)
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if got := h.handled; len(got) != 4 || got[0] != "k1" || got[1] != "k2" || got[2] != "k3" || got[3] != "k6" {
 		t.Errorf("handled %v, want [k1 k2 k3 k6]: k2 in its place", got)
 	}
-	if h.tries["k2"] != 5 || h.tries["k4"] != 1 || h.tries["k5"] != 4 {
-		t.Errorf("tries k2 %d, k4 %d, k5 %d; want 5 (in place), 1 (dead-lettered at once), 4 (handed back 3 times, the limit, then dead-lettered)", h.tries["k2"], h.tries["k4"], h.tries["k5"])
+	if h.tries["k2"] != 5 || h.tries["k4"] != 1 || h.tries["k5"] != 4 || h.tries["k7"] != 1 {
+		t.Errorf("tries k2 %d, k4 %d, k5 %d, k7 %d; want 5 (in place), 1 (dead-lettered at once), 4 (handed back 3 times, the limit, then dead-lettered), 1 (permanent)", h.tries["k2"], h.tries["k4"], h.tries["k5"], h.tries["k7"])
 	}
-	if c.Applied() != 4 || c.DeadLettered() != 1 {
-		t.Errorf("applied %d, dead-lettered by the consumer %d; want 4 and 1", c.Applied(), c.DeadLettered())
+	if c.Applied() != 4 || c.DeadLettered() != 2 {
+		t.Errorf("applied %d, dead-lettered by the consumer %d; want 4 and 2 (k4, k7)", c.Applied(), c.DeadLettered())
 	}
 }
 
@@ -137,13 +143,19 @@ func TestNodeRestartedMidDrainLosesNothing(t *testing.T) {
 	t.Logf("applied %d, copies dropped %d", c.Applied(), c.Duplicates())
 }
 
-// The consumer's database down and back: the warehouse keeps its tables in
-// a database of its own, which stops taking connections (and loses the
-// ones it had) once 10 of 20 orders are reserved, while the relay goes on
-// publishing. The consumer tries the message at the head in place, hands it
-// back after MaxAttempts (spending one of the queue's deliveries), and
-// tries again; once the database is back, every order is reserved once,
-// in order, and nothing is dead-lettered.
+// The consumer's database down and back, for longer than the queue's
+// delivery limit would allow if failures spent deliveries: the warehouse
+// keeps its tables in a database of its own, which stops taking
+// connections (and loses the ones it had) once 10 of 20 orders are
+// reserved, while the relay goes on publishing, on a queue whose delivery
+// limit is 3, and stays down until the consumer has failed 30 times. The
+// consumer tries the message at the head in place, backing off (RetryDelay
+// doubling up to MaxRetryDelay), and says so (Waiting, OldestWaiting);
+// once the database is back, every order is reserved once, in order,
+// nothing handed back or dead-lettered, and nothing waits. (Caught: a
+// consumer that handed the head back after MaxAttempts tries, which spent
+// the queue's deliveries: with the timings scaled down, 5 of 7 orders
+// reserved and 2 dead-lettered.)
 func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -165,13 +177,13 @@ func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T
 		}
 	}
 	t.Cleanup(func() { setDown(false) })
-	top := declare(t, node.URL(), 0)
+	top := declare(t, node.URL(), 3)
 	relay := postgres.NewOutboxRelay(db, newPublisher(t, node.URL(), top, 0))
 	relay.PerAggregate, relay.PollInterval = true, 20*time.Millisecond
 	goRun(t, relay.Run)
-	h := shoptest.NewOrdered(shop.NewWarehouse(wdb))
+	h := &counting{handler: shoptest.NewOrdered(shop.NewWarehouse(wdb))}
 	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
-	c.RetryDelay, c.MaxAttempts = 20*time.Millisecond, 3
+	c.RetryDelay, c.MaxRetryDelay = 5*time.Millisecond, 40*time.Millisecond
 	goRun(t, c.Run)
 	service := shop.NewOrderService(db)
 	place := func(n int) {
@@ -181,23 +193,45 @@ func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T
 			}
 		}
 	}
+	ordered := h.handler.(*shoptest.Ordered)
 	place(10)
-	waitFor(t, "10 orders reserved", func() bool { return h.Applied() == 10 })
+	waitFor(t, "10 orders reserved", func() bool { return ordered.Applied() == 10 })
 	setDown(true)
 	place(10)
-	waitFor(t, "a message handed back while the database is down", func() bool { return c.HandedBack() >= 1 })
+	failedBefore := h.failed.Load()
+	waitFor(t, "30 failures while the database is down", func() bool { return h.failed.Load()-failedBefore >= 30 })
+	if c.Waiting() != 1 || c.OldestWaiting() <= 0 {
+		t.Errorf("while the database is down: %d waiting, the oldest for %v; want 1, for a while", c.Waiting(), c.OldestWaiting())
+	}
 	setDown(false)
-	waitFor(t, "20 orders reserved", func() bool { return h.Applied() == 20 })
+	waitFor(t, "20 orders reserved", func() bool { return ordered.Applied() == 20 })
 	if n := count(t, wdb, `SELECT count(*) FROM reservations`); n != 20 {
 		t.Errorf("%d reservations, want 20", n)
 	}
-	if wrong := h.Wrong(); len(wrong) > 0 {
+	if wrong := ordered.Wrong(); len(wrong) > 0 {
 		t.Errorf("applied out of order or twice: %v", wrong)
 	}
-	if n := queued(t, node.URL(), top.DeadLetterQueue()); n != 0 || c.DeadLettered() != 0 {
-		t.Errorf("%d dead-lettered by the queue, %d by the consumer; want 0 and 0", n, c.DeadLettered())
+	if n := queued(t, node.URL(), top.DeadLetterQueue()); n != 0 || c.DeadLettered() != 0 || c.HandedBack() != 0 {
+		t.Errorf("%d dead-lettered by the queue, %d by the consumer, %d handed back; want 0, 0 and 0", n, c.DeadLettered(), c.HandedBack())
 	}
-	t.Logf("handed back %d times while the database was down", c.HandedBack())
+	if c.Waiting() != 0 || c.OldestWaiting() != 0 {
+		t.Errorf("once the database is back: %d waiting, the oldest for %v; want none", c.Waiting(), c.OldestWaiting())
+	}
+	t.Logf("%d failures while the database was down", h.failed.Load()-failedBefore)
+}
+
+// counting is a Handler that counts the failures of the one it wraps.
+type counting struct {
+	handler rabbitbroker.Handler
+	failed  atomic.Int64
+}
+
+func (h *counting) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	applied, err := h.handler.Handle(ctx, msg)
+	if err != nil {
+		h.failed.Add(1)
+	}
+	return applied, err
 }
 
 // hangsOnce is a Handler whose first call for each message hangs until its
