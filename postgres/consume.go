@@ -24,8 +24,8 @@ var ErrOutOfOrder = errors.New("postgres: message arrived before its predecessor
 var ErrMalformedMessage = errors.New("postgres: message payload cannot be read")
 
 // ErrPermanent is what a handler wraps for a message that can never be
-// applied, for a reason of its own that no retry mends (an order the
-// warehouse will never stock, say): the broker's consumers give up on it at
+// applied, for a reason of its own that no retry mends (a record it refers
+// to that will never exist, say): the broker's consumers give up on it at
 // once (dead-letter, terminate), with a log line. Any other error is taken
 // for one that may pass, and the message waits and is tried again, however
 // long it takes.
