@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -26,6 +27,11 @@ type Handler interface {
 // it delivers again a message whose handling failed, when
 // [Consumer.RetryDelay] is zero.
 const DefaultRetryDelay = time.Second
+
+// DefaultMaxRetryDelay is the longest a [Consumer] asks JetStream to wait
+// before it delivers again a message whose handling keeps failing, when
+// [Consumer.MaxRetryDelay] is zero.
+const DefaultMaxRetryDelay = 30 * time.Second
 
 // pullExpiry is how long one of a Consumer's pull requests lasts.
 const pullExpiry = 5 * time.Second
@@ -52,16 +58,25 @@ var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a
 //     after the consumer's AckWait, and the handler drops that copy by its
 //     key: the broker's duplicate window is not what keeps it from being
 //     applied twice;
-//   - failed for a reason that may pass (a database that is down, a message
-//     that arrived before its predecessor): NakWithDelay(RetryDelay), to
-//     be delivered again;
+//   - failed for a reason that may pass (a database that is down, a lock
+//     timeout, a Handle that ran out of time): NakWithDelay, to be
+//     delivered again, RetryDelay after its first failure and twice as long
+//     after each next one, up to MaxRetryDelay, for as long as it takes:
+//     the JetStream consumer's MaxDeliver is left unlimited (see
+//     ConsumerConfig), so no count of failures gives up on it. The Logger
+//     hears of each step of the backoff, not of each delivery;
+//   - arrived before its predecessor (ErrOutOfOrder): NakWithDelay
+//     (RetryDelay), to be delivered again once the predecessor may have
+//     applied;
 //   - never to be applied (a payload the handler cannot read, wrapping
 //     [postgres.ErrMalformedMessage], or no key, an error the handler wraps
 //     around [postgres.ErrPermanent], or headers that are not an outbox
 //     message's), or still before its predecessor after
-//     MaxOutOfOrder deliveries (its predecessor was terminated, or parked
-//     in the outbox, and may never come; see MaxOutOfOrder for how many is
-//     enough): Term, with the reason, and a log line at level Error; it is
+//     MaxOutOfOrder deliveries with no message before it in the stream
+//     still pending on the JetStream consumer (its predecessor was
+//     terminated, or parked in the outbox, and may never come; see
+//     MaxOutOfOrder for how many is enough): Term, with the reason, and a
+//     log line at level Error; it is
 //     not delivered again. JetStream publishes an advisory for each message
 //     terminated
 //     ($JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.<stream>.<consumer>), with
@@ -76,7 +91,15 @@ var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a
 // it were slow. A Handle that runs out of time is asked for again, as any
 // failure that may pass.
 //
-// A Consumer is not safe for concurrent use: run one Run at a time. Several
+// A predecessor that is only slow, failing for a reason that passes for an
+// hour, keeps its successors waiting that hour, not terminated: a message is
+// terminated for being out of order only once nothing before it in the
+// stream is pending on the JetStream consumer. Waiting and OldestWaiting
+// say how many messages this Consumer has asked for again and not yet
+// handled, and since when; what waits is kept by JetStream, not in memory.
+//
+// A Consumer is not safe for concurrent use, but for Waiting and
+// OldestWaiting: run one Run at a time. Several
 // Consumers, in one process or many, may share one JetStream consumer, which
 // spreads the messages among them. Create one with [NewConsumer].
 type Consumer struct {
@@ -87,6 +110,11 @@ type Consumer struct {
 	// RetryDelay is how long a failed message waits before it is delivered
 	// again; zero or less means DefaultRetryDelay.
 	RetryDelay time.Duration
+
+	// MaxRetryDelay is the longest a message that keeps failing waits
+	// between deliveries: the wait doubles from RetryDelay up to it. Zero
+	// or less means DefaultMaxRetryDelay.
+	MaxRetryDelay time.Duration
 
 	// Prefetch is how many messages Run asks for at a time; zero or less
 	// means DefaultPrefetch.
@@ -129,6 +157,57 @@ type Consumer struct {
 	// spent arriving before its predecessor: the bound counts those only,
 	// not the deliveries an outage of the handler's database spent.
 	outOfOrder map[string]int
+
+	mu           sync.Mutex
+	waitingSince map[string]time.Time // by key, each message asked for again and not yet handled
+}
+
+// Waiting is how many messages this Consumer has asked JetStream for again,
+// after failures that may pass or for arriving before their predecessor,
+// and not yet handled (nor terminated); OldestWaiting is how long ago the
+// oldest of them first failed, or zero. They may be read while Run runs.
+// A message asked for again and then handled by another Consumer sharing
+// the JetStream consumer is counted until Run stops.
+func (c *Consumer) Waiting() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.waitingSince)
+}
+
+// OldestWaiting: see Waiting.
+func (c *Consumer) OldestWaiting() time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var oldest time.Time
+	for _, at := range c.waitingSince {
+		if oldest.IsZero() || at.Before(oldest) {
+			oldest = at
+		}
+	}
+	if oldest.IsZero() {
+		return 0
+	}
+	return time.Since(oldest)
+}
+
+// waiting notes that the message keyed key waits (failed, asked for
+// again), or, with done, that it no longer does.
+func (c *Consumer) waiting(key string, done bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case done:
+		delete(c.waitingSince, key)
+	case c.waitingSince == nil:
+		c.waitingSince = map[string]time.Time{key: time.Now()}
+	default:
+		if _, ok := c.waitingSince[key]; !ok {
+			if len(c.waitingSince) >= maxTracked {
+				clear(c.waitingSince) // a bound on memory: the gauge starts again
+			}
+			c.waitingSince[key] = time.Now()
+		}
+	}
 }
 
 // NewConsumer returns a Consumer that feeds the messages of c, a consumer
@@ -171,6 +250,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.telemetry = postgres.NewConsumerTelemetry(c.TracerProvider, c.MeterProvider, instrumentationName, "nats",
 		"applied, duplicate, retry, out_of_order or terminated")
 	c.outOfOrder = map[string]int{}
+	defer func() { c.mu.Lock(); clear(c.waitingSince); c.mu.Unlock() }()
 	it, err := c.consumer.Messages(jetstream.PullMaxMessages(prefetch), jetstream.PullExpiry(pullExpiry))
 	if err != nil {
 		return fmt.Errorf("consume: %w", err)
@@ -224,10 +304,19 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 			clear(c.outOfOrder) // a bound on memory: the counts start again
 		}
 		c.outOfOrder[m.Key]++
-		if n := c.outOfOrder[m.Key]; n >= maxOutOfOrder {
-			err = fmt.Errorf("%w after %d deliveries out of order: its predecessor may never come", err, n)
-			result = "terminated"
-			return c.terminate(msg, m, err)
+		if n := c.outOfOrder[m.Key]; n >= maxOutOfOrder && ctx.Err() == nil {
+			if pending := c.pendingBefore(ctx, msg); pending != nil {
+				// Its predecessor may be among them, failing for a reason
+				// that passes: it waits, however long that takes.
+				if n == maxOutOfOrder && c.Logger != nil {
+					c.Logger.Warn("message still before its predecessor, which may still be pending; waiting for it",
+						"key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "out_of_order_deliveries", n, "pending", pending)
+				}
+			} else {
+				err = fmt.Errorf("%w after %d deliveries out of order, with nothing before it pending: its predecessor may never come", err, n)
+				result = "terminated"
+				return c.terminate(msg, m, err)
+			}
 		}
 	}
 	switch {
@@ -236,14 +325,85 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 	case err == nil:
 		result = map[bool]string{true: "applied", false: "duplicate"}[applied]
 		delete(c.outOfOrder, m.Key)
+		c.waiting(m.Key, true)
+		if n := deliveries(msg); n > 1 && c.Logger != nil {
+			c.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "deliveries", n)
+		}
 		return ack(msg.Ack(), "ack", msg)
 	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, postgres.ErrPermanent), errors.Is(err, errNotOutbox):
 		result = "terminated"
 		return c.terminate(msg, m, err)
-	default:
+	case errors.Is(err, postgres.ErrOutOfOrder):
+		c.waiting(m.Key, false)
 		return ack(msg.NakWithDelay(orDefault(c.RetryDelay, DefaultRetryDelay)), "ask again for", msg)
+	default:
+		c.waiting(m.Key, false)
+		return ack(msg.NakWithDelay(c.backoff(msg, m, err)), "ask again for", msg)
 	}
 }
+
+// backoff is how long msg, whose handling failed with err for a reason that
+// may pass, waits before its next delivery: RetryDelay after its first
+// delivery, doubled after each next one, up to MaxRetryDelay. It logs each
+// step, not each delivery: an outage of an hour logs a handful of lines a
+// message, not thousands.
+func (c *Consumer) backoff(msg jetstream.Msg, m postgres.Message, err error) time.Duration {
+	n := deliveries(msg)
+	delay := c.delayAfter(n)
+	if c.Logger != nil && (n == 1 || c.delayAfter(n-1) < delay) {
+		c.Logger.Warn("message failed; asking for it again", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq,
+			"delivery", n, "next_delivery_in", delay, "error", err)
+	}
+	return delay
+}
+
+// delayAfter is the backoff after a message's nth delivery failed.
+func (c *Consumer) delayAfter(n int) time.Duration {
+	delay := orDefault(c.RetryDelay, DefaultRetryDelay)
+	most := max(orDefault(c.MaxRetryDelay, DefaultMaxRetryDelay), delay)
+	for i := 1; i < n && delay < most; i++ {
+		delay *= 2
+	}
+	return min(delay, most)
+}
+
+// deliveries is how many times JetStream has delivered msg, this one
+// counted; 1 if its metadata cannot be read.
+func deliveries(msg jetstream.Msg) int {
+	meta, err := msg.Metadata()
+	if err != nil || meta.NumDelivered < 1 {
+		return 1
+	}
+	return int(meta.NumDelivered)
+}
+
+// pendingBefore is, when some message before msg in the stream is still
+// pending on the JetStream consumer (delivered and not acked: msg's
+// predecessor may be one, failing for a reason that passes), a description
+// of them; nil when none is and the predecessor can no longer come from the
+// stream. A consumer whose state cannot be read is taken to have some.
+func (c *Consumer) pendingBefore(ctx context.Context, msg jetstream.Msg) any {
+	meta, err := msg.Metadata()
+	if err != nil {
+		return err.Error()
+	}
+	ictx, cancel := context.WithTimeout(ctx, infoTimeout)
+	defer cancel()
+	info, err := c.consumer.Info(ictx)
+	if err != nil {
+		return "the consumer's state cannot be read: " + err.Error()
+	}
+	// The ack floor is the stream sequence below which every message the
+	// consumer delivered is acked or terminated: msg itself is pending, so
+	// the floor is at most just below it.
+	if floor := info.AckFloor.Stream; floor+1 < meta.Sequence.Stream {
+		return fmt.Sprintf("at least one of stream sequences %d to %d", floor+1, meta.Sequence.Stream-1)
+	}
+	return nil
+}
+
+// infoTimeout bounds the request for the JetStream consumer's state.
+const infoTimeout = 5 * time.Second
 
 // maxTracked is the most messages whose out-of-order deliveries a Consumer
 // counts at once; past it the counts start again, which delays a
@@ -257,6 +417,7 @@ const instrumentationName = "example.com/patterns/enterprise/outbox/natsbroker"
 // reason, and logs it.
 func (c *Consumer) terminate(msg jetstream.Msg, m postgres.Message, err error) error {
 	delete(c.outOfOrder, m.Key)
+	c.waiting(m.Key, true)
 	if c.Logger != nil {
 		c.Logger.Error("message terminated: it can never be applied", "subject", msg.Subject(), "key", m.Key,
 			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)

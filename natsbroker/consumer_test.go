@@ -367,7 +367,7 @@ func TestOutOfOrderBoundCountsOutOfOrderDeliveriesOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := natsbroker.NewConsumer(cons, h)
-	c.RetryDelay, c.MaxOutOfOrder = 100*time.Millisecond, 11 // the least for an AckWait of 0.5 s
+	c.RetryDelay, c.MaxRetryDelay, c.MaxOutOfOrder = 100*time.Millisecond, 100*time.Millisecond, 11 // the least for an AckWait of 0.5 s
 	var logs logBuffer
 	c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
 	goRun(t, c.Run)
@@ -380,7 +380,7 @@ func TestOutOfOrderBoundCountsOutOfOrderDeliveriesOnly(t *testing.T) {
 		defer h.mu.Unlock()
 		return h.applied["k3-cancelled"] == 1 || len(logs.lines("terminated")) > 0
 	})
-	if line := logs.lines("k3-cancelled"); len(line) != 0 {
+	if line := logs.lines("message terminated"); len(line) != 0 {
 		t.Errorf("the message was terminated: %v", line)
 	}
 }
@@ -421,4 +421,100 @@ func TestStopHandsBackWhatWasPrefetched(t *testing.T) {
 		defer next.mu.Unlock()
 		return len(next.applied) == 19
 	})
+}
+
+// slowPredecessor is a Handler that fails one key's deliveries for a reason
+// that passes (a lock timeout) until release is closed, and hands every
+// other delivery, and that key's after release, to a warehouse.
+type slowPredecessor struct {
+	*deliveries
+	key      string
+	release  chan struct{}
+	failures atomic.Int32
+}
+
+func (s *slowPredecessor) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
+	if msg.Key == s.key {
+		select {
+		case <-s.release:
+		default:
+			s.failures.Add(1)
+			return false, errors.New("reserve: canceling statement due to lock timeout")
+		}
+	}
+	return s.deliveries.Handle(ctx, msg)
+}
+
+// An OrderPlaced that fails for a reason that passes, again and again,
+// keeps its OrderCancelled waiting, not terminated: the successor is
+// delivered far more often than MaxOutOfOrder, and once the predecessor
+// applies, it applies after it. Nothing is terminated; the predecessor's
+// backoff doubles from RetryDelay to MaxRetryDelay, with one log line a
+// step, not one a delivery; Waiting and OldestWaiting count both messages
+// while they wait, and neither once they applied. (Caught: the successor
+// Term'd after MaxOutOfOrder deliveries while its predecessor was only
+// slow, and the cancellation lost; each failure retried at RetryDelay and
+// logged.)
+func TestSuccessorWaitsForAPredecessorThatFailsAndThenApplies(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	js, _ := setUp(t, connect(t, b.url()), 0, 500*time.Millisecond)
+	pub := newPublisher(t, connect(t, b.url()))
+	h := &slowPredecessor{deliveries: newDeliveries(shop.NewWarehouse(db)), key: "k5-placed", release: make(chan struct{})}
+	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := natsbroker.NewConsumer(cons, h)
+	const maxOutOfOrder = 11 // the least for an AckWait of 0.5 s and a RetryDelay of 0.1 s
+	c.RetryDelay, c.MaxRetryDelay, c.MaxOutOfOrder = 100*time.Millisecond, 400*time.Millisecond, maxOutOfOrder
+	var logs logBuffer
+	c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	goRun(t, c.Run)
+	for _, m := range []postgres.Message{
+		{Key: "k5-placed", Aggregate: "order/5", Seq: 1, ID: 1, Type: shop.OrderPlaced, Payload: `{"orderId":5,"totalCents":500}`},
+		{Key: "k5-cancelled", Aggregate: "order/5", Seq: 2, ID: 2, Type: shop.OrderCancelled, Payload: `{"orderId":5,"totalCents":500}`},
+	} {
+		if err := pub.Publish(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "the cancellation delivered more often than MaxOutOfOrder while its order fails", func() bool {
+		at, _ := h.of("k5-cancelled")
+		return len(at) > maxOutOfOrder+3 && h.failures.Load() >= 8
+	})
+	if n, oldest := c.Waiting(), c.OldestWaiting(); n != 2 || oldest <= 0 {
+		t.Errorf("while both wait: Waiting = %d, OldestWaiting = %v; want 2 and more than zero", n, oldest)
+	}
+	close(h.release)
+	waitFor(t, "the cancellation applied", func() bool {
+		_, errs := h.of("k5-cancelled")
+		return len(errs) > 0 && errs[len(errs)-1] == nil
+	})
+	placed, _ := h.of("k5-placed")
+	cancelled, _ := h.of("k5-cancelled")
+	if len(placed) != 1 || !placed[0].Before(cancelled[len(cancelled)-1]) {
+		t.Errorf("the order applied at %v, its cancellation at %v; want the order once, before", placed, cancelled[len(cancelled)-1])
+	}
+	if n := count(t, db, `SELECT count(*) FROM reservations WHERE order_id = 5`); n != 0 {
+		t.Errorf("%d reservations for the cancelled order, want 0", n)
+	}
+	if line := logs.lines("terminated"); len(line) != 0 {
+		t.Errorf("terminated: %q", line)
+	}
+	if line := logs.lines(`msg="message failed; asking for it again" key=k5-placed`); len(line) != 3 {
+		t.Errorf("the order's failures logged %d times, want once a step of its backoff (0.1 s, 0.2 s, 0.4 s): %q", len(line), line)
+	}
+	if line := logs.lines(`msg="message handled after failures that passed" key=k5-placed`); len(line) != 1 {
+		t.Errorf("log: %q; want one line for the order handled after its failures", line)
+	}
+	if n := c.Waiting(); n != 0 {
+		t.Errorf("after both applied: Waiting = %d, want 0", n)
+	}
+	waitFor(t, "the consumer to have nothing pending", func() bool {
+		info, err := cons.Info(ctx)
+		return err == nil && info.NumAckPending == 0 && info.NumPending == 0
+	})
+	t.Logf("the order failed %d times; its cancellation was delivered %d times", h.failures.Load(), len(cancelled))
 }

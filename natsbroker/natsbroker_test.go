@@ -195,7 +195,7 @@ func runConsumerDone(t testing.TB, nc *nats.Conn, h natsbroker.Handler) (stop fu
 		t.Fatal(err)
 	}
 	c := natsbroker.NewConsumer(cons, h)
-	c.RetryDelay = 100 * time.Millisecond
+	c.RetryDelay, c.MaxRetryDelay = 100*time.Millisecond, 400*time.Millisecond
 	c.Logger = slog.New(slog.NewTextHandler(testLog{t}, nil)) // a termination is said in the test's log
 	exited := make(chan struct{})
 	stop = goRun(t, func(ctx context.Context) error {
