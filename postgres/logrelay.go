@@ -1,6 +1,7 @@
 package postgres
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -8,6 +9,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -41,6 +43,15 @@ var ErrNoSlot = errors.New("postgres: the log relay's replication slot does not 
 // publishes the rows the relay did not mark (consumers drop what goes
 // twice, by key), and the log relay takes over again.
 var ErrSlotLost = errors.New("postgres: the log relay's replication slot was invalidated")
+
+// ErrSlotOfAnotherDatabase is returned, wrapped, by [CreateLogSlot],
+// [DropLogSlot], [Outbox.RecoverLogSlot] and [LogRelay.Run] for a slot
+// whose name is taken by a slot of another database on the same server:
+// slot names are the server's, not a database's, so two services whose
+// outbox tables share a name on one server must give their slots names of
+// their own (Outbox's Slot, LogRelay's Slot). The other database's slot is
+// never dropped, nor taken for lost.
+var ErrSlotOfAnotherDatabase = errors.New("postgres: the replication slot belongs to another database")
 
 // LogRelay is the other relay: instead of polling the table it reads the
 // outbox's inserts from PostgreSQL's log, by logical decoding (the pgoutput
@@ -151,8 +162,9 @@ type LogRelay struct {
 	// alone. It must return quickly.
 	OnPass func(PassReport)
 
-	table string          // the outbox table, for the measurements' outbox.table
-	tel   *relayTelemetry // made by Run
+	table  string          // the outbox table, for the measurements' outbox.table
+	outbox *Outbox         // the outbox whose rows Recover publishes
+	tel    *relayTelemetry // made by Run
 
 	connString string
 	connConfig *pgconn.Config // if not nil, used instead of connString
@@ -164,7 +176,7 @@ type LogRelay struct {
 // connString names (a libpq connection string or URL, as pgx parses it;
 // the relay adds replication=database) and publishes to broker.
 func NewLogRelay(connString string, broker MessageBroker) *LogRelay {
-	return &LogRelay{connString: connString, broker: broker, table: DefaultOutbox.table}
+	return &LogRelay{connString: connString, broker: broker, table: DefaultOutbox.table, outbox: DefaultOutbox}
 }
 
 // NewLogRelayConfig is NewLogRelay with the connection as pgx's own
@@ -172,12 +184,12 @@ func NewLogRelay(connString string, broker MessageBroker) *LogRelay {
 // and its fields allow. The relay uses a copy of cfg with replication =
 // database set.
 func NewLogRelayConfig(cfg *pgconn.Config, broker MessageBroker) *LogRelay {
-	return &LogRelay{connConfig: cfg.Copy(), broker: broker, table: DefaultOutbox.table}
+	return &LogRelay{connConfig: cfg.Copy(), broker: broker, table: DefaultOutbox.table, outbox: DefaultOutbox}
 }
 
 // NewLogRelay is [NewLogRelay] for o: its Slot and Publication are o's.
 func (o *Outbox) NewLogRelay(connString string, broker MessageBroker) *LogRelay {
-	return &LogRelay{connString: connString, broker: broker, Slot: o.Slot(), Publication: o.Publication(), table: o.table}
+	return &LogRelay{connString: connString, broker: broker, Slot: o.Slot(), Publication: o.Publication(), table: o.table, outbox: o}
 }
 
 // CreateLogSlot creates the replication slot slot (DefaultSlot if empty)
@@ -189,10 +201,32 @@ func CreateLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 	if slot == "" {
 		slot = DefaultSlot
 	}
+	if err := slotOfThisDatabase(ctx, db, slot); err != nil {
+		return fmt.Errorf("create replication slot %s: %w", slot, err)
+	}
 	_, err := db.ExecContext(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')
 		WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)`, slot)
 	if err != nil {
 		return fmt.Errorf("create replication slot %s (it needs wal_level = logical): %w", slot, err)
+	}
+	return nil
+}
+
+// slotOfThisDatabase is nil when the slot named slot does not exist or
+// belongs to the database db is open on, and an error wrapping
+// ErrSlotOfAnotherDatabase, naming that database, when it belongs to
+// another.
+func slotOfThisDatabase(ctx context.Context, db *sql.DB, slot string) error {
+	var theirs, ours string
+	err := db.QueryRowContext(ctx, `SELECT coalesce(database, ''), current_database()
+		FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&theirs, &ours)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil
+	case err != nil:
+		return err
+	case theirs != ours:
+		return fmt.Errorf("%w: it is database %q's, and this is %q: name this one's slot apart", ErrSlotOfAnotherDatabase, theirs, ours)
 	}
 	return nil
 }
@@ -205,10 +239,15 @@ var ErrSlotActive = errors.New("postgres: the replication slot is in use")
 // database db is open on, if it exists: a slot that no relay reads any more
 // holds the server's log for ever, until the disk fills or
 // max_slot_wal_keep_size invalidates it. A slot a relay is reading is
-// refused with [ErrSlotActive], and kept.
+// refused with [ErrSlotActive], and kept; so is a slot of that name that
+// belongs to another database on the server, with
+// [ErrSlotOfAnotherDatabase].
 func DropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 	if slot == "" {
 		slot = DefaultSlot
+	}
+	if err := slotOfThisDatabase(ctx, db, slot); err != nil {
+		return fmt.Errorf("drop replication slot %s: %w", slot, err)
 	}
 	var active sql.NullBool
 	err := db.QueryRowContext(ctx, `SELECT active FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&active)
@@ -220,7 +259,8 @@ func DropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 	case active.Bool:
 		return fmt.Errorf("drop replication slot %s: %w", slot, ErrSlotActive)
 	}
-	if _, err := db.ExecContext(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot); err != nil {
+	if _, err := db.ExecContext(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+		WHERE slot_name = $1 AND database = current_database()`, slot); err != nil {
 		if sqlState(err) == "55006" { // object_in_use: a relay took it meanwhile
 			return fmt.Errorf("drop replication slot %s: %w: %w", slot, ErrSlotActive, err)
 		}
@@ -253,20 +293,36 @@ func RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageBroker) (int,
 // them every row ever written goes again. It returns how many rows it
 // published; on an error, call it again.
 func (o *Outbox) RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageBroker) (int, error) {
+	return o.recoverLogSlot(ctx, db, o.Slot(), broker)
+}
+
+// Recover is [Outbox.RecoverLogSlot] for r: it makes r's Slot anew on
+// MarkIn and publishes, to r's broker, the rows of r's outbox not marked
+// sent. Without MarkIn it is refused with an error wrapping
+// ErrInvalidConfig: every row ever written would go again. Call it when
+// Run returned ErrSlotLost or ErrNoSlot, then Run again.
+func (r *LogRelay) Recover(ctx context.Context) (int, error) {
+	if r.MarkIn == nil || r.outbox == nil {
+		return 0, fmt.Errorf("%w: Recover needs MarkIn, and a LogRelay made by NewLogRelay", ErrInvalidConfig)
+	}
+	return r.outbox.recoverLogSlot(ctx, r.MarkIn, cmp.Or(r.Slot, DefaultSlot), r.broker)
+}
+
+func (o *Outbox) recoverLogSlot(ctx context.Context, db *sql.DB, slot string, broker MessageBroker) (int, error) {
 	// A relay that has just returned ErrSlotLost or ErrNoSlot closed its
 	// connection, but the server's walsender lets go of the slot a moment
 	// later: wait for that, a while.
-	err := DropLogSlot(ctx, db, o.Slot())
+	err := DropLogSlot(ctx, db, slot)
 	for deadline := time.Now().Add(slotReleaseWait); errors.Is(err, ErrSlotActive) && time.Now().Before(deadline); {
 		if !pause(ctx, 50*time.Millisecond) {
 			return 0, ctx.Err()
 		}
-		err = DropLogSlot(ctx, db, o.Slot())
+		err = DropLogSlot(ctx, db, slot)
 	}
 	if err != nil {
 		return 0, err
 	}
-	if err := CreateLogSlot(ctx, db, o.Slot()); err != nil {
+	if err := CreateLogSlot(ctx, db, slot); err != nil {
 		return 0, err
 	}
 	relay := o.NewRelay(db, broker)
@@ -276,7 +332,7 @@ func (o *Outbox) RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageB
 		total += n
 		switch {
 		case err != nil && !errors.Is(err, ErrRejected):
-			return total, fmt.Errorf("recover log slot %s: publish what it may have missed: %w", o.Slot(), err)
+			return total, fmt.Errorf("recover log slot %s: publish what it may have missed: %w", slot, err)
 		case n == 0:
 			return total, err // a refusal, if any, is said: the row stays in the table, parked in time
 		}
@@ -289,7 +345,8 @@ func (o *Outbox) RecoverLogSlot(ctx context.Context, db *sql.DB, broker MessageB
 // [OutboxRelay.Run]'s, and the server sends again every transaction after
 // the last one confirmed. It returns, with the error, when no retry can
 // mend it: the slot does not exist ([ErrNoSlot]), was invalidated
-// ([ErrSlotLost]), or the role may not replicate.
+// ([ErrSlotLost]), belongs to another database on the server
+// ([ErrSlotOfAnotherDatabase]), or the role may not replicate.
 func (r *LogRelay) Run(ctx context.Context) error {
 	r.tel = newRelayTelemetry(r.TracerProvider, r.MeterProvider, r.table, "log")
 	maxBackoff := orDefault(r.MaxBackoff, DefaultMaxBackoff)
@@ -303,7 +360,7 @@ func (r *LogRelay) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost) || sqlState(err) == "42501" || sqlState(err) == "28000" {
+		if errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost) || errors.Is(err, ErrSlotOfAnotherDatabase) || sqlState(err) == "42501" || sqlState(err) == "28000" {
 			if r.Logger != nil {
 				r.Logger.Error("outbox: log relay stopped", "err", err)
 			}
@@ -356,6 +413,12 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 	if half := senderTimeout(ctx, conn) / 2; half > 0 && half < every {
 		every = half
 	}
+	// The server refuses another database's slot with the SQLSTATE of an
+	// invalidated one: ask first, so that the two are never taken for each
+	// other.
+	if theirs := slotElsewhere(ctx, conn, slot); theirs != "" {
+		return 0, fmt.Errorf("%w: %s is database %q's", ErrSlotOfAnotherDatabase, slot, theirs)
+	}
 	// Position 0: from where the slot says the relay confirmed.
 	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
 		PluginArgs: []string{"proto_version '1'", "publication_names '" + publication + "'"},
@@ -394,6 +457,20 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 		cancel()
 	}
 	return s.completed, err
+}
+
+// slotElsewhere is the name of the database the slot named slot belongs
+// to, if it is not the one conn is on; empty if it is, or if it cannot be
+// told. It is asked before the stream starts, on the replication
+// connection, which takes plain queries until then.
+func slotElsewhere(ctx context.Context, conn *pgconn.PgConn, slot string) string {
+	q := `SELECT database FROM pg_replication_slots WHERE slot_name = '` + strings.ReplaceAll(slot, "'", "''") +
+		`' AND database IS DISTINCT FROM current_database()`
+	res, err := conn.Exec(ctx, q).ReadAll()
+	if err != nil || len(res) != 1 || len(res[0].Rows) != 1 {
+		return ""
+	}
+	return string(res[0].Rows[0][0])
 }
 
 // senderTimeout is the server's wal_sender_timeout, or 0 if it cannot be

@@ -662,3 +662,50 @@ func insertABAC(ctx context.Context, tx *sql.Tx) error {
 	}
 	return nil
 }
+
+// Slot names are the server's, not a database's: a second service whose
+// outbox table has the first's name, on another database of the same
+// server, meets the first's slot. Each step that would take it is refused
+// with ErrSlotOfAnotherDatabase, naming the database it belongs to:
+// CreateLogSlot, DropLogSlot, Recover, and Run (not ErrSlotLost, which the
+// relay process answers by dropping the slot and making its own); the
+// first database's slot is still there, and still its. Named apart
+// (LogRelay's Slot), the second service's relay streams its own rows.
+// (Caught: CreateLogSlot said nil, Run said ErrSlotLost, and recovery
+// dropped the other service's slot.)
+func TestSlotOfAnotherDatabaseIsNeverTaken(t *testing.T) {
+	ctx := context.Background()
+	first, second := newDatabaseName(t), newDatabaseName(t)
+	dbFirst, dbSecond := open(t, first, ""), open(t, second, "")
+	slot := first // the two services' shared name: their outbox table's
+	if err := postgres.CreateLogSlot(ctx, dbFirst, slot); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dropSlot(t, dbFirst, slot) })
+	broker := &recorder{}
+	relay := postgres.NewLogRelay(logConnString(second), broker)
+	relay.Slot, relay.MarkIn, relay.MaxBackoff = slot, dbSecond, time.Hour
+	_, recovered := relay.Recover(ctx)
+	for what, err := range map[string]error{
+		"CreateLogSlot": postgres.CreateLogSlot(ctx, dbSecond, slot),
+		"DropLogSlot":   postgres.DropLogSlot(ctx, dbSecond, slot),
+		"Recover":       recovered,
+		"Run":           relay.Run(ctx),
+	} {
+		if !errors.Is(err, postgres.ErrSlotOfAnotherDatabase) || errors.Is(err, postgres.ErrSlotLost) || !strings.Contains(err.Error(), first) {
+			t.Errorf("%s on the second database = %v; want ErrSlotOfAnotherDatabase naming %s", what, err, first)
+		}
+		t.Logf("%s: %v", what, err)
+	}
+	var database string
+	if err := dbFirst.QueryRow(`SELECT database FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&database); err != nil || database != first {
+		t.Fatalf("the first database's slot: %q, %v; want it kept, %s's", database, err, first)
+	}
+
+	own := second + "_own"
+	relay = logRelayOn(t, dbSecond, logConnString(second), own, broker)
+	stop := runLog(t, relay)
+	rows := committedAt(t, dbSecond, 3)
+	waitUntil(t, "the second service's rows streamed from its own slot", func() bool { return seenAll(broker, rows) })
+	stop()
+}

@@ -31,6 +31,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -42,6 +43,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -66,6 +68,7 @@ import (
 type config struct {
 	database, nats, mode        string
 	table, stream, prefix, http string
+	slot                        string // log mode: the replication slot; empty means the table's name
 	replicas                    int
 	retention, cleanupEvery     time.Duration
 	processedRetention          time.Duration
@@ -107,6 +110,7 @@ func parse(cmd string, args []string) (config, []string, error) {
 	fs.StringVar(&c.nats, "nats", env("OUTBOX_NATS_URL", nats.DefaultURL), "JetStream servers, comma-separated (OUTBOX_NATS_URL)")
 	fs.StringVar(&c.mode, "mode", env("OUTBOX_MODE", "polling"), "polling or log (OUTBOX_MODE)")
 	fs.StringVar(&c.table, "table", env("OUTBOX_TABLE", postgres.DefaultOutbox.Table()), "the outbox table (OUTBOX_TABLE)")
+	fs.StringVar(&c.slot, "slot", env("OUTBOX_SLOT", ""), "log mode: the replication slot, unique on the server; empty means the table's name (OUTBOX_SLOT)")
 	fs.StringVar(&c.stream, "stream", env("OUTBOX_STREAM", natsbroker.Stream), "the stream (OUTBOX_STREAM)")
 	fs.StringVar(&c.prefix, "subject-prefix", env("OUTBOX_SUBJECT_PREFIX", natsbroker.SubjectPrefix), "the subjects' prefix (OUTBOX_SUBJECT_PREFIX)")
 	fs.StringVar(&c.http, "http", env("OUTBOX_HTTP_ADDR", ""), "address of /healthz, /readyz and /metrics (OUTBOX_HTTP_ADDR)")
@@ -146,6 +150,9 @@ func parse(cmd string, args []string) (config, []string, error) {
 	if c.database == "" {
 		errs = append(errs, errors.New("-database (OUTBOX_DATABASE_URL) is not set"))
 	}
+	if c.slot != "" && !slotName.MatchString(c.slot) {
+		errs = append(errs, fmt.Errorf("-slot %q: want lowercase letters, digits and '_', at most 63 bytes", c.slot))
+	}
 	if c.mode != "polling" && c.mode != "log" {
 		errs = append(errs, fmt.Errorf("-mode %q: want polling or log", c.mode))
 	}
@@ -163,6 +170,9 @@ func parse(cmd string, args []string) (config, []string, error) {
 	}
 	return c, fs.Args(), errors.Join(errs...)
 }
+
+// slotName is what PostgreSQL allows in a replication slot's name.
+var slotName = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
 
 func run(ctx context.Context, cmd string, c config, args []string, log *slog.Logger) error {
 	outbox, err := postgres.NewOutbox(c.table)
@@ -229,7 +239,7 @@ func migrate(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB,
 		return err
 	}
 	if c.mode == "log" {
-		if err := postgres.CreateLogSlot(ctx, db, outbox.Slot()); err != nil {
+		if err := postgres.CreateLogSlot(ctx, db, cmp.Or(c.slot, outbox.Slot())); err != nil {
 			return err
 		}
 	}
@@ -304,8 +314,8 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 	if c.mode == "log" {
 		r := outbox.NewLogRelay(c.database, publisher)
 		r.Logger, r.MarkIn, r.MeterProvider = log, db, meters // marked rows are not lag, and are cleaned up
-		r.ParkAfter = postgres.DefaultParkAfter
-		go func() { done <- runLog(ctx, r, outbox, db, publisher, log) }()
+		r.ParkAfter, r.Slot = postgres.DefaultParkAfter, cmp.Or(c.slot, outbox.Slot())
+		go func() { done <- runLog(ctx, r, log) }()
 	} else {
 		r := outbox.NewRelay(db, publisher)
 		r.Logger, r.MeterProvider, r.Standbys = log, meters, c.standbys
@@ -321,16 +331,17 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 
 // runLog runs the log relay until ctx ends; when its slot is lost, or
 // missing (a promoted standby), it makes it anew and publishes what the
-// relay may have missed (postgres.RecoverLogSlot), then streams on.
-func runLog(ctx context.Context, r *postgres.LogRelay, outbox *postgres.Outbox, db *sql.DB,
-	publisher postgres.MessageBroker, log *slog.Logger) error {
+// relay may have missed (LogRelay.Recover), then streams on. A slot of
+// another database (postgres.ErrSlotOfAnotherDatabase) is never taken: Run
+// returns it, and so does runLog.
+func runLog(ctx context.Context, r *postgres.LogRelay, log *slog.Logger) error {
 	for {
 		err := r.Run(ctx)
 		if !errors.Is(err, postgres.ErrSlotLost) && !errors.Is(err, postgres.ErrNoSlot) {
 			return err
 		}
 		log.Warn("outbox-relay: the log relay's slot is gone: making it anew, and publishing what it may have missed", "err", err)
-		n, err := outbox.RecoverLogSlot(ctx, db, publisher)
+		n, err := r.Recover(ctx)
 		if err != nil {
 			log.Error("outbox-relay: recovering the slot failed; trying again in 2 s", "err", err, "published", n)
 			select {
@@ -340,7 +351,7 @@ func runLog(ctx context.Context, r *postgres.LogRelay, outbox *postgres.Outbox, 
 			}
 			continue
 		}
-		log.Info("outbox-relay: slot recovered", "slot", outbox.Slot(), "published", n)
+		log.Info("outbox-relay: slot recovered", "slot", r.Slot, "published", n)
 	}
 }
 

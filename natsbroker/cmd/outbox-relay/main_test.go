@@ -370,6 +370,33 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	waitFor(t, "the relay to log its recovery", func() bool {
 		return strings.Contains(again.stderr.String(), `"msg":"outbox-relay: slot recovered"`)
 	})
+
+	// A second service, its outbox table named as this one's, on another
+	// database of the server: the slot "outbox" is this database's, and
+	// the second service's migrate and run say so and stop, taking
+	// nothing; with a -slot of its own it migrates. (Caught: run took the
+	// other database's slot for lost, dropped it and made its own.)
+	name := pgtest.NewBlankDatabase(t)
+	cfg := pgtest.Config
+	other := fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, cfg.User, name)
+	for _, cmd := range []string{"migrate", "run"} {
+		code, out := e.runOnce(cmd, "-mode", "log", "-database", other)
+		if code == 0 || !strings.Contains(out, "belongs to another database") {
+			t.Errorf("%s -mode log on a second database exited %d, want a failure naming the other database's slot:\n%s", cmd, code, out)
+		}
+	}
+	var database string
+	if err := e.db.QueryRow(`SELECT database FROM pg_replication_slots WHERE slot_name = 'outbox'`).Scan(&database); err != nil || database == name {
+		t.Errorf("the first service's slot: database %q, %v; want it kept, the first's", database, err)
+	}
+	own := name + "_slot"
+	if code, out := e.runOnce("migrate", "-mode", "log", "-database", other, "-slot", own); code != 0 {
+		t.Errorf("migrate -mode log -slot %s exited %d:\n%s", own, code, out)
+	}
+	otherDB := pgtest.Open(t, name, "")
+	if err := postgres.DropLogSlot(ctx, otherDB, own); err != nil {
+		t.Error(err)
+	}
 }
 
 // syncBuffer is a bytes.Buffer safe for a process's output and the test.
