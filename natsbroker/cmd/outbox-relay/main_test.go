@@ -270,6 +270,31 @@ func TestRelayProcessStopsOnSIGTERMAndStartsAgainLosingNothing(t *testing.T) {
 // second drop fails; a bad flag is refused before anything starts.
 func TestRelayProcessReadinessAndOperatorCommands(t *testing.T) {
 	e := newEnv(t)
+	// Before its first check ends (a database that accepts the connection
+	// and never answers holds it for the check's 10 s), /readyz is 503.
+	// (Caught: /readyz 200 until the first check said otherwise.)
+	silent, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	go func() {
+		for {
+			conn, err := silent.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { conn.Close() })
+		}
+	}()
+	early := freeAddr(t)
+	hung := e.start("run", "-http", early, "-database", "host=127.0.0.1 port="+fmt.Sprint(silent.Addr().(*net.TCPAddr).Port)+" user=nobody sslmode=disable")
+	waitFor(t, "/healthz to answer while the first check hangs", func() bool { code, _ := get("http://" + early + "/healthz"); return code == 200 })
+	if code, body := get("http://" + early + "/readyz"); code != 503 || !strings.Contains(body, "not checked yet") {
+		t.Errorf("/readyz before the first check ended = %d %q, want 503 not checked yet", code, body)
+	}
+	hung.cmd.Process.Kill()
+
 	addr := freeAddr(t)
 	e.start("run", "-http", addr)
 	waitFor(t, "/healthz to answer", func() bool { code, _ := get("http://" + addr + "/healthz"); return code == 200 })
