@@ -255,20 +255,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("consume: %w", err)
 	}
-	// When ctx ends the iterator drains: the messages prefetched and not
-	// yet handled are handed back at once (Nak), instead of waiting out
-	// AckWait in a buffer nobody reads.
-	stop := context.AfterFunc(ctx, it.Drain)
-	defer stop()
 	defer it.Stop()
 	for {
-		msg, err := it.Next()
+		msg, err := it.Next(jetstream.NextContext(ctx))
 		if ctx.Err() != nil {
-			if err != nil {
-				return ctx.Err() // drained
+			if err == nil {
+				msg.Nak() // a stop hands it back; if this fails, AckWait does
 			}
-			msg.Nak() // a stop hands it back; if this fails, AckWait does
-			continue
+			return handBack(ctx, it)
 		}
 		if errors.Is(err, jetstream.ErrNoHeartbeat) {
 			continue // the server was silent a while; the iterator pulls again
@@ -278,7 +272,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 		if err := c.handle(ctx, msg, deadline, maxOutOfOrder); err != nil && ctx.Err() == nil {
 			return err
-		} // after ctx ended, the loop hands the rest of the buffer back
+		} // after ctx ended, the next turn hands the rest of the buffer back
 
 	}
 }
@@ -339,6 +333,21 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 	default:
 		c.waiting(m.Key, false)
 		return ack(msg.NakWithDelay(c.backoff(msg, m, err)), "ask again for", msg)
+	}
+}
+
+// handBack drains it, after ctx ended: the messages prefetched and not yet
+// handled are handed back at once (Nak), instead of waiting out AckWait in
+// a buffer nobody reads, and it returns ctx's error once none is left. It
+// must be Drain: Stop would drop the buffer.
+func handBack(ctx context.Context, it jetstream.MessagesContext) error {
+	it.Drain()
+	for {
+		msg, err := it.Next()
+		if err != nil {
+			return ctx.Err()
+		}
+		msg.Nak() // if this fails, AckWait does
 	}
 }
 

@@ -389,7 +389,8 @@ func TestOutOfOrderBoundCountsOutOfOrderDeliveriesOnly(t *testing.T) {
 // handled: a consumer that starts after it gets those messages at once,
 // not after AckWait (two minutes here). Only the message whose handling
 // the stop cut short waits for AckWait, as Run's doc says. (Caught: a stop
-// that dropped the buffer: 9 messages held until AckWait ended.)
+// that dropped the buffer: 9 messages held until AckWait ended; the
+// iterator stopped, not drained, at the stop, which drops it too.)
 func TestStopHandsBackWhatWasPrefetched(t *testing.T) {
 	ctx := context.Background()
 	b := startBroker(t, nil)
