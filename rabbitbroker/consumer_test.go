@@ -284,3 +284,42 @@ func TestHandleThatHangsIsCutAndTriedAgain(t *testing.T) {
 		t.Errorf("applied out of order: %v", wrong)
 	}
 }
+
+// stuckUntilStop is a Handler that says it started, then waits for its
+// context to end, as a Handle on a database that does not answer.
+type stuckUntilStop struct{ started chan struct{} }
+
+func (s *stuckUntilStop) Handle(ctx context.Context, _ postgres.Message) (bool, error) {
+	close(s.started)
+	<-ctx.Done()
+	return false, ctx.Err()
+}
+
+// A stop that cuts a Handle short neither acks nor dead-letters the
+// message: the channel closes with it unacked, RabbitMQ delivers it again,
+// and the next consumer applies it. (Caught: a consumer that acked the
+// delivery its stop cut short: the order lost.)
+func TestStopMidHandleHandsTheMessageBack(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	top := declare(t, node.URL(), 0)
+	if err := newPublisher(t, node.URL(), top, 0).Publish(ctx, postgres.Message{ID: 1, Key: "k1", Type: shop.OrderPlaced,
+		Payload: `{"orderId":1,"totalCents":100}`, Aggregate: "order/1", Seq: 1}); err != nil {
+		t.Fatal(err)
+	}
+	stuck := &stuckUntilStop{started: make(chan struct{})}
+	first := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, stuck)
+	first.HandleTimeout = time.Hour // only the stop ends it
+	stop := goRun(t, first.Run)
+	<-stuck.started
+	stop()
+	if first.Applied() != 0 || first.DeadLettered() != 0 {
+		t.Fatalf("the stopped consumer applied %d, dead-lettered %d; want neither", first.Applied(), first.DeadLettered())
+	}
+	next := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, shop.NewWarehouse(db))
+	goRun(t, next.Run)
+	waitFor(t, "the message applied by the next consumer", func() bool { return next.Applied() == 1 })
+	if n := count(t, db, `SELECT count(*) FROM reservations WHERE order_id = 1`); n != 1 {
+		t.Errorf("%d reservations for order 1, want 1", n)
+	}
+}
