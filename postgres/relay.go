@@ -298,8 +298,9 @@ type OutboxRelay struct {
 	// PassTimeout is a pass's time budget for publishing,
 	// DefaultPassTimeout unless set; it must be positive. The pass's statements, its mark and its commit get
 	// as long again, so a pass ends at most twice PassTimeout after it
-	// began. Set it before the first pass, longer than the broker's slowest
-	// publish of a batch.
+	// began; a stop before the claim returns (one waiting for a lock) ends
+	// the pass at once. Set it before the first pass, longer than the
+	// broker's slowest publish of a batch.
 	PassTimeout time.Duration
 
 	// ParkAfter is how many rejections (broker errors wrapping ErrRejected)
@@ -641,17 +642,26 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	if r.PerAggregate {
 		query = r.outbox.sql.claimRuns
 	}
-	msgs, wal, head, err := claim(txCtx, tx, query, batch, millis(budget), millis(2*budget), r.PerAggregate)
-	if err != nil {
-		return res, err
-	}
-	if r.PerAggregate && head.passedOver(msgs) {
+	// Until the claim is done nothing is published, so a stop may cut it
+	// short: a claim that waits for a lock (a migration's, a VACUUM FULL)
+	// ends at the stop, not at its lock_timeout.
+	claimCtx, cancelClaim := context.WithCancel(txCtx)
+	defer cancelClaim()
+	defer context.AfterFunc(ctx, cancelClaim)()
+	msgs, wal, head, err := claim(claimCtx, tx, query, batch, millis(budget), millis(2*budget), r.PerAggregate)
+	if err == nil && r.PerAggregate && head.passedOver(msgs) {
 		// Rows of an aggregate may have been claimed without its first:
 		// those stay as they are, claimed by this pass and left unsent.
-		if msgs, err = r.runsOnly(txCtx, tx, msgs); err != nil {
-			return res, err
-		}
+		msgs, err = r.runsOnly(claimCtx, tx, msgs)
 	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return res, fmt.Errorf("relay pass stopped while it claimed: %w", ctx.Err())
+		}
+		return res, err
+	}
+	// The claim is done: from here on a stop lets the pass mark what the
+	// broker accepted, under txCtx.
 	res.claimed, res.full = len(msgs), len(msgs) == batch
 	if len(msgs) > 0 {
 		// The publishes' context carries the pass's span, their link.

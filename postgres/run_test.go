@@ -258,3 +258,53 @@ func (c *stopsFirst) Err() error {
 	}
 	return nil
 }
+
+// A stop while the claim waits for a lock (another session holds the
+// table, as a migration does) ends the pass at once, not at the claim's
+// lock_timeout, the pass budget: with a budget of an hour, Run returns
+// soon after its stop, having published nothing, and the rows go once the
+// lock is gone. (Caught: the claim under the pass's uncancellable
+// context: a stop waited out the lock_timeout, twice the budget in all,
+// past a termination grace period.)
+func TestStopWhileTheClaimWaitsForALockEndsThePass(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100)
+	holder, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback()
+	if _, err := holder.Exec(`LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	broker := &recorder{}
+	relay := postgres.NewOutboxRelay(db, broker)
+	relay.PassTimeout = time.Hour
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(runCtx) }()
+
+	waitUntil(t, "the relay's claim waiting for the lock", func() bool {
+		return count(t, db, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+			AND wait_event_type = 'Lock'`) > 0 // the holder waits for none
+	})
+
+	stop()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("Run = %v, want context.Canceled", err)
+		}
+	case <-time.After(generous):
+		t.Fatalf("Run still running %v after its stop, its claim waiting for the lock", generous)
+	}
+	if n := len(broker.Published()); n != 0 {
+		t.Errorf("%d published, want none", n)
+	}
+	holder.Rollback()
+	n, err := relay.PublishPending(ctx)
+	if n != 1 || err != nil {
+		t.Errorf("once the lock is gone: PublishPending = %d, %v; want the row", n, err)
+	}
+}
