@@ -21,6 +21,8 @@
 //	-processed-retention OUTBOX_PROCESSED_RETENTION  how long the consumers' keys in this database are kept
 //	                                   (0, the default, leaves them to the consumers; else at least the stream's max age)
 //	-http      OUTBOX_HTTP_ADDR        where /healthz, /readyz and /metrics are served (none if empty)
+//	-slot      OUTBOX_SLOT             log mode: the replication slot, unique on the server (the table's name)
+//	-sweep-every OUTBOX_SWEEP_EVERY    log mode: how often a polling pass publishes what the log cannot carry (1m; 0 never)
 //
 // /healthz answers 200 while the process runs; /readyz answers 200 only once
 // the outbox's schema is at its version and the stream is as configured
@@ -71,6 +73,7 @@ type config struct {
 	slot                        string // log mode: the replication slot; empty means the table's name
 	replicas                    int
 	retention, cleanupEvery     time.Duration
+	sweepEvery                  time.Duration // log mode: how often unsent rows older than it are swept; 0 never
 	processedRetention          time.Duration
 	standbys                    []string // polling mode: the standbys a pass waits for
 }
@@ -116,6 +119,8 @@ func parse(cmd string, args []string) (config, []string, error) {
 	fs.StringVar(&c.http, "http", env("OUTBOX_HTTP_ADDR", ""), "address of /healthz, /readyz and /metrics (OUTBOX_HTTP_ADDR)")
 	replicas, retention, every := env("OUTBOX_REPLICAS", "1"), env("OUTBOX_RETENTION", "168h"), env("OUTBOX_CLEANUP_EVERY", "1m")
 	processed := env("OUTBOX_PROCESSED_RETENTION", "0")
+	sweep := env("OUTBOX_SWEEP_EVERY", "1m")
+	fs.StringVar(&sweep, "sweep-every", sweep, "log mode: how often a polling pass publishes the unsent rows the log cannot carry (put back with unpark, or older than the slot), once the oldest waited that long; 0 never (OUTBOX_SWEEP_EVERY)")
 	fs.StringVar(&processed, "processed-retention", processed, "how long consumers' keys in this database are kept; 0 leaves them (OUTBOX_PROCESSED_RETENTION)")
 	fs.StringVar(&replicas, "replicas", replicas, "the stream's replicas (OUTBOX_REPLICAS)")
 	fs.StringVar(&retention, "retention", retention, "how long sent rows are kept; 0 keeps them (OUTBOX_RETENTION)")
@@ -143,6 +148,9 @@ func parse(cmd string, args []string) (config, []string, error) {
 	}
 	if c.processedRetention, err = time.ParseDuration(processed); err != nil || c.processedRetention < 0 {
 		errs = append(errs, fmt.Errorf("-processed-retention %q: want a duration, 0 or more", processed))
+	}
+	if c.sweepEvery, err = time.ParseDuration(sweep); err != nil || c.sweepEvery < 0 {
+		errs = append(errs, fmt.Errorf("-sweep-every %q: want a duration, 0 or more", sweep))
 	}
 	if c.cleanupEvery, err = time.ParseDuration(every); err != nil || c.cleanupEvery <= 0 {
 		errs = append(errs, fmt.Errorf("-cleanup-every %q: want a positive duration", every))
@@ -316,6 +324,9 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 		r.Logger, r.MarkIn, r.MeterProvider = log, db, meters // marked rows are not lag, and are cleaned up
 		r.ParkAfter, r.Slot = postgres.DefaultParkAfter, cmp.Or(c.slot, outbox.Slot())
 		go func() { done <- runLog(ctx, r, log) }()
+		if c.sweepEvery > 0 {
+			go sweep(ctx, c.sweepEvery, outbox, db, publisher, log)
+		}
 	} else {
 		r := outbox.NewRelay(db, publisher)
 		r.Logger, r.MeterProvider, r.Standbys = log, meters, c.standbys
@@ -352,6 +363,53 @@ func runLog(ctx context.Context, r *postgres.LogRelay, log *slog.Logger) error {
 			continue
 		}
 		log.Info("outbox-relay: slot recovered", "slot", r.Slot, "published", n)
+	}
+}
+
+// sweep publishes, with a polling pass, the unsent rows the log relay
+// cannot carry, since the log holds only inserts it has not yet confirmed:
+// rows put back with unpark (Outbox.Unpark), and rows committed before the
+// slot existed. Every every, once the oldest unsent row has waited longer
+// than every (the log relay marks what it delivers within a moment, so a
+// row that old is one it missed, or it is behind), it runs passes until one
+// is not full. A row the log relay also sends goes twice, as at least once
+// allows: consumers drop the copy by its key.
+func sweep(ctx context.Context, every time.Duration, outbox *postgres.Outbox, db *sql.DB,
+	publisher postgres.MessageBroker, log *slog.Logger) {
+	relay := outbox.NewRelay(db, publisher)
+	relay.Logger = log
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		read, cancel := context.WithTimeout(ctx, 10*time.Second)
+		lag, err := outbox.ReadLag(read, db)
+		cancel()
+		if err != nil {
+			log.Warn("outbox-relay: sweep: reading the lag failed", "err", err)
+			continue
+		}
+		if lag.Unsent == 0 || lag.Oldest < every {
+			continue
+		}
+		total := 0
+		for {
+			n, err := relay.PublishPending(ctx)
+			total += n
+			if err != nil {
+				log.Warn("outbox-relay: sweep: a polling pass failed", "err", err, "published", total)
+				break
+			}
+			if n < relay.BatchSize {
+				break
+			}
+		}
+		log.Info("outbox-relay: swept unsent rows the log relay had not delivered", "published", total,
+			"oldest_waited", lag.Oldest, "unsent", lag.Unsent)
 	}
 }
 
