@@ -86,13 +86,16 @@ func newMarks(r *LogRelay) *marks {
 		missed: map[rowRef]int{}, now: time.Now}
 }
 
-// delivered notes a transaction delivered whole, its rows by table, up to
-// its end, and starts a mark if none is being written.
+// delivered notes rows delivered, by table, and starts a mark if none is
+// being written: a transaction's last, up to its end, or, with end 0, a
+// part of a transaction still being read, which moves no position.
 func (m *marks) delivered(ctx context.Context, tables []string, ids []int64, end pglogrepl.LSN) {
 	for i, id := range ids {
 		m.pending[tables[i]] = append(m.pending[tables[i]], id)
 	}
-	m.pendingTo = end
+	if end != 0 {
+		m.pendingTo = end
+	}
 	m.start(ctx)
 }
 

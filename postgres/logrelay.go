@@ -73,7 +73,9 @@ var ErrSlotOfAnotherDatabase = errors.New("postgres: the replication slot belong
 // (a standby status update) only past a transaction whose every row the
 // broker accepted, so what a crash or a broker failure sends again is the
 // transactions after the last one confirmed, at least once, with the same
-// keys; consumers drop the copies. The server hears of each delivery within
+// keys; consumers drop the copies. A transaction is published as it is
+// read, in parts of at most 1,000 rows or about 8 MiB of payload, so the
+// relay's memory is bounded by a part, not by the transaction. The server hears of each delivery within
 // 100 ms (with MarkIn, of its mark) and when a session ends on a connection
 // that still works, a clean stop included, so a restart sends again at most
 // the transaction in flight. It holds no transaction on the server, but its
@@ -493,8 +495,13 @@ type stream struct {
 	relay     *LogRelay
 	conn      *pgconn.PgConn
 	relations map[uint32]*pglogrepl.RelationMessage
-	txn       []Message
-	tables    []string      // each txn row's table, as an SQL identifier
+	txn       []Message // the rows of the transaction being read, not yet published: at most streamRows
+	tables    []string  // each txn row's table, as an SQL identifier
+	txnBytes  int       // the payloads' bytes in txn: at most about streamBytes
+	inTxn     bool      // a BEGIN was read and its COMMIT not yet
+	txnDone   int       // rows of the transaction being read published already
+	sentIDs   []int64   // rows published and not yet handed to the marks, and their tables
+	sentIn    []string
 	marks     *marks        // with MarkIn, the marking of what was delivered
 	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
 	toldPos   pglogrepl.LSN // the position the server was last told
@@ -576,7 +583,7 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 		// and the log up to here holds nothing more for it (other tables'
 		// changes, transactions with no outbox row). Confirming it lets the
 		// server free that log.
-		if len(s.txn) == 0 && k.ServerWALEnd > s.confirmed {
+		if !s.inTxn && k.ServerWALEnd > s.confirmed {
 			s.confirmed = k.ServerWALEnd
 		}
 		if k.ReplyRequested {
@@ -595,7 +602,8 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 		case *pglogrepl.RelationMessage:
 			s.relations[m.RelationID] = m
 		case *pglogrepl.BeginMessage:
-			s.txn, s.tables = s.txn[:0], s.tables[:0]
+			s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
+			s.inTxn, s.txnDone, s.sentIDs, s.sentIn = true, 0, s.sentIDs[:0], s.sentIn[:0]
 		case *pglogrepl.InsertMessage:
 			rel, ok := s.relations[m.RelationID]
 			if !ok {
@@ -607,6 +615,14 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 			}
 			s.txn = append(s.txn, msg)
 			s.tables = append(s.tables, pgx.Identifier{rel.Namespace, rel.RelationName}.Sanitize())
+			s.txnBytes += len(msg.Payload)
+			// pgoutput (proto_version 1) sends a transaction only once it
+			// committed, so its rows may go before its COMMIT is read:
+			// memory is bounded by these, not by the transaction. Its end
+			// is confirmed only at the COMMIT, after its last row went.
+			if len(s.txn) >= streamRows || s.txnBytes >= streamBytes {
+				return s.deliver(ctx, 0)
+			}
 		case *pglogrepl.CommitMessage:
 			return s.deliver(ctx, m.TransactionEndLSN)
 		}
@@ -614,12 +630,22 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 	return nil
 }
 
-// deliver publishes the committed transaction's rows in their order and,
-// once the broker accepted all of them, confirms its end.
+// streamRows and streamBytes bound the rows of a transaction the log relay
+// holds before it publishes them: a transaction of a million rows goes in
+// parts of at most streamRows rows, or about streamBytes of payload.
+const (
+	streamRows  = 1000
+	streamBytes = 8 << 20
+)
+
+// deliver publishes the rows of the transaction read so far in their order
+// and, at its COMMIT (end is then the transaction's end; 0 for a part of
+// it), once the broker accepted every row of the transaction, hands them to
+// the marks and confirms its end.
 func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 	timeout := orDefault(s.relay.PublishTimeout, DefaultPassTimeout)
 	tel, start := s.relay.tel, time.Now()
-	var span trace.Span // a transaction's delivery is the log relay's pass
+	var span trace.Span // a transaction's delivery, or a part's, is the log relay's pass
 	if len(s.txn) > 0 {
 		ctx, span = tel.tracer.Start(ctx, "outbox log relay transaction", trace.WithTimestamp(start))
 	}
@@ -630,14 +656,12 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 			s.relay.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Err: err})
 		}
 	}()
-	var tables []string // the rows delivered, for the marks
-	var ids []int64
 	for i := 0; i < len(s.txn); {
 		pctx, cancel := context.WithTimeout(ctx, timeout)
 		accepted, err := send(pctx, s.relay.tel, s.relay.broker, s.txn[i:min(len(s.txn), i+DefaultBatchSize)], true)
 		cancel()
 		for j := i; j < i+accepted; j++ {
-			tables, ids = append(tables, s.tables[j]), append(ids, s.txn[j].ID)
+			s.sentIn, s.sentIDs = append(s.sentIn, s.tables[j]), append(s.sentIDs, s.txn[j].ID)
 		}
 		s.delivered += accepted
 		res.published += accepted
@@ -647,8 +671,8 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 			continue // set aside: the rest of the transaction goes on
 		}
 		if err != nil {
-			return fmt.Errorf("publish message %d, %d of a transaction of %d, which goes again whole: %w",
-				s.txn[i].ID, i+1, len(s.txn), err)
+			return fmt.Errorf("publish message %d, row %d of a transaction, which goes again whole: %w",
+				s.txn[i].ID, s.txnDone+i+1, err)
 		}
 		// A large transaction takes long to publish: the server hears from
 		// the relay all the same, at the old position, so that it does not
@@ -659,12 +683,19 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 			}
 		}
 	}
-	if s.marks != nil && len(ids) > 0 {
-		s.marks.delivered(ctx, tables, ids, end)
-	} else if s.marks == nil {
+	s.txnDone += len(s.txn)
+	s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
+	if s.marks != nil && (len(s.sentIDs) > 0 || end != 0 && s.txnDone > 0) {
+		s.marks.delivered(ctx, s.sentIn, s.sentIDs, end)  // a part's (end 0) moves no position
+		s.sentIn, s.sentIDs = s.sentIn[:0], s.sentIDs[:0] // the marks copied them
+	}
+	if end == 0 {
+		return nil // a part: the rest of the transaction, and its COMMIT, to come
+	}
+	if s.marks == nil {
 		res.marked = res.published // confirmed, as far as the relay goes
 	}
-	s.txn, s.tables = s.txn[:0], s.tables[:0]
+	s.inTxn = false
 	s.confirmed = end
 	s.completed++
 	if time.Since(s.told) >= statusAfterDelivery {

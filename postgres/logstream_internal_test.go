@@ -3,6 +3,8 @@ package postgres
 import (
 	"context"
 	"encoding/binary"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -101,4 +103,73 @@ func TestKeepaliveInsideATransactionMovesNothing(t *testing.T) {
 	if s.confirmed != 0x500 {
 		t.Errorf("a keepalive between transactions left the position at %v, want 0/500", s.confirmed)
 	}
+}
+
+func insertWithPayload(id, payload string) []byte {
+	return xlog(wire{}.u8('I').u32(1).u8('N').u16(4).text(id).text("key-" + id).text("ItemPicked").text(payload))
+}
+
+// A large transaction goes out as it is read, in parts, not held whole:
+// of a transaction of 2,500 rows, the first streamRows are published before
+// the rest are read, the relay never holds more than streamRows, and a
+// keepalive between parts moves nothing; its end is confirmed only at its
+// COMMIT, once all 2,500 went, in order. Rows of large payloads go once
+// about streamBytes are held. (Caught: the whole transaction held in
+// memory before its first publish.)
+func TestLargeTransactionIsPublishedInPartsAsItIsRead(t *testing.T) {
+	ctx := context.Background()
+	broker := &syncRecorder{}
+	r := NewLogRelay("", broker)
+	r.tel = newRelayTelemetry(nil, nil, r.table, "log")
+	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now()}
+	most := 0
+	feed := func(data []byte) {
+		t.Helper()
+		if err := s.handle(ctx, data); err != nil {
+			t.Fatal(err)
+		}
+		most = max(most, len(s.txn))
+	}
+	published := func() int { broker.mu.Lock(); defer broker.mu.Unlock(); return len(broker.ids) }
+	feed(outboxRelation())
+	feed(xlog(wire{}.u8('B').u64(0x3f0).u64(0).u32(700)))
+	for id := 1; id <= streamRows+1; id++ {
+		feed(insertMessage(strconv.Itoa(id)))
+	}
+	if n := published(); n != streamRows {
+		t.Fatalf("after %d rows read, before the COMMIT: %d published, want the first part, %d", streamRows+1, n, streamRows)
+	}
+	feed(keepalive(0x500, false))
+	if s.confirmed != 0 {
+		t.Fatalf("a keepalive between parts moved the position to %v", s.confirmed)
+	}
+	for id := streamRows + 2; id <= 2500; id++ {
+		feed(insertMessage(strconv.Itoa(id)))
+	}
+	feed(xlog(wire{}.u8('C').u8(0).u64(0x3f0).u64(0x400).u64(0)))
+	if most > streamRows {
+		t.Errorf("the relay held %d rows at once, want at most %d", most, streamRows)
+	}
+	if s.confirmed != 0x400 {
+		t.Errorf("after the COMMIT the position is %v, want the transaction's end 0/400", s.confirmed)
+	}
+	if len(broker.ids) != 2500 {
+		t.Fatalf("published %d, want 2500", len(broker.ids))
+	}
+	for i, id := range broker.ids {
+		if id != int64(i+1) {
+			t.Fatalf("published %d at %d, want the rows in their order", id, i)
+		}
+	}
+
+	big := `"` + strings.Repeat("x", 1<<20) + `"` // 1 MiB
+	feed(xlog(wire{}.u8('B').u64(0x4f0).u64(0).u32(701)))
+	rows := 0
+	for id := 3001; published() == 2500; id++ {
+		feed(insertWithPayload(strconv.Itoa(id), big))
+		if rows++; rows > streamBytes>>20+1 {
+			t.Fatalf("%d rows of 1 MiB held and none published, want a part at about %d bytes", rows, streamBytes)
+		}
+	}
+	t.Logf("rows of 1 MiB: the first part went after %d", rows)
 }
