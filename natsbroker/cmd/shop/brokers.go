@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -90,6 +91,7 @@ type jetStream struct {
 	js        jetstream.JetStream
 	publisher *natsbroker.Publisher
 	nodes     int
+	warehouse atomic.Pointer[natsbroker.Consumer] // the warehouse's consumer, once made
 }
 
 func startJetStream(store string, nodes int) (*jetStream, error) {
@@ -165,6 +167,7 @@ func (b *jetStream) Warehouse(h handler, logger *slog.Logger, meters metric.Mete
 	}
 	c := natsbroker.NewConsumer(cons, h)
 	c.Logger, c.MeterProvider = logger, meters
+	b.warehouse.Store(c)
 	return c, nil
 }
 
@@ -189,7 +192,11 @@ func (b *jetStream) ConsumerView(ctx context.Context) (map[string]any, error) {
 		return nil, err
 	}
 	info := cons.CachedInfo()
-	return map[string]any{"pending": info.NumPending, "ackPending": info.NumAckPending, "redelivered": info.NumRedelivered}, nil
+	view := map[string]any{"pending": info.NumPending, "ackPending": info.NumAckPending, "redelivered": info.NumRedelivered}
+	if c := b.warehouse.Load(); c != nil { // messages asked for again after failures that may pass, and the oldest's wait
+		view["waiting"], view["oldestWaitingSeconds"] = c.Waiting(), c.OldestWaiting().Seconds()
+	}
+	return view, nil
 }
 
 // Replay delivers the whole stream again to h, through a consumer of its

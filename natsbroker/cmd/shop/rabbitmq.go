@@ -179,6 +179,7 @@ func (b *rabbitMQ) ConsumerView(ctx context.Context) (map[string]any, error) {
 	view := map[string]any{"pending": ready, "consumers": consumers, "deadLetters": dead}
 	if c := b.warehouse.Load(); c != nil {
 		view["handedBack"], view["deadLettered"] = c.HandedBack(), c.DeadLettered()
+		view["waiting"], view["oldestWaitingSeconds"] = c.Waiting(), c.OldestWaiting().Seconds()
 	}
 	return view, nil
 }
