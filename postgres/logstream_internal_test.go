@@ -78,7 +78,7 @@ func TestKeepaliveInsideATransactionMovesNothing(t *testing.T) {
 	broker := &syncRecorder{}
 	r := NewLogRelay("", broker)
 	r.tel = newRelayTelemetry(nil, nil, r.table, "log")
-	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now()}
+	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)} // never due to tell the server: there is none
 	feed := func(data []byte) {
 		t.Helper()
 		if err := s.handle(ctx, data); err != nil {
@@ -121,7 +121,7 @@ func TestLargeTransactionIsPublishedInPartsAsItIsRead(t *testing.T) {
 	broker := &syncRecorder{}
 	r := NewLogRelay("", broker)
 	r.tel = newRelayTelemetry(nil, nil, r.table, "log")
-	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now()}
+	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)} // never due to tell the server: there is none
 	most := 0
 	feed := func(data []byte) {
 		t.Helper()
