@@ -290,7 +290,6 @@ func (n *Node) startOnce() error {
 	from := info.Size() // where this start's output begins
 	n.cmd = exec.Command(filepath.Join(Bin, "rabbitmq-server"))
 	n.cmd.Env, n.cmd.Stdout, n.cmd.Stderr = n.env(), out, out
-	n.cmd.Dir = n.Dir                                                                   // where Erlang writes a crash dump (MnesiaCore.*, erl_crash.dump), if it does
 	n.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL} // its own group, so that Stop reaches what it spawned
 	if err := n.cmd.Start(); err != nil {
 		return err
