@@ -113,3 +113,8 @@ func (s *statusRecorder) WriteHeader(code int) {
 	s.status = code
 	s.ResponseWriter.WriteHeader(code)
 }
+
+// Unwrap lets http.ResponseController reach the connection underneath: a
+// handler's SetWriteDeadline (POST /broker/up's) would otherwise fail, and
+// the server's WriteTimeout cut its answer off.
+func (s *statusRecorder) Unwrap() http.ResponseWriter { return s.ResponseWriter }
