@@ -71,17 +71,15 @@ var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a
 //   - never to be applied (a payload the handler cannot read, wrapping
 //     [postgres.ErrMalformedMessage], or no key, an error the handler wraps
 //     around [postgres.ErrPermanent], or headers that are not an outbox
-//     message's), or still before its predecessor after
-//     MaxOutOfOrder deliveries with no message before it in the stream
-//     still pending on the JetStream consumer (its predecessor was
-//     terminated, or parked in the outbox, and may never come; see
-//     MaxOutOfOrder for how many is enough): Term, with the reason, and a
-//     log line at level Error; it is
+//     message's), or still before its predecessor after MaxOutOfOrder
+//     deliveries with no message before it in the stream still pending on
+//     the JetStream consumer (its predecessor was terminated, or parked in
+//     the outbox, and may never come; see MaxOutOfOrder for how many is
+//     enough): Term, with the reason, and a log line at level Error; it is
 //     not delivered again. JetStream publishes an advisory for each message
-//     terminated
-//     ($JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.<stream>.<consumer>), with
-//     the reason, for an operator to find it by; the message stays in the
-//     stream.
+//     terminated ($JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.<stream>.<consumer>),
+//     with the reason, for an operator to find it by; the message stays in
+//     the stream.
 //
 // The JetStream consumer's AckWait runs from a message's delivery, also
 // while it waits in the client's buffer behind others. So a Consumer asks
@@ -99,9 +97,9 @@ var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a
 // handled, and since when; what waits is kept by JetStream, not in memory.
 //
 // A Consumer is not safe for concurrent use, but for Waiting and
-// OldestWaiting: run one Run at a time. Several
-// Consumers, in one process or many, may share one JetStream consumer, which
-// spreads the messages among them. Create one with [NewConsumer].
+// OldestWaiting: run one Run at a time. Several Consumers, in one process
+// or many, may share one JetStream consumer, which spreads the messages
+// among them. Create one with [NewConsumer].
 type Consumer struct {
 	consumer jetstream.Consumer
 	prefix   string // of its subjects, which decode takes off for the type
