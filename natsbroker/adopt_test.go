@@ -4,11 +4,17 @@ package natsbroker_test
 // the outbox modules, and nothing of the lesson or the example.
 
 import (
+	"fmt"
+	"go/parser"
+	"go/token"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // teamProgram is a team's relay: its database, its JetStream, the outbox
@@ -56,6 +62,22 @@ func main() {
 // (Caught: natsbroker and postgres requiring the root module, which such
 // a go.mod cannot resolve.)
 func TestATeamImportsTheOutboxModulesAlone(t *testing.T) {
+	dir := teamModule(t, map[string][]byte{"main.go": []byte(teamProgram)})
+	goCmd(t, dir, "build", "-o", os.DevNull, ".")
+	list := goCmd(t, dir, "list", "-m", "all")
+	for line := range strings.Lines(list) {
+		if m := strings.Fields(line)[0]; m == "example.com/patterns/enterprise/outbox" || strings.HasSuffix(m, "/cmd/shop") {
+			t.Errorf("the team's build list holds %s", line)
+		}
+	}
+}
+
+// teamModule writes files into a module of a team's own, outside the
+// repository, whose go.mod requires the two outbox modules (replaced by
+// this repository's folders, as before they are published), tidies it, and
+// returns its folder.
+func teamModule(t *testing.T, files map[string][]byte) string {
+	t.Helper()
 	repo, err := filepath.Abs("..")
 	if err != nil {
 		t.Fatal(err)
@@ -73,20 +95,15 @@ func TestATeamImportsTheOutboxModulesAlone(t *testing.T) {
 		}
 		sum = append(sum, b...)
 	}
-	for name, data := range map[string][]byte{"go.mod": []byte(mod), "go.sum": sum, "main.go": []byte(teamProgram)} {
+	files["go.mod"], files["go.sum"] = []byte(mod), sum
+	for name, data := range files {
 		if err := os.WriteFile(filepath.Join(dir, name), data, 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
 	t.Logf("go.mod:\n%s", mod)
 	goCmd(t, dir, "mod", "tidy")
-	goCmd(t, dir, "build", "-o", os.DevNull, ".")
-	list := goCmd(t, dir, "list", "-m", "all")
-	for line := range strings.Lines(list) {
-		if m := strings.Fields(line)[0]; m == "example.com/patterns/enterprise/outbox" || strings.HasSuffix(m, "/cmd/shop") {
-			t.Errorf("the team's build list holds %s", line)
-		}
-	}
+	return dir
 }
 
 // goCmd runs the go command with args in dir, with the module cache of the
@@ -101,4 +118,45 @@ func goCmd(t *testing.T, dir string, args ...string) string {
 		t.Fatalf("go %s in %s: %v\n%s", strings.Join(args, " "), dir, err, out)
 	}
 	return string(out)
+}
+
+// A team on pgxpool alone, with no database/sql in its code, adopts the
+// whole outbox through one Outbox: testdata/pgxteam, built in a module of
+// its own, migrates a blank database, writes an order and its event in its
+// own pgx.Tx, relays the event to JetStream, reads the lag, cleans up, and
+// applies the event once in a pgx.Tx, its second delivery dropped.
+// (Caught: pgx stopping at writing a row and the polling relay; the
+// migrations, lag, cleanup and the consumer's records on *sql.DB alone.)
+func TestATeamOnPgxpoolAloneRunsTheWholeOutbox(t *testing.T) {
+	src, err := os.ReadFile("testdata/pgxteam/main.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := parser.ParseFile(token.NewFileSet(), "main.go", src, parser.ImportsOnly)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, imp := range f.Imports {
+		if p, _ := strconv.Unquote(imp.Path.Value); p == "database/sql" || strings.HasSuffix(p, "/stdlib") {
+			t.Fatalf("the pgx team's program imports %s", p)
+		}
+	}
+	dir := teamModule(t, map[string][]byte{"main.go": src})
+	bin := filepath.Join(t.TempDir(), "pgxteam")
+	goCmd(t, dir, "build", "-o", bin, ".")
+
+	b := startBroker(t, nil)
+	cfg := pgtest.Config
+	database := fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, cfg.User, pgtest.NewBlankDatabase(t))
+	cmd := exec.Command(bin)
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+database, "NATS_URL="+b.url())
+	out, err := cmd.CombinedOutput()
+	t.Logf("pgxteam:\n%s", out)
+	if err != nil {
+		t.Fatalf("pgxteam: %v", err)
+	}
+	want := "published 1\nunsent 0\ncleaned up 1\napplied OrderPlaced\napplied again false\nreservations 1\n"
+	if string(out) != want {
+		t.Errorf("pgxteam printed\n%s\nwant\n%s", out, want)
+	}
 }

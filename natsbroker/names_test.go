@@ -46,11 +46,11 @@ func (h *typesSeen) seen() []string {
 func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	billingOutbox, err := postgres.NewOutbox("billing_outbox")
+	billingOutbox, err := postgres.OpenDB(db, postgres.Config{Table: "billing_outbox"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := billingOutbox.Migrate(ctx, db); err != nil {
+	if err := billingOutbox.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
 	billing, err := natsbroker.NewNames("BILLING", "billing.")
@@ -87,7 +87,7 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 
 	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
 		for _, typ := range []string{"InvoiceIssued", "invoice.paid"} {
-			if _, err := billingOutbox.Insert(ctx, tx, typ, map[string]int{"invoice": 1}); err != nil {
+			if _, err := billingOutbox.Write(ctx, tx, postgres.Event{Type: typ, Payload: map[string]int{"invoice": 1}}); err != nil {
 				return err
 			}
 		}
@@ -97,7 +97,7 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, relay := range []*postgres.OutboxRelay{
-		billingOutbox.NewRelay(db, billing.NewPublisher(js)),
+		billingOutbox.NewRelay(billing.NewPublisher(js)),
 		postgres.NewOutboxRelay(db, natsbroker.NewPublisher(js)),
 	} {
 		for {

@@ -56,10 +56,14 @@ func TestReplayAfterCleanupAppliesNothingTwice(t *testing.T) {
 		INSERT INTO processed_messages (message_key, processed_at) VALUES ('k-gone', now() - interval '1 hour')`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := natsbroker.ForgetProcessed(ctx, js, natsbroker.Stream, db, time.Second, 0); !errors.Is(err, natsbroker.ErrRetentionTooShort) {
+	records, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := natsbroker.ForgetProcessed(ctx, js, natsbroker.Stream, records, time.Second); !errors.Is(err, natsbroker.ErrRetentionTooShort) {
 		t.Fatalf("ForgetProcessed with 1 s against a stream of 3 s = %v, want ErrRetentionTooShort", err)
 	}
-	if n, err := natsbroker.ForgetProcessed(ctx, js, natsbroker.Stream, db, 3*time.Second, 0); n != 1 || err != nil {
+	if n, err := natsbroker.ForgetProcessed(ctx, js, natsbroker.Stream, records, 3*time.Second); n != 1 || err != nil {
 		t.Fatalf("ForgetProcessed with 3 s = %d, %v; want 1 (k-gone), <nil>", n, err)
 	}
 	if n := replay("replay"); n != 0 {

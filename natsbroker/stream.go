@@ -14,15 +14,12 @@ package natsbroker
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-
-	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 // Stream is the name of the stream the outbox's messages are stored in, and
@@ -96,9 +93,14 @@ func streamConfig(window time.Duration) jetstream.StreamConfig {
 // retention shorter than the stream keeps its messages.
 var ErrRetentionTooShort = errors.New("natsbroker: consumer would forget keys of messages the stream still holds")
 
-// ForgetProcessed is [postgres.ForgetProcessed] on the consumer's database
-// db under the rule
-// that ties it to the stream: a consumer forgets a key only once the stream
+// Forgetter is what [ForgetProcessed] needs of the consumer's database: a
+// *postgres.Outbox opened on it, on pgx or on database/sql.
+type Forgetter interface {
+	ForgetProcessed(ctx context.Context, retention time.Duration) (int64, error)
+}
+
+// ForgetProcessed is [postgres.Outbox.ForgetProcessed] of f, the consumer's
+// database, under the rule that ties it to the stream: a consumer forgets a key only once the stream
 // can no longer deliver its message. A message is stored before it is
 // processed, so a key is never older than its message; with a retention at
 // least the stream's MaxAge, every message the stream still holds has its
@@ -109,7 +111,7 @@ var ErrRetentionTooShort = errors.New("natsbroker: consumer would forget keys of
 // for ever (MaxAge zero). The warehouse's own rule still holds beside it: a
 // retention longer than the longest delay before a relay sends a message
 // again.
-func ForgetProcessed(ctx context.Context, js jetstream.JetStream, stream string, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
+func ForgetProcessed(ctx context.Context, js jetstream.JetStream, stream string, f Forgetter, retention time.Duration) (int64, error) {
 	s, err := js.Stream(ctx, stream)
 	if err != nil {
 		return 0, fmt.Errorf("forget processed messages: stream %s: %w", stream, err)
@@ -121,7 +123,7 @@ func ForgetProcessed(ctx context.Context, js jetstream.JetStream, stream string,
 	case retention < maxAge:
 		return 0, fmt.Errorf("%w: retention %v, but stream %s keeps messages %v", ErrRetentionTooShort, retention, stream, maxAge)
 	}
-	return postgres.ForgetProcessed(ctx, db, retention, batchSize)
+	return f.ForgetProcessed(ctx, retention)
 }
 
 // ConsumerConfig is a durable pull consumer, named name, of the whole stream,

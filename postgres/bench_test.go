@@ -276,7 +276,7 @@ func BenchmarkClaimOverSentRows(b *testing.B) {
 		b.ReportMetric(emptyPass(b, relay), "kept-empty-pass-µs")
 		b.ReportMetric(claimBuffers(b, db), "kept-claim-buffers")
 		start := time.Now()
-		if n, err := postgres.DeleteSent(ctx, db, 0, 0); n != rows || err != nil {
+		if n, err := sqlOutbox(b, db, postgres.Config{}).DeleteSent(ctx, 0); n != rows || err != nil {
 			b.Fatalf("DeleteSent = %d, %v", n, err)
 		}
 		b.ReportMetric(float64(time.Since(start).Milliseconds()), "cleanup-ms")

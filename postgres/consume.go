@@ -66,8 +66,8 @@ var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates ca
 // of one message at the same time apply it once: the second waits for the
 // first's transaction and comes back as a duplicate, not as an error. The
 // tables are the outbox migrations' ([Migrate]); in a real system they live
-// in the consumer's database. [ApplyOnceIn] does the same in a transaction
-// the caller already has.
+// in the consumer's database. [Outbox.ApplyOnceIn] does the same in a
+// transaction the caller already has.
 func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply func(ctx context.Context, tx *sql.Tx) error) (applied bool, err error) {
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
@@ -82,7 +82,7 @@ func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply fu
 		span.End()
 	}()
 	err = Transaction(ctx, db, func(tx *sql.Tx) error {
-		fresh, err := ApplyOnceIn(ctx, tx, msg, last)
+		fresh, err := applyOnceIn(ctx, sqlTxn{tx}, msg, last)
 		if err != nil || !fresh {
 			return err // !fresh: a duplicate, and nothing was written
 		}
@@ -98,17 +98,29 @@ func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply fu
 	return applied, nil
 }
 
-// ApplyOnceIn is ApplyOnce in the caller's transaction tx (any [Executor]
-// that is a transaction: a *sql.Tx, sqlc's DBTX holding one): it records
-// msg as applied in tx and reports fresh, or reports a duplicate (false)
-// and writes nothing. The caller writes the message's effect in tx only if
-// fresh, and commits; the record and the effect are kept together or not
-// at all. On an error (no key, [ErrOutOfOrder], the database's) the caller
-// rolls tx back. It makes tx's commit durable (synchronous_commit = on,
-// for tx alone), so that what the consumer acks after the commit survives a
-// crash of the server. A message of an aggregate whose Seq is below 1 is refused
-// with [ErrMalformedMessage], never taken for a duplicate. It starts no span: the caller's ctx carries its own.
-func ApplyOnceIn(ctx context.Context, tx Executor, msg Message, last bool) (fresh bool, err error) {
+// ApplyOnceIn is [ApplyOnce] in the caller's transaction tx, a pgx.Tx or
+// a *sql.Tx as o was opened: it records msg as applied in tx and reports
+// fresh, or reports a duplicate (false) and writes nothing. The caller
+// writes the message's effect in tx only if fresh, and commits; the record
+// and the effect are kept together or not at all. On an error (no key,
+// [ErrOutOfOrder], the database's) the caller rolls tx back. It makes tx's
+// commit durable (synchronous_commit = on, for tx alone), so that what the
+// consumer acks after the commit survives a crash of the server. A message
+// of an aggregate whose Seq is below 1 is refused with
+// [ErrMalformedMessage], never taken for a duplicate. It starts no span:
+// the caller's ctx carries its own. The consumer's tables are shared by
+// every outbox of the database.
+func (o *Outbox[T]) ApplyOnceIn(ctx context.Context, tx T, msg Message, last bool) (fresh bool, err error) {
+	if err := o.usable(); err != nil {
+		return false, err
+	}
+	if any(tx) == nil {
+		return false, errNoTx
+	}
+	return applyOnceIn(ctx, o.tx(tx), msg, last)
+}
+
+func applyOnceIn(ctx context.Context, tx stmts, msg Message, last bool) (fresh bool, err error) {
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
 	}
@@ -136,21 +148,21 @@ func ApplyOnceIn(ctx context.Context, tx Executor, msg Message, last bool) (fres
 	// session's synchronous_commit (off would let a crash of the server
 	// erase an effect already acked). With synchronous standbys, it also
 	// waits for them, as on requires.
-	if _, err := tx.ExecContext(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
+	if _, err := tx.execN(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
 		return false, fmt.Errorf("message %s: %w", msg.Key, err)
 	}
 	// Under READ COMMITTED a second delivery waits here for the first
 	// one's transaction, then finds the key and inserts nothing.
-	res, err := tx.ExecContext(ctx,
+	n, err := tx.execN(ctx,
 		`INSERT INTO processed_messages (message_key) VALUES ($1) ON CONFLICT DO NOTHING`, msg.Key)
 	if err != nil {
 		return false, fmt.Errorf("record message %s: %w", msg.Key, err)
 	}
-	if n, err := res.RowsAffected(); err != nil || n == 0 {
-		return false, err // n == 0: applied before, a duplicate
+	if n == 0 {
+		return false, nil // applied before, a duplicate
 	}
 	if msg.Aggregate != "" {
-		if _, err := tx.ExecContext(ctx,
+		if _, err := tx.execN(ctx,
 			`UPDATE aggregate_positions SET seq = $2, applied_at = clock_timestamp(), closed = $3 WHERE aggregate = $1`,
 			msg.Aggregate, msg.Seq, last); err != nil {
 			return false, fmt.Errorf("message %s: %w", msg.Key, err)
@@ -161,24 +173,33 @@ func ApplyOnceIn(ctx context.Context, tx Executor, msg Message, last bool) (fres
 
 // lockPosition returns the last seq applied of msg's aggregate (0 for an
 // aggregate never seen), holding its row lock in tx.
-func lockPosition(ctx context.Context, tx Executor, msg Message) (int64, error) {
-	if _, err := tx.ExecContext(ctx,
+func lockPosition(ctx context.Context, tx stmts, msg Message) (int64, error) {
+	if _, err := tx.execN(ctx,
 		`INSERT INTO aggregate_positions (aggregate, seq) VALUES ($1, 0) ON CONFLICT DO NOTHING`, msg.Aggregate); err != nil {
 		return 0, fmt.Errorf("message %s: %w", msg.Key, err)
 	}
 	var seq int64
-	if err := tx.QueryRowContext(ctx,
+	if err := tx.queryRow(ctx,
 		`SELECT seq FROM aggregate_positions WHERE aggregate = $1 FOR UPDATE`, msg.Aggregate).Scan(&seq); err != nil {
 		return 0, fmt.Errorf("message %s: %w", msg.Key, err)
 	}
 	return seq, nil
 }
 
+// ForgetProcessed is [Outbox.ForgetProcessed] on db, batchSize rows a
+// transaction (zero or less means [DefaultCleanupBatch]).
+func ForgetProcessed(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
+	if batchSize < 0 {
+		batchSize = 0
+	}
+	return sqlOutbox(db, batchSize).ForgetProcessed(ctx, retention)
+}
+
 // ForgetProcessed deletes the keys of messages that [ApplyOnce] applied
 // longer than retention ago, and the positions of the aggregates whose last
-// event it applied longer than retention ago, at most batchSize rows a
-// transaction (zero or less means [DefaultCleanupBatch]), and returns how
-// many keys and positions it deleted. It is safe to run beside ApplyOnce.
+// event it applied longer than retention ago, at most [Config.CleanupBatch]
+// rows a transaction, and returns how many keys and
+// positions it deleted. It is safe to run beside ApplyOnce.
 // The position of an aggregate that is still open is kept, however old:
 // forgotten, the aggregate's next event would find no predecessor and be
 // refused as out of order for ever.
@@ -188,12 +209,15 @@ func lockPosition(ctx context.Context, tx Executor, msg Message) (int64, error) 
 // broker down for hours, a parked message put back) plus the broker's own
 // redelivery delay; a retention shorter than that applies a late duplicate
 // as a new message. Keep it generous: a key is a few dozen bytes.
-func ForgetProcessed(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
-	keys, err := deleteInBatches(ctx, db, forgetProcessed, retention, batchSize)
+func (o *Outbox[T]) ForgetProcessed(ctx context.Context, retention time.Duration) (int64, error) {
+	if err := o.usable(); err != nil {
+		return 0, err
+	}
+	keys, err := deleteInBatches(ctx, o.db, forgetProcessed, retention, o.cleanupBatch)
 	if err != nil {
 		return keys, err
 	}
-	positions, err := deleteInBatches(ctx, db, forgetClosedPositions, retention, batchSize)
+	positions, err := deleteInBatches(ctx, o.db, forgetClosedPositions, retention, o.cleanupBatch)
 	return keys + positions, err
 }
 

@@ -17,7 +17,7 @@ import (
 // test process (user and system, from getrusage) as well as the wall time.
 // pass=relay is OutboxRelay.PublishPending, through database/sql and pgx's
 // stdlib driver; pass=relay-pgx the same relay on a pgxpool.Pool
-// (NewOutboxRelayPgx); both over the whole table, whose claim the bare
+// (Open, then NewRelay); both over the whole table, whose claim the bare
 // loops send. pass=pgx is the same statements on one pgx.Conn, one round
 // trip each (BEGIN, the claim, the mark, COMMIT), and pass=pgx-pipelined
 // sends BEGIN with the claim, and the mark with COMMIT, in one round trip
@@ -31,7 +31,7 @@ func BenchmarkPassCPU(b *testing.B) {
 			name := newDatabaseName(b)
 			db := open(b, name, "")
 			relay := postgres.NewOutboxRelay(db, discard{})
-			relayPgx := postgres.NewOutboxRelayPgx(newPool(b, name, 4), discard{})
+			relayPgx := pgxOutbox(b, newPool(b, name, 4)).NewRelay(discard{})
 			relay.PerAggregate, relayPgx.PerAggregate = false, false // the bare loops' claim
 			cfg := pgtest.Config.Copy()
 			cfg.Database = name

@@ -109,6 +109,7 @@ func TestApplyOnceInTheCallersTransaction(t *testing.T) {
 		return postgres.Message{ID: seq, Key: "c3a1c9a4-0000-4000-8000-00000000000" + string(rune('0'+seq)), Type: "Deposited",
 			Payload: `{"cents":100}`, Aggregate: "account/9", Seq: seq}
 	}
+	ob := sqlOutbox(t, db, postgres.Config{})
 	// deposit handles msg in a transaction of the caller's, which it
 	// commits, or rolls back if rollback is set, and reports fresh.
 	deposit := func(msg postgres.Message, rollback bool) (bool, error) {
@@ -117,7 +118,7 @@ func TestApplyOnceInTheCallersTransaction(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer tx.Rollback()
-		fresh, err := postgres.ApplyOnceIn(ctx, tx, msg, false)
+		fresh, err := ob.ApplyOnceIn(ctx, tx, msg, false)
 		if err != nil || !fresh {
 			return fresh, err
 		}

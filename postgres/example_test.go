@@ -8,12 +8,15 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"log"
 	"log/slog"
 	"os"
 	"os/signal"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver for database/sql
 
 	"example.com/patterns/enterprise/outbox/postgres"
@@ -85,19 +88,100 @@ func ExampleReadLag() {
 	}
 }
 
+// A team on pgx's pool makes the outbox once, at start-up: Open checks
+// the Config there, so that a bad setting stops the service before it
+// writes anything, and the migration step brings the schema up.
+func ExampleOpen() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	ob, err := postgres.Open(pool, postgres.Config{Table: "billing_outbox"})
+	if err != nil {
+		log.Fatal(err) // errors.Is(err, postgres.ErrInvalidConfig), the setting named
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+}
+
+// A team's own change and its event, in one pgx transaction: the row of
+// the team's table and the outbox row commit together or not at all.
+// Write takes the transaction, never the pool: passing the pool does not
+// compile.
+func ExampleOutbox_Write() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	ob, err := postgres.Open(pool, postgres.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var id int64
+		if err := tx.QueryRow(ctx, `INSERT INTO accounts (owner) VALUES ($1) RETURNING id`, "Ada").Scan(&id); err != nil {
+			return err
+		}
+		_, err := ob.Write(ctx, tx, postgres.Event{Type: "AccountOpened", Payload: map[string]any{"accountId": id},
+			Aggregate: fmt.Sprintf("account/%d", id), Seq: 1})
+		return err
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+}
+
+// A consumer's handler in a pgx transaction of its own: the key's record
+// and the effect commit together, and a message delivered twice is applied
+// once.
+func ExampleOutbox_ApplyOnceIn() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("CONSUMER_DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	ob, err := postgres.Open(pool, postgres.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	handle := func(ctx context.Context, msg postgres.Message) (applied bool, err error) {
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			fresh, err := ob.ApplyOnceIn(ctx, tx, msg, false)
+			if err != nil || !fresh {
+				return err // !fresh: a duplicate, dropped
+			}
+			_, err = tx.Exec(ctx, `INSERT INTO welcome_mails (payload) VALUES ($1)`, msg.Payload)
+			applied = err == nil
+			return err
+		})
+		return applied, err
+	}
+	applied, err := handle(ctx, postgres.Message{Key: "5f0c…", Type: "AccountOpened", Payload: `{"accountId":7}`})
+	log.Print(applied, err)
+}
+
 // A nightly cleanup: sent rows kept for a week, the consumer's processed
-// keys for a month (longer than any message can take to arrive again).
-func ExampleDeleteSent() {
+// keys for a month (longer than any message can take to arrive again),
+// each in transactions of Config.CleanupBatch rows.
+func ExampleOutbox_DeleteSent() {
 	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
 	if err != nil {
 		log.Fatal(err)
 	}
-	ctx := context.Background()
-	n, err := postgres.DeleteSent(ctx, db, 7*24*time.Hour, 0)
+	ob, err := postgres.OpenDB(db, postgres.Config{CleanupBatch: 500})
 	if err != nil {
 		log.Fatal(err)
 	}
-	m, err := postgres.ForgetProcessed(ctx, db, 30*24*time.Hour, 0)
+	ctx := context.Background()
+	n, err := ob.DeleteSent(ctx, 7*24*time.Hour)
+	if err != nil {
+		log.Fatal(err)
+	}
+	m, err := ob.ForgetProcessed(ctx, 30*24*time.Hour)
 	if err != nil {
 		log.Fatal(err)
 	}

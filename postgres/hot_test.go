@@ -238,7 +238,7 @@ func TestRelaysKeepEachHotAggregatesOrder(t *testing.T) {
 			for range 4 {
 				relay := postgres.NewOutboxRelay(db, broker)
 				if tc.pool == "pgx" {
-					relay = postgres.NewOutboxRelayPgx(newPool(t, name, 4), broker)
+					relay = pgxOutbox(t, newPool(t, name, 4)).NewRelay(broker)
 				}
 				relay.BatchSize, relay.ParkAfter = 5, 0
 				relay.PollInterval, relay.MaxBackoff = 5*time.Millisecond, 10*time.Millisecond

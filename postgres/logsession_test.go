@@ -225,7 +225,7 @@ func TestLogRelayRowsDeliveredAreNotLagAndAreCleanedUp(t *testing.T) {
 	refuseFrom.Store(21)
 	committedAt(t, db, 1) // row 21, which the broker refuses
 	waitUntil(t, "row 21 tried and refused", func() bool { return refused.Load() > 0 })
-	if n, err := postgres.DeleteSent(ctx, db, 0, 0); n != 20 || err != nil {
+	if n, err := sqlOutbox(t, db, postgres.Config{}).DeleteSent(ctx, 0); n != 20 || err != nil {
 		t.Errorf("DeleteSent = %d, %v; want the 20 delivered rows", n, err)
 	}
 	if lag, err := postgres.ReadLag(ctx, db); err != nil || lag.Unsent != 1 {
@@ -271,7 +271,7 @@ func TestLogRelayRecoversALostSlot(t *testing.T) {
 		t.Fatalf("Run on the lost slot = %v, want ErrSlotLost", err)
 	}
 	before := len(broker.Published())
-	n, err := postgres.RecoverLogSlot(ctx, db, broker)
+	n, err := sqlOutbox(t, db, postgres.Config{}).RecoverLogSlot(ctx, broker)
 	if err != nil || n != 10 {
 		t.Fatalf("RecoverLogSlot = %d, %v; want the 10 rows the lost log held", n, err)
 	}
@@ -293,7 +293,7 @@ func TestLogRelayRecoversALostSlot(t *testing.T) {
 	if err := relay.Run(ctx); !errors.Is(err, postgres.ErrNoSlot) {
 		t.Fatalf("Run without its slot = %v, want ErrNoSlot", err)
 	}
-	if _, err := postgres.RecoverLogSlot(ctx, db, broker); err != nil {
+	if _, err := sqlOutbox(t, db, postgres.Config{}).RecoverLogSlot(ctx, broker); err != nil {
 		t.Fatal(err)
 	}
 	for _, rows := range []map[int64]string{all, missed, after, meanwhile} {

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // What running an outbox takes besides the relay: a gauge of how far it is
@@ -50,7 +52,12 @@ SELECT count(*),
 FROM outbox
 WHERE sent_at IS NULL AND parked_at IS NULL`
 
-// ReadLag measures the outbox of db in one query, for a gauge.
+// ReadLag is [Outbox.ReadLag] of the table outbox of db.
+func ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
+	return sqlOutbox(db, 0).ReadLag(ctx)
+}
+
+// ReadLag measures the outbox in one query, for a gauge.
 //
 // Alert on Oldest, not on Unsent. A burst of writes makes Unsent large while
 // the relays keep up, and a quiet service whose broker is down makes it small
@@ -61,16 +68,14 @@ WHERE sent_at IS NULL AND parked_at IS NULL`
 // whatever the traffic. Alert on any Parked row too: each is a message no
 // consumer will see until someone looks at it; and on any Failing row, a
 // message that may hold the others up.
-func ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
-	return DefaultOutbox.ReadLag(ctx, db)
-}
-
-// ReadLag is [ReadLag] of o's table.
-func (o *Outbox) ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
+func (o *Outbox[T]) ReadLag(ctx context.Context) (Lag, error) {
+	if err := o.usable(); err != nil {
+		return Lag{}, err
+	}
 	var lag Lag
 	var seconds float64
-	if err := db.QueryRowContext(ctx, o.sql.readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing); err != nil {
-		return Lag{}, fmt.Errorf("read the lag of %s: %w", o.table, err)
+	if err := o.db.queryRow(ctx, o.t.sql.readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing); err != nil {
+		return Lag{}, fmt.Errorf("read the lag of %s: %w", o.t.table, err)
 	}
 	lag.Oldest = time.Duration(seconds * float64(time.Second))
 	return lag, nil
@@ -100,9 +105,9 @@ gone AS (
 SELECT (SELECT count(*) FROM gone), COALESCE((SELECT max(id) FROM window_), 0), (SELECT count(*) FROM window_),
        COALESCE((SELECT bool_or(created_at >= cutoff.t) FROM window_, cutoff), false)`
 
-// DeleteSent deletes the outbox rows of db that were sent longer than
-// retention ago, at most batchSize rows a transaction (zero or less means
-// [DefaultCleanupBatch]), each batch its own short transaction, walking the
+// DeleteSent deletes the outbox's rows that were sent longer than
+// retention ago, at most [Config.CleanupBatch] rows a transaction, each
+// batch its own short transaction, walking the
 // table in id order up to the rows written less than retention ago, and
 // returns how many it deleted. It reads what it deletes and a batch more,
 // however many younger rows follow. It never deletes a row that is not
@@ -112,22 +117,20 @@ SELECT (SELECT count(*) FROM gone), COALESCE((SELECT max(id) FROM window_), 0), 
 // Deleting a row does not free its id: the identity's sequence hands out
 // larger ones. What consumers remember, though, is [Message.Key], which stays
 // unique whatever happens to ids.
-func DeleteSent(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
-	return DefaultOutbox.DeleteSent(ctx, db, retention, batchSize)
-}
-
-// DeleteSent is [DeleteSent] of o's table.
-func (o *Outbox) DeleteSent(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
+func (o *Outbox[T]) DeleteSent(ctx context.Context, retention time.Duration) (int64, error) {
+	if err := o.usable(); err != nil {
+		return 0, err
+	}
 	if retention < 0 {
 		return 0, fmt.Errorf("postgres: DeleteSent: negative retention %v", retention)
 	}
-	batchSize = orDefault(batchSize, DefaultCleanupBatch)
+	batchSize := o.cleanupBatch
 	var total, after int64
 	for {
 		var n, last, looked int64
 		var young bool
-		if err := db.QueryRowContext(ctx, o.sql.deleteSent, after, retention.Microseconds(), batchSize).Scan(&n, &last, &looked, &young); err != nil {
-			return total, fmt.Errorf("delete sent rows of %s: %w", o.table, err)
+		if err := o.db.queryRow(ctx, o.t.sql.deleteSent, after, retention.Microseconds(), batchSize).Scan(&n, &last, &looked, &young); err != nil {
+			return total, fmt.Errorf("delete sent rows of %s: %w", o.t.table, err)
 		}
 		total += n
 		if young || looked < int64(batchSize) {
@@ -139,15 +142,14 @@ func (o *Outbox) DeleteSent(ctx context.Context, db *sql.DB, retention time.Dura
 
 // deleteInBatches runs query, which deletes up to $2 rows older than $1
 // microseconds and returns how many, until it deletes fewer than a batch.
-func deleteInBatches(ctx context.Context, db *sql.DB, query string, retention time.Duration, batchSize int) (int64, error) {
+func deleteInBatches(ctx context.Context, db stmts, query string, retention time.Duration, batchSize int) (int64, error) {
 	if retention < 0 {
 		return 0, fmt.Errorf("postgres: negative retention %v", retention)
 	}
-	batchSize = orDefault(batchSize, DefaultCleanupBatch)
 	var total int64
 	for {
 		var n int64
-		if err := db.QueryRowContext(ctx, query, retention.Microseconds(), batchSize).Scan(&n); err != nil {
+		if err := db.queryRow(ctx, query, retention.Microseconds(), batchSize).Scan(&n); err != nil {
 			return total, fmt.Errorf("delete consumer records: %w", err)
 		}
 		total += n
@@ -169,10 +171,9 @@ type ParkedMessage struct {
 	ParkedAt   time.Time // when the relay set it aside
 }
 
-// ListParked returns up to limit parked rows of db, lowest id first (zero or
-// less means [DefaultListLimit]).
+// ListParked is [Outbox.ListParked] of the table outbox of db.
 func ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, error) {
-	return DefaultOutbox.ListParked(ctx, db, limit)
+	return sqlOutbox(db, 0).ListParked(ctx, limit)
 }
 
 // listParked returns up to $1 parked rows, lowest id first.
@@ -181,10 +182,14 @@ SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0)
        attempts, rejections, COALESCE(last_error, ''), parked_at
 FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY id LIMIT $1`
 
-// ListParked is [ListParked] of o's table.
-func (o *Outbox) ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, error) {
+// ListParked returns up to limit parked rows, lowest id first (zero or
+// less means [DefaultListLimit]).
+func (o *Outbox[T]) ListParked(ctx context.Context, limit int) ([]ParkedMessage, error) {
+	if err := o.usable(); err != nil {
+		return nil, err
+	}
 	limit = orDefault(limit, DefaultListLimit)
-	rows, err := db.QueryContext(ctx, o.sql.listParked, limit)
+	rows, err := o.db.query(ctx, o.t.sql.listParked, limit)
 	if err != nil {
 		return nil, fmt.Errorf("list parked outbox rows: %w", err)
 	}
@@ -203,23 +208,22 @@ func (o *Outbox) ListParked(ctx context.Context, db *sql.DB, limit int) ([]Parke
 	return parked, nil
 }
 
-// Unpark puts the parked row id back: its rejections start again from zero,
-// and the next relay pass publishes it, after the rows that went on while it
-// was parked. An id that names no parked row is refused with [ErrNotParked].
+// Unpark is [Outbox.Unpark] in the table outbox of db.
 func Unpark(ctx context.Context, db *sql.DB, id int64) error {
-	return DefaultOutbox.Unpark(ctx, db, id)
+	return sqlOutbox(db, 0).Unpark(ctx, id)
 }
 
 // unpark puts the parked row $1 back.
 const unpark = `UPDATE outbox SET parked_at = NULL, rejections = 0 WHERE id = $1 AND parked_at IS NOT NULL AND sent_at IS NULL`
 
-// Unpark is [Unpark] in o's table.
-func (o *Outbox) Unpark(ctx context.Context, db *sql.DB, id int64) error {
-	res, err := db.ExecContext(ctx, o.sql.unpark, id)
-	if err != nil {
-		return fmt.Errorf("unpark outbox row %d: %w", id, err)
+// Unpark puts the parked row id back: its rejections start again from zero,
+// and the next relay pass publishes it, after the rows that went on while it
+// was parked. An id that names no parked row is refused with [ErrNotParked].
+func (o *Outbox[T]) Unpark(ctx context.Context, id int64) error {
+	if err := o.usable(); err != nil {
+		return err
 	}
-	if n, err := res.RowsAffected(); err != nil {
+	if n, err := o.db.execN(ctx, o.t.sql.unpark, id); err != nil {
 		return fmt.Errorf("unpark outbox row %d: %w", id, err)
 	} else if n == 0 {
 		return fmt.Errorf("unpark outbox row %d: %w", id, ErrNotParked)
@@ -233,7 +237,7 @@ DELETE FROM outbox WHERE id = $1 AND parked_at IS NOT NULL AND sent_at IS NULL
 RETURNING id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
           attempts, rejections, COALESCE(last_error, ''), parked_at`
 
-// DropParked deletes the parked row id of db, for good: a message that no
+// DropParked deletes the parked row id, for good: a message that no
 // consumer needs, or that a person has delivered by other means. It returns
 // the row as it was, for the caller to log (its key, type and last error
 // say what was dropped and why it had been parked). An id that names no
@@ -242,20 +246,18 @@ RETURNING id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq,
 // event, whose consumer, keeping the aggregate's order, will wait for the
 // dropped one ([ErrOutOfOrder]) until its bound: drop only what ends its
 // aggregate, or what its consumers can do without.
-func DropParked(ctx context.Context, db *sql.DB, id int64) (ParkedMessage, error) {
-	return DefaultOutbox.DropParked(ctx, db, id)
-}
-
-// DropParked is [DropParked] in o's table.
-func (o *Outbox) DropParked(ctx context.Context, db *sql.DB, id int64) (ParkedMessage, error) {
+func (o *Outbox[T]) DropParked(ctx context.Context, id int64) (ParkedMessage, error) {
+	if err := o.usable(); err != nil {
+		return ParkedMessage{}, err
+	}
 	var p ParkedMessage
-	err := db.QueryRowContext(ctx, o.sql.dropParked, id).Scan(&p.ID, &p.Key, &p.Type, &p.Payload, &p.Aggregate, &p.Seq,
+	err := o.db.queryRow(ctx, o.t.sql.dropParked, id).Scan(&p.ID, &p.Key, &p.Type, &p.Payload, &p.Aggregate, &p.Seq,
 		&p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt)
 	switch {
-	case errors.Is(err, sql.ErrNoRows):
-		return ParkedMessage{}, fmt.Errorf("drop row %d of %s: %w", id, o.table, ErrNotParked)
+	case errors.Is(err, sql.ErrNoRows), errors.Is(err, pgx.ErrNoRows):
+		return ParkedMessage{}, fmt.Errorf("drop row %d of %s: %w", id, o.t.table, ErrNotParked)
 	case err != nil:
-		return ParkedMessage{}, fmt.Errorf("drop row %d of %s: %w", id, o.table, err)
+		return ParkedMessage{}, fmt.Errorf("drop row %d of %s: %w", id, o.t.table, err)
 	}
 	return p, nil
 }

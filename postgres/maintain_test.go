@@ -58,10 +58,10 @@ func TestDeleteSentDeletesOnlyRowsSentLongerAgo(t *testing.T) {
 		UPDATE outbox SET sent_at = now() WHERE id IN (6, 7)`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := postgres.DeleteSent(ctx, db, -time.Second, 2); err == nil {
+	if _, err := sqlOutbox(t, db, postgres.Config{CleanupBatch: 2}).DeleteSent(ctx, -time.Second); err == nil {
 		t.Error("DeleteSent with a negative retention succeeded")
 	}
-	n, err := postgres.DeleteSent(ctx, db, 30*time.Minute, 2)
+	n, err := sqlOutbox(t, db, postgres.Config{CleanupBatch: 2}).DeleteSent(ctx, 30*time.Minute)
 	if n != 5 || err != nil {
 		t.Fatalf("DeleteSent = %d, %v; want 5, <nil>", n, err)
 	}
@@ -96,7 +96,7 @@ func TestIdsAreNotReusedAfterCleanup(t *testing.T) {
 	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("pass = %d, %v", n, err)
 	}
-	if n, err := postgres.DeleteSent(ctx, db, 0, 0); n != 3 || err != nil {
+	if n, err := sqlOutbox(t, db, postgres.Config{}).DeleteSent(ctx, 0); n != 3 || err != nil {
 		t.Fatalf("DeleteSent = %d, %v; want 3", n, err)
 	}
 	place(t, db, 400)
@@ -124,11 +124,12 @@ func TestCleanupBesideRelaysAndPlacementLosesNothing(t *testing.T) {
 		runRelay(t, relay)
 	}
 	cleanerCtx, stopCleaner := context.WithCancel(ctx)
+	cleanup := sqlOutbox(t, db, postgres.Config{CleanupBatch: 7})
 	var cleaner sync.WaitGroup
 	var deleted int64
 	cleaner.Go(func() {
 		for cleanerCtx.Err() == nil {
-			n, err := postgres.DeleteSent(cleanerCtx, db, 0, 7)
+			n, err := cleanup.DeleteSent(cleanerCtx, 0)
 			if err != nil && cleanerCtx.Err() == nil {
 				t.Errorf("DeleteSent: %v", err)
 				return
@@ -434,7 +435,7 @@ func TestCleanupWithNothingToDeleteReadsOneWindow(t *testing.T) {
 		SELECT 'ItemPicked', '{}', clock_timestamp() FROM generate_series(1, 5000); ANALYZE outbox`); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := postgres.DeleteSent(ctx, db, time.Hour, 100); n != 0 || err != nil {
+	if n, err := sqlOutbox(t, db, postgres.Config{CleanupBatch: 100}).DeleteSent(ctx, time.Hour); n != 0 || err != nil {
 		t.Fatalf("DeleteSent = %d, %v; want nothing deleted", n, err)
 	}
 	tx, err := db.BeginTx(ctx, nil)

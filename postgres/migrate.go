@@ -28,7 +28,7 @@ var migrationFiles embed.FS
 // prefix so as not to meet a team's own schema_migrations.
 // SchemaVersion is the number of the outbox's last migration: the version
 // [CheckSchema] wants the database at.
-var SchemaVersion = DefaultOutbox.migrations.Version()
+var SchemaVersion = defaultTables.migrations.Version()
 
 // MigrationLockTimeout is how long a migration's statement waits for a lock
 // before [Migrate] gives up with an error. DDL waits behind every open
@@ -74,7 +74,17 @@ var ErrSchemaVersion = errors.New("postgres: database schema is not at this pack
 // "migrate" command does. Services call [CheckSchema] instead, which takes
 // no lock.
 func Migrate(ctx context.Context, db *sql.DB) error {
-	return DefaultOutbox.Migrate(ctx, db)
+	return sqlOutbox(db, 0).Migrate(ctx)
+}
+
+// Migrate is [Migrate] for o: it creates o's table and what is named after
+// it, and the consumer's tables if they do not exist, recorded in
+// <table>_migrations.
+func (o *Outbox[T]) Migrate(ctx context.Context) error {
+	if err := o.usable(); err != nil {
+		return err
+	}
+	return o.t.migrations.apply(ctx, o.db)
 }
 
 // CheckSchema reports, with an error wrapping [ErrSchemaVersion], a
@@ -84,7 +94,15 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 // no lock, so a service calls it at start-up and refuses to start on its
 // error, instead of running DDL.
 func CheckSchema(ctx context.Context, db *sql.DB) error {
-	return DefaultOutbox.CheckSchema(ctx, db)
+	return sqlOutbox(db, 0).CheckSchema(ctx)
+}
+
+// CheckSchema is [CheckSchema] for o.
+func (o *Outbox[T]) CheckSchema(ctx context.Context) error {
+	if err := o.usable(); err != nil {
+		return err
+	}
+	return o.t.migrations.check(ctx, o.db)
 }
 
 // A MigrationSet is the numbered SQL migrations of one component, files
@@ -174,8 +192,15 @@ func (s *MigrationSet) Version() int { return s.migrations[len(s.migrations)-1].
 // that times out is rolled back and Apply returns an error saying which,
 // to be run again.
 func (s *MigrationSet) Apply(ctx context.Context, db *sql.DB) error {
+	if db == nil {
+		return errors.New("postgres: Apply: no database")
+	}
+	return s.apply(ctx, sqlPool{db})
+}
+
+func (s *MigrationSet) apply(ctx context.Context, db pool) error {
 	for _, m := range s.migrations {
-		err := s.apply(ctx, db, m)
+		err := s.applyOne(ctx, db, m)
 		switch {
 		case errors.Is(err, ErrMigratorBusy):
 			return fmt.Errorf("migration %s: %w longer than %v (its table %s); nothing was applied by this run: run it again",
@@ -190,18 +215,18 @@ func (s *MigrationSet) Apply(ctx context.Context, db *sql.DB) error {
 	return nil
 }
 
-func (s *MigrationSet) apply(ctx context.Context, db *sql.DB, m migration) error {
-	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+func (s *MigrationSet) applyOne(ctx context.Context, db pool, m migration) error {
+	tx, err := db.begin(ctx)
 	if err != nil {
 		return err
 	}
-	defer tx.Rollback()
+	defer tx.rollback()
 	// Another migrator of the set is waited for, up to LockWait; then each
 	// statement waits at most LockTimeout for a lock of the tables.
-	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = `+strconv.FormatInt(migrationLockWait.Milliseconds(), 10)); err != nil {
+	if err := tx.exec(ctx, `SET LOCAL lock_timeout = `+strconv.FormatInt(migrationLockWait.Milliseconds(), 10)); err != nil {
 		return err
 	}
-	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock(`+strconv.FormatInt(s.lock, 10)+`)`); err != nil {
+	if err := tx.exec(ctx, `SELECT pg_advisory_xact_lock(`+strconv.FormatInt(s.lock, 10)+`)`); err != nil {
 		if sqlState(err) == "55P03" {
 			return fmt.Errorf("%w: %w", ErrMigratorBusy, err)
 		}
@@ -215,28 +240,28 @@ func (s *MigrationSet) apply(ctx context.Context, db *sql.DB, m migration) error
     applied_at timestamptz NOT NULL DEFAULT now()
 )`,
 	} {
-		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+		if err := tx.exec(ctx, stmt); err != nil {
 			return err
 		}
 	}
 	var done bool
-	if err := tx.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+s.table+` WHERE version = $1)`,
+	if err := tx.queryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+s.table+` WHERE version = $1)`,
 		m.version).Scan(&done); err != nil {
 		return err
 	}
 	if done {
 		return nil
 	}
-	if _, err := tx.ExecContext(ctx, m.sql); err != nil {
+	if err := tx.exec(ctx, m.sql); err != nil {
 		return err
 	}
-	if _, err := tx.ExecContext(ctx, `INSERT INTO `+s.table+` (version, name) VALUES ($1, $2)`,
+	if err := tx.exec(ctx, `INSERT INTO `+s.table+` (version, name) VALUES ($1, $2)`,
 		m.version, m.name); err != nil {
 		return err
 	}
-	if err := tx.Commit(); err != nil {
-		if sqlState(err) == "" {
-			return fmt.Errorf("commit of unknown outcome: look in %s before running it again: %w", s.table, err)
+	if err := tx.commit(ctx); err != nil {
+		if errors.Is(err, ErrCommitUnknown) {
+			return fmt.Errorf("look in %s before running it again: %w", s.table, err)
 		}
 		return err
 	}
@@ -247,8 +272,15 @@ func (s *MigrationSet) apply(ctx context.Context, db *sql.DB, m migration) error
 // whose table records a version other than the set's, or none. It reads one
 // table and takes no lock.
 func (s *MigrationSet) Check(ctx context.Context, db *sql.DB) error {
+	if db == nil {
+		return errors.New("postgres: Check: no database")
+	}
+	return s.check(ctx, sqlPool{db})
+}
+
+func (s *MigrationSet) check(ctx context.Context, db stmts) error {
 	var version sql.NullInt64
-	err := db.QueryRowContext(ctx, `SELECT max(version) FROM `+s.table).Scan(&version)
+	err := db.queryRow(ctx, `SELECT max(version) FROM `+s.table).Scan(&version)
 	switch want := int64(s.Version()); {
 	case sqlState(err) == "42P01": // undefined_table
 		return fmt.Errorf("%w: %s: no migration was ever applied, want version %d: run migrate first", ErrSchemaVersion, s.table, want)

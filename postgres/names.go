@@ -1,30 +1,22 @@
 package postgres
 
 import (
-	"context"
-	"database/sql"
 	"fmt"
 	"hash/fnv"
 	"regexp"
 	"strings"
 )
 
-// An Outbox is one outbox table of a database and everything named after
-// it, in one place: the table, its indexes (<table>_unsent,
-// <table>_parked, <table>_unsent_by_aggregate, <table>_held), its NOTIFY trigger and
+// tables is one outbox table of a database and everything named after
+// it: the table, its indexes (<table>_unsent, <table>_parked,
+// <table>_unsent_by_aggregate, <table>_held), its NOTIFY trigger and
 // function (<table>_notify), the channel they notify and Run listens on
 // (<table>), the publication of its inserts for the log relay
-// (<table>_inserts), the log relay's default slot (<table>), and the record
-// of its migrations (<table>_migrations). So two outboxes can live in one
-// database, a billing outbox beside another service's, each with its own
-// relays, lag and cleanup. The consumer's tables, processed_messages and
-// aggregate_positions, are not the outbox's and are shared.
-//
-// [DefaultOutbox] is the table outbox, which the package's functions
-// (InsertOutbox, NewOutboxRelay, Migrate, ReadLag, …) use; an Outbox's
-// methods of the same names do the same on its own table. An Outbox is
-// immutable and safe for concurrent use. Create one with [NewOutbox].
-type Outbox struct {
+// (<table>_inserts), the log relay's default slot (<table>), and the
+// record of its migrations (<table>_migrations). The consumer's tables,
+// processed_messages and aggregate_positions, are not the outbox's and are
+// shared. A tables is immutable.
+type tables struct {
 	table      string
 	sql        statements
 	migrations *MigrationSet
@@ -39,26 +31,25 @@ type statements struct {
 	unpark, dropParked                             string
 }
 
-// DefaultOutbox is the outbox table named outbox: the one the package's
+// defaultTables is the outbox table named outbox: the one the package's
 // functions use.
-var DefaultOutbox = func() *Outbox {
-	o, err := NewOutbox("outbox")
+var defaultTables = func() *tables {
+	o, err := newTables(DefaultTable)
 	if err != nil {
 		panic(err) // a bug of this package
 	}
 	return o
 }()
 
-// NewOutbox returns the Outbox of the table named table: a name of
-// lowercase letters, digits and '_' that starts with a letter, at most 40
-// bytes so that the names made from it fit PostgreSQL's 63, such as
-// "billing_outbox". [Outbox.Migrate] creates it. Any other name is refused
-// with an error.
-func NewOutbox(table string) (*Outbox, error) {
+// newTables returns the tables of the outbox table named table: a name
+// of lowercase letters, digits and '_' that starts with a letter, at most
+// 40 bytes so that the names made from it fit PostgreSQL's 63. Any other
+// name is refused with an error wrapping ErrInvalidConfig.
+func newTables(table string) (*tables, error) {
 	if !tableName.MatchString(table) {
-		return nil, fmt.Errorf("postgres: outbox table %q: want lowercase letters, digits and '_', starting with a letter, at most 40 bytes", table)
+		return nil, fmt.Errorf("%w: Config.Table %q: want lowercase letters, digits and '_', starting with a letter, at most 40 bytes", ErrInvalidConfig, table)
 	}
-	o := &Outbox{table: table}
+	o := &tables{table: table}
 	o.sql = statements{
 		insertRow: o.named(insertRow), insertTracedRow: o.named(insertTracedRow),
 		claimRows: o.named(claimRows), claimRuns: o.named(claimRuns), checkRuns: o.named(checkRuns),
@@ -85,15 +76,6 @@ func NewOutbox(table string) (*Outbox, error) {
 
 var tableName = regexp.MustCompile(`^[a-z][a-z0-9_]{0,39}$`)
 
-// Table is the outbox's table; Channel the channel its trigger notifies at
-// each commit that inserted rows, which Run listens on; Publication the
-// publication of its inserts, which the log relay reads; Slot the log
-// relay's default replication slot.
-func (o *Outbox) Table() string       { return o.table }
-func (o *Outbox) Channel() string     { return o.table }
-func (o *Outbox) Publication() string { return o.table + "_inserts" }
-func (o *Outbox) Slot() string        { return o.table }
-
 // outboxName matches the names the package's SQL gives the default
 // outbox's objects, each a whole word.
 var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_notify|_inserts|_migrations)?\b`)
@@ -102,7 +84,7 @@ var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_park
 // table, its indexes, trigger, function, channel, publication and record
 // of migrations. A name followed by a dot (the custom settings
 // outbox.wal_flushed, the message prefix outbox.flush) is not one of them.
-func (o *Outbox) named(query string) string {
+func (o *tables) named(query string) string {
 	if o.table == "outbox" {
 		return query
 	}
@@ -118,34 +100,4 @@ func (o *Outbox) named(query string) string {
 	}
 	b.WriteString(query[last:])
 	return b.String()
-}
-
-// Migrate is [Migrate] for o: it creates o's table and what is named after
-// it, and the consumer's tables if they do not exist, recorded in
-// <table>_migrations.
-func (o *Outbox) Migrate(ctx context.Context, db *sql.DB) error { return o.migrations.Apply(ctx, db) }
-
-// CheckSchema is [CheckSchema] for o.
-func (o *Outbox) CheckSchema(ctx context.Context, db *sql.DB) error {
-	return o.migrations.Check(ctx, db)
-}
-
-// Insert is [InsertOutbox] into o's table.
-func (o *Outbox) Insert(ctx context.Context, tx Executor, eventType string, payload any) (int64, error) {
-	return o.insert(ctx, sqlQueryRow(tx), sql.NullString{}, 0, eventType, payload)
-}
-
-// InsertPgx is [InsertOutboxPgx] into o's table.
-func (o *Outbox) InsertPgx(ctx context.Context, tx PgxQuerier, eventType string, payload any) (int64, error) {
-	return o.insert(ctx, pgxQueryRow(tx), sql.NullString{}, 0, eventType, payload)
-}
-
-// InsertFor is [InsertOutboxFor] into o's table.
-func (o *Outbox) InsertFor(ctx context.Context, tx Executor, aggregate string, seq int64, eventType string, payload any) (int64, error) {
-	return o.insert(ctx, sqlQueryRow(tx), sql.NullString{String: aggregate, Valid: true}, seq, eventType, payload)
-}
-
-// InsertForPgx is [InsertOutboxForPgx] into o's table.
-func (o *Outbox) InsertForPgx(ctx context.Context, tx PgxQuerier, aggregate string, seq int64, eventType string, payload any) (int64, error) {
-	return o.insert(ctx, pgxQueryRow(tx), sql.NullString{String: aggregate, Valid: true}, seq, eventType, payload)
 }

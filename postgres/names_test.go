@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -20,16 +21,14 @@ import (
 func TestTwoOutboxesInOneDatabase(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t) // the default outbox, migrated
-	billing, err := postgres.NewOutbox("billing_outbox")
-	if err != nil {
-		t.Fatal(err)
-	}
+	billing := sqlOutbox(t, db, postgres.Config{Table: "billing_outbox"})
+	orders := sqlOutbox(t, db, postgres.Config{})
 	for range 2 { // the second run applies nothing
-		if err := billing.Migrate(ctx, db); err != nil {
+		if err := billing.Migrate(ctx); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := billing.CheckSchema(ctx, db); err != nil {
+	if err := billing.CheckSchema(ctx); err != nil {
 		t.Fatal(err)
 	}
 	var objects []string
@@ -62,7 +61,7 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 	// One transaction writes to both: each row lands in its own table.
 	err = postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
 		for seq, typ := range []string{"InvoiceIssued", "InvoicePaid", "InvoiceVoided"} {
-			if _, err := billing.InsertFor(ctx, tx, "invoice/1", int64(seq+1), typ, map[string]int{"invoice": 1}); err != nil {
+			if _, err := billing.Write(ctx, tx, postgres.Event{Type: typ, Payload: map[string]int{"invoice": 1}, Aggregate: "invoice/1", Seq: int64(seq + 1)}); err != nil {
 				return err
 			}
 		}
@@ -76,20 +75,20 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lagOf := func(o *postgres.Outbox) int64 {
-		lag, err := o.ReadLag(ctx, db)
+	lagOf := func(o *postgres.Outbox[postgres.SQLTx]) int64 {
+		lag, err := o.ReadLag(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return lag.Unsent
 	}
-	ordersWaiting, billingWaiting := lagOf(postgres.DefaultOutbox), lagOf(billing)
+	ordersWaiting, billingWaiting := lagOf(orders), lagOf(billing)
 	if ordersWaiting != 2 || billingWaiting != 3 {
 		t.Fatalf("lag: %d rows in the default outbox, %d in billing's; want 2 and 3", ordersWaiting, billingWaiting)
 	}
 
 	billingBroker, ordersBroker := &recorder{}, &recorder{}
-	if n := drain(t, billing.NewRelay(db, billingBroker)); int64(n) != billingWaiting {
+	if n := drain(t, billing.NewRelay(billingBroker)); int64(n) != billingWaiting {
 		t.Fatalf("billing's relay published %d, want its %d rows", n, billingWaiting)
 	}
 	if n := drain(t, postgres.NewOutboxRelay(db, ordersBroker)); int64(n) != ordersWaiting {
@@ -105,14 +104,14 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 			t.Errorf("the default relay published %s", m.Type)
 		}
 	}
-	if got := lagOf(billing) + lagOf(postgres.DefaultOutbox); got != 0 {
+	if got := lagOf(billing) + lagOf(orders); got != 0 {
 		t.Errorf("%d rows still waiting, want none", got)
 	}
 	t.Logf("billing: %d published; the default outbox: %d", len(billingBroker.Published()), len(ordersBroker.Published()))
 
 	// Run listens on billing's own channel: with an hour between polls, a
 	// billing row is published because its commit woke the relay.
-	relay := billing.NewRelay(db, billingBroker)
+	relay := billing.NewRelay(billingBroker)
 	relay.PollInterval = time.Hour
 	before := len(billingBroker.Published())
 	runRelay(t, relay)
@@ -124,7 +123,7 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 		return n == 1
 	})
 	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
-		_, err := billing.Insert(ctx, tx, "InvoiceIssued", map[string]int{"invoice": 2})
+		_, err := billing.Write(ctx, tx, postgres.Event{Type: "InvoiceIssued", Payload: map[string]int{"invoice": 2}})
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -132,22 +131,21 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 	waitUntil(t, "the new billing row published on its notification", func() bool { return len(billingBroker.Published()) == before+1 })
 }
 
-// NewOutbox takes a plain lowercase name and refuses any other with an
-// error, before any SQL is written with it.
-func TestNewOutboxRefusesNamesThatAreNotPlain(t *testing.T) {
-	for _, name := range []string{"", "Billing", "1outbox", "billing-outbox", "billing outbox", `x"; DROP TABLE outbox; --`, strings.Repeat("a", 41)} {
-		if o, err := postgres.NewOutbox(name); o != nil || err == nil {
-			t.Errorf("NewOutbox(%q) = %v, %v; want an error", name, o, err)
+// OpenDB takes a plain lowercase table name and refuses any other with an
+// error that names the setting, before any SQL is written with it.
+func TestOpenRefusesTableNamesThatAreNotPlain(t *testing.T) {
+	db := newDatabase(t)
+	for _, name := range []string{"Billing", "1outbox", "billing-outbox", "billing outbox", `x"; DROP TABLE outbox; --`, strings.Repeat("a", 41)} {
+		o, err := postgres.OpenDB(db, postgres.Config{Table: name})
+		if o != nil || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(fmt.Sprint(err), "Config.Table") {
+			t.Errorf("OpenDB with Table %q = %v, %v; want ErrInvalidConfig naming Config.Table", name, o, err)
 		}
 	}
-	o, err := postgres.NewOutbox("billing_outbox")
-	if err != nil {
-		t.Fatal(err)
-	}
+	o := sqlOutbox(t, db, postgres.Config{Table: "billing_outbox"})
 	if o.Table() != "billing_outbox" || o.Channel() != "billing_outbox" || o.Publication() != "billing_outbox_inserts" || o.Slot() != "billing_outbox" {
 		t.Errorf("names: table %s, channel %s, publication %s, slot %s", o.Table(), o.Channel(), o.Publication(), o.Slot())
 	}
-	d := postgres.DefaultOutbox
+	d := sqlOutbox(t, db, postgres.Config{})
 	if d.Table() != "outbox" || d.Channel() != postgres.NotifyChannel || d.Publication() != postgres.DefaultPublication || d.Slot() != postgres.DefaultSlot {
 		t.Errorf("the default's names: table %s, channel %s, publication %s, slot %s", d.Table(), d.Channel(), d.Publication(), d.Slot())
 	}
@@ -174,15 +172,15 @@ func TestDropParkedDeletesOnlyAParkedRowAndSaysWhich(t *testing.T) {
 	if parked, err := postgres.ListParked(ctx, db, 0); err != nil || len(parked) != 1 || parked[0].ID != 2 {
 		t.Fatalf("ListParked = %v, %v; want row 2", parked, err)
 	}
-	if _, err := postgres.DropParked(ctx, db, 1); !errors.Is(err, postgres.ErrNotParked) {
+	if _, err := sqlOutbox(t, db, postgres.Config{}).DropParked(ctx, 1); !errors.Is(err, postgres.ErrNotParked) {
 		t.Errorf("DropParked of a sent row = %v, want ErrNotParked", err)
 	}
-	dropped, err := postgres.DropParked(ctx, db, 2)
+	dropped, err := sqlOutbox(t, db, postgres.Config{}).DropParked(ctx, 2)
 	if err != nil || dropped.ID != 2 || dropped.Key == "" || !strings.Contains(dropped.LastError, "refused") || dropped.Rejections != 1 {
 		t.Fatalf("DropParked(2) = %+v, %v; want row 2 with its key and its last error", dropped, err)
 	}
 	t.Logf("dropped: id %d key %s type %s, parked after: %s", dropped.ID, dropped.Key, dropped.Type, dropped.LastError)
-	if _, err := postgres.DropParked(ctx, db, 2); !errors.Is(err, postgres.ErrNotParked) {
+	if _, err := sqlOutbox(t, db, postgres.Config{}).DropParked(ctx, 2); !errors.Is(err, postgres.ErrNotParked) {
 		t.Errorf("a second DropParked(2) = %v, want ErrNotParked", err)
 	}
 	if n := count(t, db, `SELECT count(*) FROM outbox`); n != 2 {
@@ -211,4 +209,14 @@ func drain(t *testing.T, relay *postgres.OutboxRelay) int {
 		}
 		total += n
 	}
+}
+
+// sqlOutbox is the outbox cfg describes on db.
+func sqlOutbox(tb testing.TB, db *sql.DB, cfg postgres.Config) *postgres.Outbox[postgres.SQLTx] {
+	tb.Helper()
+	ob, err := postgres.OpenDB(db, cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return ob
 }

@@ -1,28 +1,38 @@
-// Package postgres is the Transactional Outbox on PostgreSQL, through
-// database/sql: only the outbox, for a team to use on its own tables. It
-// imports neither the root teaching package nor the example built on it
-// (package shop, below this one), which reads as its first user, and its
-// module requires neither. A team imports it, or copies its .go files
-// (not the tests) and migrations/, which build alone.
+// Package postgres is the Transactional Outbox on PostgreSQL, on pgx's
+// pool or on database/sql: only the outbox, for a team to use on its own
+// tables. It imports neither the root teaching package nor the example
+// built on it (package shop, below this one), which reads as its first
+// user, and its module requires neither. A team imports it, or copies its
+// .go files (not the tests) and migrations/, which build alone.
 //
-// A producer writes its change and the event in one transaction: its own
-// INSERT or UPDATE, then [InsertOutbox] (or [InsertOutboxFor], for events
-// that keep their aggregate's order) in the same transaction, any
-// [Executor]. An [OutboxRelay] publishes the unsent rows to a
-// [MessageBroker] in id order and marks each sent only after the broker
-// accepted it; [OutboxRelay.Run] is its loop, woken by NOTIFY at commit. A
-// consumer applies each message once, by its key, with [ApplyOnce].
+// An [Outbox] is one outbox table of one database, made once by [Open]
+// (a *pgxpool.Pool) or [OpenDB] (a *sql.DB opened with pgx's stdlib
+// driver) from a [Config] that is checked there; its methods are the same
+// whichever the driver. A producer writes its change and the [Event] in one
+// transaction: its own INSERT or UPDATE, then [Outbox.Write] in the same
+// transaction, a pgx.Tx or a *sql.Tx ([PgxTx], [SQLTx]), which a pool or a
+// *sql.DB is not, so that the event cannot be written beside the
+// transaction. An [OutboxRelay] ([Outbox.NewRelay]) publishes the unsent
+// rows to a [MessageBroker] in id order and marks each sent only after the
+// broker accepted it; [OutboxRelay.Run] is its loop, woken by NOTIFY at
+// commit. A consumer applies each message once, by its key, in its own
+// transaction ([Outbox.ApplyOnceIn]).
 //
-// What running it takes is here too: [Migrate] and [CheckSchema] for the
-// outbox's tables, by the numbered files of migrations/, as a step of its
-// own before the services start; [ReadLag] for a gauge; [DeleteSent] and
-// [ForgetProcessed] for bounded cleanup; parking of the messages a broker
-// rejects for ever ([ErrRejected], [OutboxRelay.ParkAfter], [ListParked],
-// [Unpark], [DropParked]). The package's functions work on the table
-// outbox ([DefaultOutbox]); an [Outbox] of another name ([NewOutbox]) has
-// the same as methods, so that two outboxes share a database. [LogRelay]
-// is the other relay, which reads the server's log. Package pgtest, below
-// this one, gives tests a real server.
+// What running it takes is on the Outbox too: [Outbox.Migrate] and
+// [Outbox.CheckSchema] for its tables, by the numbered files of
+// migrations/, as a step of its own before the services start;
+// [Outbox.ReadLag] and [Outbox.ObserveLag] for a gauge; [Outbox.DeleteSent]
+// and [Outbox.ForgetProcessed] for bounded cleanup; parking of the
+// messages a broker rejects for ever ([ErrRejected],
+// [OutboxRelay.ParkAfter], [Outbox.ListParked], [Outbox.Unpark],
+// [Outbox.DropParked]). Two Outboxes of different tables share a database,
+// each with its own relays, lag and cleanup. [LogRelay] is the other relay,
+// which reads the server's log. Package pgtest, below this one, gives tests
+// a real server.
+//
+// The package's functions of the same names ([InsertOutbox], [Migrate],
+// [ReadLag], [ApplyOnce], …) are the same on the table outbox of a *sql.DB,
+// for the lesson's example to read in a few lines.
 //
 // What a real database adds, and the in-memory one of the lesson cannot
 // show, is in the doc comments of [OutboxRelay], [Transaction] and
@@ -31,14 +41,8 @@
 // connection must be bounded in time; a commit can fail with its outcome
 // unknown ([ErrCommitUnknown]); a consumer must drop duplicates, by a key
 // unique across producers ([Message.Key]); order holds per aggregate only if
-// producers, relays and consumers each keep it ([InsertOutboxFor],
+// producers, relays and consumers each keep it ([Event.Aggregate],
 // [OutboxRelay.PerAggregate], [ApplyOnce]).
-//
-// The functions take a *sql.DB opened with pgx's stdlib driver
-// (github.com/jackc/pgx/v5/stdlib), as the tests do: the relay passes the
-// ids it marks as a []int64, which pgx sends as a PostgreSQL array. A team
-// on pgx itself writes its rows with [InsertOutboxPgx] in its pgx.Tx and
-// runs the relay on its pgxpool.Pool ([NewOutboxRelayPgx]).
 package postgres
 
 import (
@@ -50,6 +54,9 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // ErrCommitUnknown is wrapped by the error of a commit whose outcome is
@@ -87,7 +94,7 @@ func Transaction(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) err
 // commit commits tx and tells an error the server sent, or a commit it
 // turned into a rollback (the transaction was rolled back), from one it did
 // not send (the outcome is unknown).
-func commit(tx *sql.Tx) error {
+func commit(tx interface{ Commit() error }) error {
 	err := tx.Commit()
 	switch {
 	case err == nil:
@@ -110,21 +117,216 @@ func sqlState(err error) string {
 	return ""
 }
 
-// Executor is what [InsertOutbox] and [InsertOutboxFor] need of the
-// caller's transaction: the methods that database/sql's *sql.Tx, *sql.Conn
-// and *sql.DB share, as do sqlc's generated DBTX and the transaction types
-// of libraries built on database/sql. So a team's own transaction, however
-// its code opens it, writes the outbox row beside its own change. Give it
-// the transaction that writes the change: a *sql.DB would write the row in
-// a transaction of its own, which is the dual write again.
-type Executor interface {
+// DefaultTable is the outbox table of a [Config] whose Table is empty,
+// and the one the package's functions use.
+const DefaultTable = "outbox"
+
+// Config is what an [Outbox] is made of. The zero Config is the table
+// outbox with every default; [Open] and [OpenDB] check it and refuse a
+// bad value with an error that names it. An Outbox keeps a copy: changing
+// a Config afterwards changes nothing.
+type Config struct {
+	// Table is the outbox's table, "" for DefaultTable: a name of
+	// lowercase letters, digits and '_' that starts with a letter, at most
+	// 40 bytes, so that the names made from it (its indexes, trigger,
+	// channel, publication, slot, and <table>_migrations) fit
+	// PostgreSQL's 63.
+	Table string
+	// CleanupBatch is how many rows DeleteSent and ForgetProcessed delete
+	// in one transaction; 0 means DefaultCleanupBatch. At most 100,000.
+	CleanupBatch int
+}
+
+// maxCleanupBatch bounds Config.CleanupBatch, so that no cleanup holds a
+// transaction over more rows than that.
+const maxCleanupBatch = 100_000
+
+// An Outbox is one outbox table of one database: the table, and what is
+// named after it (its indexes, its NOTIFY trigger and channel, the
+// publication and slot of the log relay, the record of its migrations).
+// T is the caller's transaction in which events are written and messages
+// applied: [PgxTx] for an Outbox made by [Open], [SQLTx] for one made by
+// [OpenDB]. Its methods are the same whichever the driver.
+//
+// An Outbox is immutable and safe for concurrent use. The zero Outbox is
+// not usable: make one with Open or OpenDB.
+type Outbox[T any] struct {
+	t            *tables
+	db           pool
+	sqldb        *sql.DB // db as database/sql, for the log relay's marks and recovery
+	tx           func(T) txn
+	cleanupBatch int
+}
+
+// PgxTx is the caller's pgx transaction, as [Outbox.Write] and
+// [Outbox.ApplyOnceIn] need it: pgx.Tx has it (pgxpool's transactions
+// too), and so has what wraps one. A *pgxpool.Pool, a *pgxpool.Conn and a
+// *pgx.Conn do not (they have no Commit), so that an event cannot be
+// written in a transaction of its own by mistake.
+type PgxTx interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Commit(ctx context.Context) error
+	Rollback(ctx context.Context) error
+}
+
+// SQLTx is the caller's database/sql transaction, as [Outbox.Write] and
+// [Outbox.ApplyOnceIn] need it: *sql.Tx has it, and so has what embeds one
+// (sqlx's *Tx). A *sql.DB and a *sql.Conn do not (they have no Commit), so
+// that an event cannot be written in a transaction of its own by mistake.
+type SQLTx interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
 	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	Commit() error
+	Rollback() error
 }
 
-// ErrInvalidEventType is returned, wrapped, by [InsertOutbox] and
-// [InsertOutboxFor] for an event type that a broker could not route: one
+// Open returns the Outbox that cfg describes on p, whose events are
+// written in the caller's pgx transactions. It checks cfg, and refuses a bad
+// value, or a nil p, with an error wrapping [ErrInvalidConfig] that names
+// it; it sends nothing to the server ([Outbox.CheckSchema] does).
+func Open(p *pgxpool.Pool, cfg Config) (*Outbox[PgxTx], error) {
+	if p == nil {
+		return nil, fmt.Errorf("%w: Open: no pool", ErrInvalidConfig)
+	}
+	o, err := newOutbox(pgxPool{p}, cfg, func(tx PgxTx) txn { return pgxTxn{tx} })
+	if err != nil {
+		return nil, err
+	}
+	o.sqldb = stdlib.OpenDBFromPool(p)
+	return o, nil
+}
+
+// OpenDB returns the Outbox that cfg describes on db, whose events are
+// written in the caller's database/sql transactions. db must be opened with
+// pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib: stdlib.OpenDB,
+// stdlib.OpenDBFromPool, or sql.Open("pgx", …)): the relay sends the ids it
+// marks as a []int64, which pgx alone turns into a PostgreSQL array, and
+// listens on pgx's own connection. It checks cfg and the driver, and
+// refuses a bad value, or a nil db, with an error wrapping
+// [ErrInvalidConfig] that names it; it sends nothing to the server.
+func OpenDB(db *sql.DB, cfg Config) (*Outbox[SQLTx], error) {
+	if db == nil {
+		return nil, fmt.Errorf("%w: OpenDB: no database", ErrInvalidConfig)
+	}
+	if err := (sqlPool{db}).check(); err != nil {
+		return nil, fmt.Errorf("%w: OpenDB: %w", ErrInvalidConfig, err)
+	}
+	o, err := newOutbox(sqlPool{db}, cfg, func(tx SQLTx) txn { return sqlTxn{tx} })
+	if err != nil {
+		return nil, err
+	}
+	o.sqldb = db
+	return o, nil
+}
+
+func newOutbox[T any](db pool, cfg Config, tx func(T) txn) (*Outbox[T], error) {
+	t := defaultTables
+	if cfg.Table != "" && cfg.Table != DefaultTable {
+		var err error
+		if t, err = newTables(cfg.Table); err != nil {
+			return nil, err
+		}
+	}
+	if cfg.CleanupBatch < 0 || cfg.CleanupBatch > maxCleanupBatch {
+		return nil, fmt.Errorf("%w: Config.CleanupBatch %d: want 1 to %d, or 0 for %d", ErrInvalidConfig,
+			cfg.CleanupBatch, maxCleanupBatch, DefaultCleanupBatch)
+	}
+	return &Outbox[T]{t: t, db: db, tx: tx, cleanupBatch: orDefault(cfg.CleanupBatch, DefaultCleanupBatch)}, nil
+}
+
+// sqlOutbox is the table outbox of db, as the package's functions use it.
+func sqlOutbox(db *sql.DB, cleanupBatch int) *Outbox[SQLTx] {
+	var p pool
+	if db != nil {
+		p = sqlPool{db}
+	}
+	return &Outbox[SQLTx]{t: defaultTables, db: p, sqldb: db, tx: func(tx SQLTx) txn { return sqlTxn{tx} },
+		cleanupBatch: orDefault(cleanupBatch, DefaultCleanupBatch)}
+}
+
+// errNotOpened is the error of an Outbox's methods on one not made by
+// Open or OpenDB.
+var errNotOpened = fmt.Errorf("%w: an Outbox made neither by Open nor by OpenDB", ErrInvalidConfig)
+
+// errNoTx is the error of a method given no transaction.
+var errNoTx = errors.New("postgres: no transaction: the event and the message are written in the caller's")
+
+// usable reports errNotOpened for an Outbox not made by Open or OpenDB.
+func (o *Outbox[T]) usable() error {
+	if o == nil || o.db == nil || o.t == nil {
+		return errNotOpened
+	}
+	return nil
+}
+
+// Table is the outbox's table; Channel the channel its trigger notifies at
+// each commit that inserted rows, which [OutboxRelay.Run] listens on;
+// Publication the publication of its inserts, which the log relay reads;
+// Slot the log relay's default replication slot.
+func (o *Outbox[T]) Table() string       { return o.t.table }
+func (o *Outbox[T]) Channel() string     { return o.t.table }
+func (o *Outbox[T]) Publication() string { return o.t.table + "_inserts" }
+func (o *Outbox[T]) Slot() string        { return o.t.table }
+
+// An Event is what a producer writes to the outbox in its transaction
+// ([Outbox.Write]): a message of type Type whose body is Payload.
+type Event struct {
+	// Type names the event, such as "UserRegistered" or "user.registered":
+	// words of letters, digits, '_' and '-' joined by single dots, at most
+	// MaxEventTypeLen bytes, since a broker names its destination after it.
+	Type string
+	// Payload is the event's body, stored as JSON: a []byte or
+	// json.RawMessage is taken as JSON text already (and must be valid),
+	// anything else goes through json.Marshal.
+	Payload any
+	// Aggregate, if not empty, is the entity whose events must keep their
+	// order, such as "account/17", and Seq the event's number among them,
+	// from 1. Without an Aggregate, Seq must be 0.
+	Aggregate string
+	Seq       int64
+}
+
+// Write adds e to the outbox as an unsent row, inside tx (the caller's
+// transaction, which writes the change the event tells of), and returns the
+// row's id. The row is written, and seen by a relay, only if tx commits.
+// The row keeps the W3C trace context of ctx's span, if it has one, for the
+// relay's publish to join its trace.
+//
+// An event that is not valid is refused before any statement is sent, and
+// nothing is written: a type no broker can route ([ErrInvalidEventType]),
+// JSON text that is not valid ([ErrInvalidPayload]), a Seq below 1 with an
+// Aggregate, or one without ([ErrInvalidSeq]).
+//
+// With an Aggregate, the caller must hold the aggregate's row lock in tx
+// (SELECT ... FOR UPDATE, or an UPDATE of its row) from before this write
+// until tx ends: then a later event of the aggregate takes its id only
+// after this one committed, so one aggregate's ids follow its commits, and
+// the Seq read under the lock is not taken twice.
+func (o *Outbox[T]) Write(ctx context.Context, tx T, e Event) (int64, error) {
+	if err := o.usable(); err != nil {
+		return 0, err
+	}
+	if any(tx) == nil {
+		return 0, errNoTx
+	}
+	return o.t.insert(ctx, o.tx(tx), e)
+}
+
+// Executor is what [InsertOutbox] and [InsertOutboxFor] need of the
+// caller's database/sql transaction: the one method of it they use, which
+// *sql.Tx, sqlc's generated DBTX and the transaction types of libraries
+// built on database/sql have. Give it the transaction that writes the
+// change: a *sql.DB has the method too, and would write the row in a
+// transaction of its own, which is the dual write again; [Outbox.Write]
+// takes a [SQLTx], which a *sql.DB is not.
+type Executor interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// ErrInvalidEventType is returned, wrapped, by [Outbox.Write] for an event type that a broker could not route: one
 // that is not words of letters, digits, '_' and '-' joined by single dots
 // ("UserRegistered", "user.registered"), or is longer than [MaxEventTypeLen]
 // bytes. A broker names its destination after the type (JetStream's
@@ -136,101 +338,73 @@ var ErrInvalidEventType = errors.New("postgres: event type no broker can route")
 // MaxEventTypeLen is the longest event type, in bytes.
 const MaxEventTypeLen = 200
 
-// ErrInvalidPayload is returned, wrapped, by [InsertOutbox] and
-// [InsertOutboxFor] for a payload given as JSON text ([]byte or
+// ErrInvalidPayload is returned, wrapped, by [Outbox.Write] for a payload given as JSON text ([]byte or
 // json.RawMessage) that is not valid JSON: stored, it would reach every
 // consumer as a message none can read. Nothing is written.
 var ErrInvalidPayload = errors.New("postgres: payload is not valid JSON")
 
-// ErrInvalidSeq is returned, wrapped, by [InsertOutboxFor] for a seq below
-// 1: an aggregate's events are numbered from 1, and a consumer
+// ErrInvalidSeq is returned, wrapped, by [Outbox.Write] for a seq below 1
+// with an aggregate, or any seq without one: an aggregate's events are numbered from 1, and a consumer
 // ([ApplyOnce]) refuses any other as malformed. Nothing is written.
 var ErrInvalidSeq = errors.New("postgres: an aggregate's seq starts at 1")
 
-// InsertOutbox adds an unsent message of the given type to the outbox table,
-// with payload encoded as JSON (a []byte or json.RawMessage is taken as JSON
-// text already, and stored as it is), inside tx (the caller's transaction, any
-// [Executor]), and returns the new row's id. The row is written, and seen
-// by the relay, only if tx commits. The row keeps the W3C trace context of
-// ctx's span, if it has one, for the relay's publish to join its trace. A
-// type no broker can route is refused with [ErrInvalidEventType] before any
-// statement is sent, and so is JSON text that is not valid, with
-// [ErrInvalidPayload].
+// InsertOutbox is [Outbox.Write] of an event with no aggregate, on the
+// table outbox, in a database/sql transaction: any [Executor].
 func InsertOutbox(ctx context.Context, tx Executor, eventType string, payload any) (int64, error) {
-	return DefaultOutbox.Insert(ctx, tx, eventType, payload)
+	return defaultTables.insert(ctx, executor{tx}, Event{Type: eventType, Payload: payload})
 }
 
-// InsertOutboxFor is InsertOutbox for an event that must keep its place
-// among the events of its aggregate, such as "account/17": the row carries the
-// aggregate and seq, the event's number among them (1 for the first); a seq
-// below 1 is refused with [ErrInvalidSeq] before any statement is sent.
-//
-// The caller must hold the aggregate's row lock in tx (SELECT ... FOR UPDATE,
-// or an UPDATE of its row) from before this insert until tx ends: then a later event of the aggregate takes its id only
-// after this one committed, so one aggregate's ids follow its commits, and
-// the seq read under the lock is not taken twice.
+// InsertOutboxFor is [InsertOutbox] of an event of aggregate, its seq-th
+// (1 for the first): [Outbox.Write] of Event{Type: eventType, Payload:
+// payload, Aggregate: aggregate, Seq: seq}, with the same rule on the
+// aggregate's row lock.
 func InsertOutboxFor(ctx context.Context, tx Executor, aggregate string, seq int64, eventType string, payload any) (int64, error) {
-	return DefaultOutbox.InsertFor(ctx, tx, aggregate, seq, eventType, payload)
+	if aggregate == "" {
+		return 0, fmt.Errorf("%w: seq %d of no aggregate", ErrInvalidSeq, seq)
+	}
+	return defaultTables.insert(ctx, executor{tx}, Event{Type: eventType, Payload: payload, Aggregate: aggregate, Seq: seq})
 }
 
-// PgxQuerier is what [InsertOutboxPgx] and [InsertOutboxForPgx] need of
-// the caller's transaction when it is pgx's own rather than database/sql's:
-// pgx.Tx has it, and so have *pgx.Conn and pgxpool's pool and connection.
-// As with [Executor], give it the transaction that writes the change.
-type PgxQuerier interface {
-	QueryRow(ctx context.Context, query string, args ...any) pgx.Row
+// executor is an Executor as a rowQuerier.
+type executor struct{ tx Executor }
+
+func (e executor) queryRow(ctx context.Context, query string, args ...any) rowScanner {
+	return e.tx.QueryRowContext(ctx, query, args...)
 }
 
-// InsertOutboxPgx is [InsertOutbox] in a transaction of pgx's own (a
-// pgx.Tx), for a team that uses pgx or pgxpool directly.
-func InsertOutboxPgx(ctx context.Context, tx PgxQuerier, eventType string, payload any) (int64, error) {
-	return DefaultOutbox.InsertPgx(ctx, tx, eventType, payload)
-}
-
-// InsertOutboxForPgx is [InsertOutboxFor] in a transaction of pgx's own.
-func InsertOutboxForPgx(ctx context.Context, tx PgxQuerier, aggregate string, seq int64, eventType string, payload any) (int64, error) {
-	return DefaultOutbox.InsertForPgx(ctx, tx, aggregate, seq, eventType, payload)
+// rowQuerier runs a statement that returns one row: all that writing an
+// event needs.
+type rowQuerier interface {
+	queryRow(ctx context.Context, query string, args ...any) rowScanner
 }
 
 // rowScanner is a row that a statement returned: *sql.Row, or pgx.Row.
 type rowScanner interface{ Scan(dest ...any) error }
 
-// queryRow runs a statement that returns one row, in the caller's
-// transaction, database/sql's or pgx's.
-type queryRow func(ctx context.Context, query string, args ...any) rowScanner
-
-func sqlQueryRow(tx Executor) queryRow {
-	return func(ctx context.Context, query string, args ...any) rowScanner {
-		return tx.QueryRowContext(ctx, query, args...)
+func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, error) {
+	if !routable(e.Type) {
+		return 0, fmt.Errorf("%w: %q", ErrInvalidEventType, e.Type)
 	}
-}
-
-func pgxQueryRow(tx PgxQuerier) queryRow {
-	return func(ctx context.Context, query string, args ...any) rowScanner {
-		return tx.QueryRow(ctx, query, args...)
+	if e.Aggregate != "" && e.Seq < 1 {
+		return 0, fmt.Errorf("%w: %s seq %d", ErrInvalidSeq, e.Aggregate, e.Seq)
 	}
-}
-
-func (o *Outbox) insert(ctx context.Context, tx queryRow, aggregate sql.NullString, seq int64, eventType string, payload any) (int64, error) {
-	if !routable(eventType) {
-		return 0, fmt.Errorf("%w: %q", ErrInvalidEventType, eventType)
+	if e.Aggregate == "" && e.Seq != 0 {
+		return 0, fmt.Errorf("%w: seq %d of no aggregate", ErrInvalidSeq, e.Seq)
 	}
-	if aggregate.Valid && seq < 1 {
-		return 0, fmt.Errorf("%w: %s seq %d", ErrInvalidSeq, aggregate.String, seq)
-	}
-	data, err := encodePayload(payload)
+	data, err := encodePayload(e.Payload)
 	if err != nil {
-		return 0, fmt.Errorf("encode %s payload: %w", eventType, err)
+		return 0, fmt.Errorf("encode %s payload: %w", e.Type, err)
 	}
+	aggregate := sql.NullString{String: e.Aggregate, Valid: e.Aggregate != ""}
 	var id int64
 	// Without a trace the row's trace columns are NULL, their default: the
 	// statement then names only the columns of migration 1, and writes on
 	// a database that migration 3 has not reached yet.
 	if parent, state := storedTraceContext(ctx); parent != "" {
-		err = tx(ctx, o.sql.insertTracedRow, eventType, string(data), aggregate, seq,
+		err = tx.queryRow(ctx, o.sql.insertTracedRow, e.Type, string(data), aggregate, e.Seq,
 			parent, sql.NullString{String: state, Valid: state != ""}).Scan(&id)
 	} else {
-		err = tx(ctx, o.sql.insertRow, eventType, string(data), aggregate, seq).Scan(&id)
+		err = tx.queryRow(ctx, o.sql.insertRow, e.Type, string(data), aggregate, e.Seq).Scan(&id)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("insert into %s: %w", o.table, err)

@@ -19,7 +19,7 @@ import (
 // nothing is written; committed, the relay publishes it, aggregate and seq
 // kept. Bad input is refused before any statement, and the transaction
 // goes on. (Caught: InsertOutbox took only database/sql's transactions.)
-func TestInsertOutboxInAPgxTransaction(t *testing.T) {
+func TestWriteInAPgxTransaction(t *testing.T) {
 	ctx := context.Background()
 	name := newDatabaseName(t)
 	db := open(t, name, "")
@@ -30,12 +30,13 @@ func TestInsertOutboxInAPgxTransaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
+	ob := pgxOutbox(t, newPool(t, name, 2))
 
 	tx, err := conn.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := postgres.InsertOutboxPgx(ctx, tx, "ItemPicked", map[string]int{"item": 1}); err != nil {
+	if _, err := ob.Write(ctx, tx, postgres.Event{Type: "ItemPicked", Payload: map[string]int{"item": 1}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := tx.Rollback(ctx); err != nil {
@@ -49,13 +50,13 @@ func TestInsertOutboxInAPgxTransaction(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := postgres.InsertOutboxForPgx(ctx, tx, "account/7", 0, "Opened", "{}"); !errors.Is(err, postgres.ErrInvalidSeq) {
+	if _, err := ob.Write(ctx, tx, postgres.Event{Type: "Opened", Payload: "{}", Aggregate: "account/7"}); !errors.Is(err, postgres.ErrInvalidSeq) {
 		t.Errorf("seq 0 = %v, want ErrInvalidSeq", err)
 	}
-	if _, err := postgres.InsertOutboxPgx(ctx, tx, "bad type", "{}"); !errors.Is(err, postgres.ErrInvalidEventType) {
+	if _, err := ob.Write(ctx, tx, postgres.Event{Type: "bad type", Payload: "{}"}); !errors.Is(err, postgres.ErrInvalidEventType) {
 		t.Errorf("a type with a space = %v, want ErrInvalidEventType", err)
 	}
-	id, err := postgres.InsertOutboxForPgx(ctx, tx, "account/7", 1, "Opened", []byte(`{"account":7}`))
+	id, err := ob.Write(ctx, tx, postgres.Event{Type: "Opened", Payload: []byte(`{"account":7}`), Aggregate: "account/7", Seq: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -91,6 +92,16 @@ func newPool(tb testing.TB, name string, maxConns int32) *pgxpool.Pool {
 	return p
 }
 
+// pgxOutbox is the table outbox on p.
+func pgxOutbox(tb testing.TB, p *pgxpool.Pool) *postgres.Outbox[postgres.PgxTx] {
+	tb.Helper()
+	ob, err := postgres.Open(p, postgres.Config{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return ob
+}
+
 // A team on pgxpool runs the relay on its pool: rows written in a pgx.Tx go
 // in id order and are marked; Run, woken by NOTIFY on a connection it
 // takes out of the pool, publishes a row written while it waits for an
@@ -102,6 +113,7 @@ func TestRelayOnAPgxPool(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
 	pool := newPool(t, name, 4)
+	ob := pgxOutbox(t, pool)
 	write := func(n int) {
 		t.Helper()
 		tx, err := pool.Begin(ctx)
@@ -110,7 +122,7 @@ func TestRelayOnAPgxPool(t *testing.T) {
 		}
 		defer tx.Rollback(ctx)
 		for i := range n {
-			if _, err := postgres.InsertOutboxPgx(ctx, tx, "ItemPicked", map[string]int{"item": i}); err != nil {
+			if _, err := ob.Write(ctx, tx, postgres.Event{Type: "ItemPicked", Payload: map[string]int{"item": i}}); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -120,7 +132,7 @@ func TestRelayOnAPgxPool(t *testing.T) {
 	}
 	write(3)
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelayPgx(pool, broker)
+	relay := ob.NewRelay(broker)
 	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("pass = %d, %v; want 3", n, err)
 	}
@@ -146,14 +158,14 @@ func TestRelayOnAPgxPool(t *testing.T) {
 	}
 
 	write(1) // id 5, refused for ever
-	refusing := postgres.NewOutboxRelayPgx(pool, brokerFunc(func(context.Context, postgres.Message) error {
+	refusing := ob.NewRelay(brokerFunc(func(context.Context, postgres.Message) error {
 		return fmt.Errorf("too large: %w", postgres.ErrRejected)
 	}))
 	refusing.ParkAfter = 1
 	if n, err := refusing.PublishPending(ctx); n != 0 || err != nil {
 		t.Fatalf("pass with a refusing broker = %d, %v; want 0, <nil> and the row parked", n, err)
 	}
-	if parked, err := postgres.ListParked(ctx, db, 0); err != nil || len(parked) != 1 || parked[0].ID != 5 {
+	if parked, err := ob.ListParked(ctx, 0); err != nil || len(parked) != 1 || parked[0].ID != 5 {
 		t.Errorf("parked %v, %v; want row 5", parked, err)
 	}
 
@@ -170,13 +182,13 @@ func TestRelayOnAPgxPool(t *testing.T) {
 		t.Errorf("the log flushed to %s before the flush and %s after it (%v): want it moved", before, after, err)
 	}
 
-	small := postgres.NewOutboxRelayPgx(newPool(t, name, 2), broker)
+	small := pgxOutbox(t, newPool(t, name, 2)).NewRelay(broker)
 	runCtx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	if err := small.Run(runCtx); !errors.Is(err, postgres.ErrInvalidConfig) {
 		t.Errorf("Run on a pool of 2 = %v, want ErrInvalidConfig", err)
 	}
-	if err := postgres.NewOutboxRelayPgx(nil, broker).Validate(); !errors.Is(err, postgres.ErrInvalidConfig) {
-		t.Errorf("Validate with no pool = %v, want ErrInvalidConfig", err)
+	if ob, err := postgres.Open(nil, postgres.Config{}); ob != nil || !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("Open with no pool = %v, %v; want ErrInvalidConfig", ob, err)
 	}
 }

@@ -12,27 +12,35 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
-// The relay's database is either database/sql's *sql.DB, opened with pgx's
-// stdlib driver (NewOutboxRelay), or pgx's own *pgxpool.Pool
-// (NewOutboxRelayPgx): a pass's statements are the same on both, and this
-// file is all that differs.
+// An Outbox's database is either database/sql's *sql.DB, opened with pgx's
+// stdlib driver (OpenDB), or pgx's own *pgxpool.Pool (Open), and so is the
+// caller's transaction: the statements are the same on both, and this file
+// is all that differs.
 
-// pool is what a relay needs of its database.
+// pool is what a relay, and an [Outbox]'s operations, need of the
+// database.
 type pool interface {
 	begin(ctx context.Context) (txn, error) // a READ COMMITTED transaction
 	exec(ctx context.Context, query string) error
+	stmts // one statement, in a transaction of its own
 	listen(ctx context.Context, channel string, wake chan<- struct{}) (listened bool, err error)
 	check() error // the pool's configuration, as validate checks it
 	maxConns() int
 }
 
-// txn is a pass's transaction.
+// txn is a transaction: a pass's, a migration's, or the caller's own.
 type txn interface {
-	query(ctx context.Context, query string, args ...any) (rows, error)
-	queryRow(ctx context.Context, query string, args ...any) interface{ Scan(...any) error }
+	stmts
 	exec(ctx context.Context, query string, args ...any) error
 	commit(ctx context.Context) error
 	rollback()
+}
+
+// stmts runs statements, in a transaction or on a pool.
+type stmts interface {
+	query(ctx context.Context, query string, args ...any) (rows, error)
+	queryRow(ctx context.Context, query string, args ...any) rowScanner
+	execN(ctx context.Context, query string, args ...any) (int64, error) // rows affected
 }
 
 // rows is a query's result, to be closed once read.
@@ -54,6 +62,30 @@ func (p sqlPool) begin(ctx context.Context) (txn, error) {
 func (p sqlPool) exec(ctx context.Context, query string) error {
 	_, err := p.db.ExecContext(ctx, query)
 	return err
+}
+
+func (p sqlPool) query(ctx context.Context, query string, args ...any) (rows, error) {
+	r, err := p.db.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return sqlRows{r}, nil
+}
+
+func (p sqlPool) queryRow(ctx context.Context, query string, args ...any) rowScanner {
+	return p.db.QueryRowContext(ctx, query, args...)
+}
+
+func (p sqlPool) execN(ctx context.Context, query string, args ...any) (int64, error) {
+	return rowsAffected(p.db.ExecContext(ctx, query, args...))
+}
+
+// rowsAffected is how many rows a database/sql statement changed.
+func rowsAffected(res sql.Result, err error) (int64, error) {
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
 }
 
 func (p sqlPool) check() error {
@@ -88,7 +120,9 @@ func (p sqlPool) listen(ctx context.Context, channel string, wake chan<- struct{
 	return listened, err
 }
 
-type sqlTxn struct{ tx *sql.Tx }
+// sqlTxn is a database/sql transaction as a txn: the relay's, or the
+// caller's own ([SQLTx]).
+type sqlTxn struct{ tx SQLTx }
 
 func (t sqlTxn) query(ctx context.Context, query string, args ...any) (rows, error) {
 	r, err := t.tx.QueryContext(ctx, query, args...)
@@ -98,8 +132,12 @@ func (t sqlTxn) query(ctx context.Context, query string, args ...any) (rows, err
 	return sqlRows{r}, nil
 }
 
-func (t sqlTxn) queryRow(ctx context.Context, query string, args ...any) interface{ Scan(...any) error } {
+func (t sqlTxn) queryRow(ctx context.Context, query string, args ...any) rowScanner {
 	return t.tx.QueryRowContext(ctx, query, args...)
+}
+
+func (t sqlTxn) execN(ctx context.Context, query string, args ...any) (int64, error) {
+	return rowsAffected(t.tx.ExecContext(ctx, query, args...))
 }
 
 func (t sqlTxn) exec(ctx context.Context, query string, args ...any) error {
@@ -128,6 +166,23 @@ func (p pgxPool) exec(ctx context.Context, query string) error {
 	return err
 }
 
+func (p pgxPool) query(ctx context.Context, query string, args ...any) (rows, error) {
+	r, err := p.p.Query(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+func (p pgxPool) queryRow(ctx context.Context, query string, args ...any) rowScanner {
+	return p.p.QueryRow(ctx, query, args...)
+}
+
+func (p pgxPool) execN(ctx context.Context, query string, args ...any) (int64, error) {
+	tag, err := p.p.Exec(ctx, query, args...)
+	return tag.RowsAffected(), err
+}
+
 func (p pgxPool) check() error  { return nil }
 func (p pgxPool) maxConns() int { return int(p.p.Config().MaxConns) }
 
@@ -143,7 +198,9 @@ func (p pgxPool) listen(ctx context.Context, channel string, wake chan<- struct{
 	return listenOn(ctx, conn, channel, wake)
 }
 
-type pgxTxn struct{ tx pgx.Tx }
+// pgxTxn is a pgx transaction as a txn: the relay's, or the caller's
+// own ([PgxTx]).
+type pgxTxn struct{ tx PgxTx }
 
 func (t pgxTxn) query(ctx context.Context, query string, args ...any) (rows, error) {
 	r, err := t.tx.Query(ctx, query, args...)
@@ -153,8 +210,13 @@ func (t pgxTxn) query(ctx context.Context, query string, args ...any) (rows, err
 	return r, nil
 }
 
-func (t pgxTxn) queryRow(ctx context.Context, query string, args ...any) interface{ Scan(...any) error } {
+func (t pgxTxn) queryRow(ctx context.Context, query string, args ...any) rowScanner {
 	return t.tx.QueryRow(ctx, query, args...)
+}
+
+func (t pgxTxn) execN(ctx context.Context, query string, args ...any) (int64, error) {
+	tag, err := t.tx.Exec(ctx, query, args...)
+	return tag.RowsAffected(), err
 }
 
 func (t pgxTxn) exec(ctx context.Context, query string, args ...any) error {

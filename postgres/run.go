@@ -200,7 +200,7 @@ func (r *OutboxRelay) listen(ctx context.Context, wake chan<- struct{}, maxBacko
 // listenOnce listens on one connection until it fails, and reports whether
 // LISTEN went through.
 func (r *OutboxRelay) listenOnce(ctx context.Context, wake chan<- struct{}) (listened bool, err error) {
-	return r.db.listen(ctx, r.outbox.Channel(), wake)
+	return r.db.listen(ctx, r.outbox.table, wake)
 }
 
 // notify leaves a wake-up unless one is pending already.

@@ -274,20 +274,22 @@ func (t *relayTelemetry) endPass(ctx context.Context, span trace.Span, start tim
 	span.End()
 }
 
-// ObserveLag reports [ReadLag]'s figures of db as four observable gauges of
+// ObserveLag is [Outbox.ObserveLag] of the table outbox of db.
+func ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error) {
+	return sqlOutbox(db, 0).ObserveLag(mp)
+}
+
+// ObserveLag reports [Outbox.ReadLag]'s figures as four observable gauges of
 // the meter provider mp (nil means otel's global one), each read by one
 // query per collection: outbox.oldest_unsent.age in seconds, the one to
 // alert on, and outbox.unsent, outbox.parked and outbox.failing in
-// messages, each with the attribute outbox.table. Unregister the returned Registration to stop. A collection
-// whose query fails reports nothing, and the error goes to otel's error
-// handler.
-func ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error) {
-	return DefaultOutbox.ObserveLag(db, mp)
-}
-
-// ObserveLag is [ObserveLag] of o's table: its observations carry the
-// attribute outbox.table, so that two outboxes' gauges stand apart.
-func (o *Outbox) ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error) {
+// messages, each with the attribute outbox.table. Unregister the returned
+// Registration to stop. A collection whose query fails reports nothing, and the error goes to otel's error
+// handler. The attribute outbox.table sets two outboxes' gauges apart.
+func (o *Outbox[T]) ObserveLag(mp metric.MeterProvider) (metric.Registration, error) {
+	if err := o.usable(); err != nil {
+		return nil, err
+	}
 	if mp == nil {
 		mp = otel.GetMeterProvider()
 	}
@@ -306,11 +308,11 @@ func (o *Outbox) ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registr
 	return meter.RegisterCallback(func(ctx context.Context, obs metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
-		lag, err := o.ReadLag(ctx, db)
+		lag, err := o.ReadLag(ctx)
 		if err != nil {
 			return err
 		}
-		table := metric.WithAttributes(attribute.String("outbox.table", o.table))
+		table := metric.WithAttributes(attribute.String("outbox.table", o.t.table))
 		obs.ObserveFloat64(age, lag.Oldest.Seconds(), table)
 		obs.ObserveInt64(unsent, lag.Unsent, table)
 		obs.ObserveInt64(parked, lag.Parked, table)

@@ -165,7 +165,7 @@ func drainOurs(b *testing.B, name string, db *sql.DB, kind string, orders int) f
 	case "relay-pgx":
 		p := newPool(b, name, nil)
 		defer p.Close()
-		relay := postgres.NewOutboxRelayPgx(p, broker)
+		relay := openOutbox(b, p).NewRelay(broker)
 		pass = func() (int, error) { return relay.PublishPending(ctx) }
 	case "bare-relay", "bare-table", "bare-pgx":
 		cfg := pgtest.Config.Copy()
@@ -240,7 +240,7 @@ func quiet(b *testing.B, db *sql.DB) {
 const leastClaim = `SELECT id, message_key::text, type, payload::text, COALESCE(aggregate, ''), COALESCE(seq, 0)
 	FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED`
 
-// relaysClaim is the text of the claim a relay made by NewOutboxRelayPgx,
+// relaysClaim is the text of the claim a relay made by Open and NewRelay,
 // with perAggregate, sends to the database named, captured by a pgx tracer
 // from one pass: call it while the outbox is empty. The claim has no
 // parameters: its batch size and limits are written into it.
@@ -248,7 +248,7 @@ func relaysClaim(b *testing.B, name string, perAggregate bool) string {
 	var t claimTracer
 	p := newPool(b, name, &t)
 	defer p.Close()
-	relay := postgres.NewOutboxRelayPgx(p, &counted{})
+	relay := openOutbox(b, p).NewRelay(&counted{})
 	relay.PerAggregate = perAggregate
 	if n, err := relay.PublishPending(context.Background()); n != 0 || err != nil {
 		b.Fatalf("the pass that shows the claim: %d, %v; want 0, <nil> (an empty outbox)", n, err)
@@ -471,4 +471,14 @@ func explainWatermill(b *testing.B, db *sql.DB, schema wsql.SchemaAdapter, offse
 		b.Fatal(err)
 	}
 	return plan.String()
+}
+
+// openOutbox is the table outbox on p.
+func openOutbox(b *testing.B, p *pgxpool.Pool) *postgres.Outbox[postgres.PgxTx] {
+	b.Helper()
+	ob, err := postgres.Open(p, postgres.Config{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return ob
 }

@@ -35,7 +35,6 @@ package main
 import (
 	"cmp"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -112,7 +111,7 @@ func parse(cmd string, args []string) (config, []string, error) {
 	fs.StringVar(&c.database, "database", env("OUTBOX_DATABASE_URL", ""), "PostgreSQL connection string (OUTBOX_DATABASE_URL)")
 	fs.StringVar(&c.nats, "nats", env("OUTBOX_NATS_URL", nats.DefaultURL), "JetStream servers, comma-separated (OUTBOX_NATS_URL)")
 	fs.StringVar(&c.mode, "mode", env("OUTBOX_MODE", "polling"), "polling or log (OUTBOX_MODE)")
-	fs.StringVar(&c.table, "table", env("OUTBOX_TABLE", postgres.DefaultOutbox.Table()), "the outbox table (OUTBOX_TABLE)")
+	fs.StringVar(&c.table, "table", env("OUTBOX_TABLE", postgres.DefaultTable), "the outbox table (OUTBOX_TABLE)")
 	fs.StringVar(&c.slot, "slot", env("OUTBOX_SLOT", ""), "log mode: the replication slot, unique on the server; empty means the table's name (OUTBOX_SLOT)")
 	fs.StringVar(&c.stream, "stream", env("OUTBOX_STREAM", natsbroker.Stream), "the stream (OUTBOX_STREAM)")
 	fs.StringVar(&c.prefix, "subject-prefix", env("OUTBOX_SUBJECT_PREFIX", natsbroker.SubjectPrefix), "the subjects' prefix (OUTBOX_SUBJECT_PREFIX)")
@@ -183,10 +182,6 @@ func parse(cmd string, args []string) (config, []string, error) {
 var slotName = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
 
 func run(ctx context.Context, cmd string, c config, args []string, log *slog.Logger) error {
-	outbox, err := postgres.NewOutbox(c.table)
-	if err != nil {
-		return err
-	}
 	names, err := natsbroker.NewNames(c.stream, c.prefix)
 	if err != nil {
 		return err
@@ -198,10 +193,14 @@ func run(ctx context.Context, cmd string, c config, args []string, log *slog.Log
 	pgcfg.RuntimeParams["application_name"] = "outbox-relay"
 	db := stdlib.OpenDB(*pgcfg)
 	defer db.Close()
+	outbox, err := postgres.OpenDB(db, postgres.Config{Table: c.table})
+	if err != nil {
+		return fmt.Errorf("-table: %w", err)
+	}
 	db.SetMaxOpenConns(4) // a pass's two, the listener, and one for cleanup and the gauges
 	switch cmd {
 	case "parked":
-		parked, err := outbox.ListParked(ctx, db, 0)
+		parked, err := outbox.ListParked(ctx, 0)
 		for _, p := range parked {
 			line, _ := json.Marshal(map[string]any{"id": p.ID, "key": p.Key, "type": p.Type, "aggregate": p.Aggregate,
 				"seq": p.Seq, "rejections": p.Rejections, "last_error": p.LastError, "parked_at": p.ParkedAt})
@@ -213,7 +212,7 @@ func run(ctx context.Context, cmd string, c config, args []string, log *slog.Log
 		if err != nil {
 			return fmt.Errorf("drop %q: not a row id", args[0])
 		}
-		p, err := outbox.DropParked(ctx, db, id)
+		p, err := outbox.DropParked(ctx, id)
 		if err != nil {
 			return err
 		}
@@ -234,20 +233,20 @@ func run(ctx context.Context, cmd string, c config, args []string, log *slog.Log
 	stream := names.StreamConfig(0)
 	stream.Replicas = c.replicas
 	if cmd == "migrate" {
-		return migrate(ctx, c, outbox, db, js, stream, log)
+		return migrate(ctx, c, outbox, js, stream, log)
 	}
-	return relay(ctx, c, outbox, names, db, js, stream, log)
+	return relay(ctx, c, outbox, names, js, stream, log)
 }
 
 // migrate provisions what the relay checks: the outbox's tables, the log
 // relay's slot in log mode, and the stream.
-func migrate(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB, js jetstream.JetStream,
+func migrate(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], js jetstream.JetStream,
 	stream jetstream.StreamConfig, log *slog.Logger) error {
-	if err := outbox.Migrate(ctx, db); err != nil {
+	if err := outbox.Migrate(ctx); err != nil {
 		return err
 	}
 	if c.mode == "log" {
-		if err := postgres.CreateLogSlot(ctx, db, cmp.Or(c.slot, outbox.Slot())); err != nil {
+		if err := outbox.CreateLogSlot(ctx, c.slot); err != nil {
 			return err
 		}
 	}
@@ -260,7 +259,7 @@ func migrate(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB,
 
 // relay serves the health endpoints, waits until the schema and the stream
 // check out, then relays and cleans up until ctx ends.
-func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbroker.Names, db *sql.DB,
+func relay(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], names natsbroker.Names,
 	js jetstream.JetStream, stream jetstream.StreamConfig, log *slog.Logger) error {
 	reg := prometheus.NewRegistry()
 	exp, err := otelprom.New(otelprom.WithRegisterer(reg), otelprom.WithoutScopeInfo())
@@ -295,7 +294,7 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 
 	for {
 		check, cancel := context.WithTimeout(ctx, 10*time.Second)
-		err := errors.Join(outbox.CheckSchema(check, db), natsbroker.CheckStream(check, js, stream))
+		err := errors.Join(outbox.CheckSchema(check), natsbroker.CheckStream(check, js, stream))
 		cancel()
 		if err == nil {
 			break
@@ -309,7 +308,7 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 		case <-time.After(2 * time.Second):
 		}
 	}
-	lag, err := outbox.ObserveLag(db, meters)
+	lag, err := outbox.ObserveLag(meters)
 	if err != nil {
 		return err
 	}
@@ -321,19 +320,20 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox, names natsbro
 	done := make(chan error, 1)
 	if c.mode == "log" {
 		r := outbox.NewLogRelay(c.database, publisher)
-		r.Logger, r.MarkIn, r.MeterProvider = log, db, meters // marked rows are not lag, and are cleaned up
-		r.ParkAfter, r.Slot = postgres.DefaultParkAfter, cmp.Or(c.slot, outbox.Slot())
+		// Made from the Outbox, it marks what it delivered (so marked rows
+		// are not lag, and are cleaned up) and parks what the broker refuses.
+		r.Logger, r.MeterProvider, r.Slot = log, meters, cmp.Or(c.slot, outbox.Slot())
 		go func() { done <- runLog(ctx, r, log) }()
 		if c.sweepEvery > 0 {
-			go sweep(ctx, c.sweepEvery, outbox, db, publisher, log)
+			go sweep(ctx, c.sweepEvery, outbox, publisher, log)
 		}
 	} else {
-		r := outbox.NewRelay(db, publisher)
+		r := outbox.NewRelay(publisher)
 		r.Logger, r.MeterProvider, r.Standbys = log, meters, c.standbys
 		go func() { done <- r.Run(ctx) }()
 	}
 	if c.retention > 0 || c.processedRetention > 0 {
-		go cleanup(ctx, c, outbox, db, js, stream.Name, log)
+		go cleanup(ctx, c, outbox, js, stream.Name, log)
 	}
 	err = <-done
 	log.Info("outbox-relay: stopped", "err", err)
@@ -374,9 +374,9 @@ func runLog(ctx context.Context, r *postgres.LogRelay, log *slog.Logger) error {
 // row that old is one it missed, or it is behind), it runs passes until one
 // is not full. A row the log relay also sends goes twice, as at least once
 // allows: consumers drop the copy by its key.
-func sweep(ctx context.Context, every time.Duration, outbox *postgres.Outbox, db *sql.DB,
+func sweep(ctx context.Context, every time.Duration, outbox *postgres.Outbox[postgres.SQLTx],
 	publisher postgres.MessageBroker, log *slog.Logger) {
-	relay := outbox.NewRelay(db, publisher)
+	relay := outbox.NewRelay(publisher)
 	relay.Logger = log
 	t := time.NewTicker(every)
 	defer t.Stop()
@@ -387,7 +387,7 @@ func sweep(ctx context.Context, every time.Duration, outbox *postgres.Outbox, db
 		case <-t.C:
 		}
 		read, cancel := context.WithTimeout(ctx, 10*time.Second)
-		lag, err := outbox.ReadLag(read, db)
+		lag, err := outbox.ReadLag(read)
 		cancel()
 		if err != nil {
 			log.Warn("outbox-relay: sweep: reading the lag failed", "err", err)
@@ -417,7 +417,7 @@ func sweep(ctx context.Context, every time.Duration, outbox *postgres.Outbox, db
 // asked, the consumers' keys older than processedRetention (never shorter
 // than the stream keeps its messages: natsbroker.ForgetProcessed refuses
 // it), every cleanupEvery, until ctx ends.
-func cleanup(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB, js jetstream.JetStream, stream string, log *slog.Logger) {
+func cleanup(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], js jetstream.JetStream, stream string, log *slog.Logger) {
 	t := time.NewTicker(c.cleanupEvery)
 	defer t.Stop()
 	for {
@@ -427,7 +427,7 @@ func cleanup(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB,
 		case <-t.C:
 		}
 		if c.retention > 0 {
-			n, err := outbox.DeleteSent(ctx, db, c.retention, 0)
+			n, err := outbox.DeleteSent(ctx, c.retention)
 			switch {
 			case err != nil && ctx.Err() == nil:
 				log.Error("outbox-relay: cleanup failed", "err", err, "deleted", n)
@@ -436,7 +436,7 @@ func cleanup(ctx context.Context, c config, outbox *postgres.Outbox, db *sql.DB,
 			}
 		}
 		if c.processedRetention > 0 {
-			n, err := natsbroker.ForgetProcessed(ctx, js, stream, db, c.processedRetention, 0)
+			n, err := natsbroker.ForgetProcessed(ctx, js, stream, outbox, c.processedRetention)
 			switch {
 			case err != nil && ctx.Err() == nil:
 				log.Error("outbox-relay: forgetting processed keys failed", "err", err, "forgotten", n)

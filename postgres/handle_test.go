@@ -1,0 +1,534 @@
+package postgres_test
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+// One Outbox, the same methods on pgx's pool and on database/sql: on a
+// blank database each driver's Outbox migrates, writes events in the
+// caller's transaction (kept only if it commits; bad events refused and
+// nothing written), reads its lag, relays, cleans up, parks and puts back,
+// and applies a message once in the caller's transaction, a duplicate
+// dropped. (Caught: pgx stopped at writing a row and the polling relay;
+// every operation took a *sql.DB.)
+func TestOneOutboxOnEitherDriver(t *testing.T) {
+	t.Run("pgx", func(t *testing.T) {
+		name := newBlankDatabase(t)
+		pool := newPool(t, name, 4)
+		ob, err := postgres.Open(pool, postgres.Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		begin := func(ctx context.Context) (postgres.PgxTx, func() error, func()) {
+			tx, err := pool.BeginTx(ctx, pgx.TxOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return tx, func() error { return tx.Commit(ctx) }, func() { _ = tx.Rollback(ctx) }
+		}
+		operations(t, ob, begin, open(t, name, ""))
+	})
+	t.Run("database/sql", func(t *testing.T) {
+		name := newBlankDatabase(t)
+		db := open(t, name, "")
+		ob, err := postgres.OpenDB(db, postgres.Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		begin := func(ctx context.Context) (postgres.SQLTx, func() error, func()) {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return tx, tx.Commit, func() { _ = tx.Rollback() }
+		}
+		operations(t, ob, begin, db)
+	})
+}
+
+// operations runs every operation of ob on its blank database, whose
+// transactions begin makes, and looks at the tables through check.
+func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.Context) (T, func() error, func()), check *sql.DB) {
+	ctx := context.Background()
+	if err := ob.CheckSchema(ctx); !errors.Is(err, postgres.ErrSchemaVersion) {
+		t.Fatalf("CheckSchema before Migrate = %v, want ErrSchemaVersion", err)
+	}
+	for range 2 { // the second applies nothing
+		if err := ob.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := ob.CheckSchema(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rows := func() int64 { return count(t, check, `SELECT count(*) FROM outbox`) }
+	lag := func() postgres.Lag {
+		t.Helper()
+		l, err := ob.ReadLag(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+
+	// Rolled back, the event is not written.
+	tx, commit, rollback := begin(ctx)
+	if _, err := ob.Write(ctx, tx, postgres.Event{Type: "ItemPicked", Payload: map[string]int{"item": 1}}); err != nil {
+		t.Fatal(err)
+	}
+	rollback()
+	if n := rows(); n != 0 {
+		t.Fatalf("%d rows after a rollback, want 0", n)
+	}
+
+	// Bad events are refused before any statement, and the transaction
+	// goes on to commit the good ones.
+	tx, commit, rollback = begin(ctx)
+	defer rollback()
+	for _, bad := range []struct {
+		e    postgres.Event
+		want error
+	}{
+		{postgres.Event{Type: "bad type", Payload: "{}"}, postgres.ErrInvalidEventType},
+		{postgres.Event{Type: "", Payload: "{}"}, postgres.ErrInvalidEventType},
+		{postgres.Event{Type: "Opened", Payload: []byte(`{"account":`)}, postgres.ErrInvalidPayload},
+		{postgres.Event{Type: "Opened", Payload: "{}", Aggregate: "account/7"}, postgres.ErrInvalidSeq},
+		{postgres.Event{Type: "Opened", Payload: "{}", Aggregate: "account/7", Seq: -1}, postgres.ErrInvalidSeq},
+		{postgres.Event{Type: "Opened", Payload: "{}", Seq: 3}, postgres.ErrInvalidSeq},
+	} {
+		if id, err := ob.Write(ctx, tx, bad.e); id != 0 || !errors.Is(err, bad.want) {
+			t.Errorf("Write(%+v) = %d, %v; want %v", bad.e, id, err, bad.want)
+		}
+	}
+	first, err := ob.Write(ctx, tx, postgres.Event{Type: "Opened", Payload: []byte(`{"account":7}`), Aggregate: "account/7", Seq: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ob.Write(ctx, tx, postgres.Event{Type: "ItemPicked", Payload: map[string]int{"item": 2}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := commit(); err != nil {
+		t.Fatal(err)
+	}
+	if n, l := rows(), lag(); n != 2 || l.Unsent != 2 {
+		t.Fatalf("after the commit: %d rows, lag %+v; want the 2 good events, unsent", n, l)
+	}
+
+	broker := &recorder{}
+	if n, err := ob.NewRelay(broker).PublishPending(ctx); n != 2 || err != nil {
+		t.Fatalf("pass = %d, %v; want the 2 rows", n, err)
+	}
+	if m := broker.Published()[0]; m.ID != first || m.Aggregate != "account/7" || m.Seq != 1 || m.Payload != `{"account":7}` {
+		t.Errorf("published %+v; want row %d of account/7, seq 1, as written", m, first)
+	}
+	if l := lag(); l.Unsent != 0 {
+		t.Errorf("lag after the pass %+v, want none unsent", l)
+	}
+	if _, err := ob.DeleteSent(ctx, -1); err == nil {
+		t.Error("DeleteSent with a negative retention: no error")
+	}
+	if n, err := ob.DeleteSent(ctx, 0); n != 2 || err != nil {
+		t.Errorf("DeleteSent = %d, %v; want the 2 sent rows", n, err)
+	}
+
+	// A row the broker refuses is parked, listed, put back, parked again
+	// and dropped.
+	tx, commit, rollback = begin(ctx)
+	defer rollback()
+	refused, err := ob.Write(ctx, tx, postgres.Event{Type: "TooLarge", Payload: "{}"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := commit(); err != nil {
+		t.Fatal(err)
+	}
+	refusing := ob.NewRelay(brokerFunc(func(context.Context, postgres.Message) error {
+		return fmt.Errorf("too large: %w", postgres.ErrRejected)
+	}))
+	refusing.ParkAfter = 1
+	for range 2 {
+		if _, err := refusing.PublishPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+		parked, err := ob.ListParked(ctx, 0)
+		if err != nil || len(parked) != 1 || parked[0].ID != refused || !strings.Contains(parked[0].LastError, "too large") {
+			t.Fatalf("parked %+v, %v; want row %d, its error kept", parked, err, refused)
+		}
+		if l := lag(); l.Parked != 1 || l.Unsent != 0 {
+			t.Errorf("lag %+v, want 1 parked", l)
+		}
+		if err := ob.Unpark(ctx, refused); err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Unpark(ctx, refused); !errors.Is(err, postgres.ErrNotParked) {
+			t.Errorf("a second Unpark = %v, want ErrNotParked", err)
+		}
+	}
+	if _, err := refusing.PublishPending(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := ob.DropParked(ctx, refused); err != nil || p.ID != refused || p.Type != "TooLarge" {
+		t.Errorf("DropParked = %+v, %v; want row %d", p, err, refused)
+	}
+	if _, err := ob.DropParked(ctx, refused); !errors.Is(err, postgres.ErrNotParked) {
+		t.Errorf("a second DropParked = %v, want ErrNotParked", err)
+	}
+	if n := rows(); n != 0 {
+		t.Errorf("%d rows left, want 0", n)
+	}
+
+	// The consumer's side, in the caller's transaction: once, a duplicate
+	// dropped, an aggregate's events in their order.
+	apply := func(msg postgres.Message) (bool, error) {
+		t.Helper()
+		tx, commit, rollback := begin(ctx)
+		defer rollback()
+		fresh, err := ob.ApplyOnceIn(ctx, tx, msg, false)
+		if err != nil {
+			return false, err
+		}
+		return fresh, commit()
+	}
+	plain := postgres.Message{ID: 1, Key: "producer-a/1", Type: "ItemPicked", Payload: "{}"}
+	if fresh, err := apply(plain); !fresh || err != nil {
+		t.Errorf("first delivery = %v, %v; want applied", fresh, err)
+	}
+	if fresh, err := apply(plain); fresh || err != nil {
+		t.Errorf("second delivery = %v, %v; want a duplicate, dropped", fresh, err)
+	}
+	second := postgres.Message{ID: 3, Key: "producer-a/3", Type: "Closed", Payload: "{}", Aggregate: "account/7", Seq: 2}
+	if _, err := apply(second); !errors.Is(err, postgres.ErrOutOfOrder) {
+		t.Errorf("seq 2 before seq 1 = %v, want ErrOutOfOrder", err)
+	}
+	for _, m := range []postgres.Message{{ID: 2, Key: "producer-a/2", Type: "Opened", Payload: "{}", Aggregate: "account/7", Seq: 1}, second} {
+		if fresh, err := apply(m); !fresh || err != nil {
+			t.Errorf("seq %d = %v, %v; want applied", m.Seq, fresh, err)
+		}
+	}
+	if n := count(t, check, `SELECT count(*) FROM processed_messages`); n != 3 {
+		t.Errorf("%d keys recorded, want 3", n)
+	}
+	if n, err := ob.ForgetProcessed(ctx, 0); n != 3 || err != nil {
+		t.Errorf("ForgetProcessed = %d, %v; want the 3 keys (the open aggregate's position kept)", n, err)
+	}
+	if n := count(t, check, `SELECT count(*) FROM aggregate_positions`); n != 1 {
+		t.Errorf("%d positions, want the open aggregate's", n)
+	}
+}
+
+// Open and OpenDB check what they are given and refuse, with an error
+// wrapping ErrInvalidConfig that names it, a bad value; an Outbox they did
+// not make refuses every method the same way, and a nil transaction is an
+// error, not a panic. (Caught: configuration checked at the first pass, or
+// never.)
+func TestOpenChecksItsConfig(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	pool := newPool(t, name, 2)
+	for _, c := range []struct {
+		cfg  postgres.Config
+		says string
+	}{
+		{postgres.Config{Table: "Billing"}, "Config.Table"},
+		{postgres.Config{Table: strings.Repeat("a", 41)}, "Config.Table"},
+		{postgres.Config{CleanupBatch: -1}, "Config.CleanupBatch"},
+		{postgres.Config{CleanupBatch: 100_001}, "Config.CleanupBatch"},
+	} {
+		if ob, err := postgres.Open(pool, c.cfg); ob != nil || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(fmt.Sprint(err), c.says) {
+			t.Errorf("Open(%+v) = %v, %v; want ErrInvalidConfig naming %s", c.cfg, ob, err, c.says)
+		}
+		if ob, err := postgres.OpenDB(db, c.cfg); ob != nil || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(fmt.Sprint(err), c.says) {
+			t.Errorf("OpenDB(%+v) = %v, %v; want ErrInvalidConfig naming %s", c.cfg, ob, err, c.says)
+		}
+	}
+	if _, err := postgres.Open(nil, postgres.Config{}); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("Open(nil) = %v, want ErrInvalidConfig", err)
+	}
+	if _, err := postgres.OpenDB(nil, postgres.Config{}); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("OpenDB(nil) = %v, want ErrInvalidConfig", err)
+	}
+	other := sql.OpenDB(otherConnector{})
+	defer other.Close()
+	if _, err := postgres.OpenDB(other, postgres.Config{}); !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(fmt.Sprint(err), "stdlib") {
+		t.Errorf("OpenDB on another driver = %v, want ErrInvalidConfig naming pgx's stdlib", err)
+	}
+
+	var zero postgres.Outbox[postgres.SQLTx]
+	if _, err := zero.ReadLag(ctx); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("ReadLag of a zero Outbox = %v, want ErrInvalidConfig", err)
+	}
+	if err := zero.Migrate(ctx); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("Migrate of a zero Outbox = %v, want ErrInvalidConfig", err)
+	}
+	if err := zero.NewRelay(&recorder{}).Validate(); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("a zero Outbox's relay: Validate = %v, want ErrInvalidConfig", err)
+	}
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ob.Write(ctx, nil, postgres.Event{Type: "ItemPicked", Payload: "{}"}); err == nil {
+		t.Error("Write with no transaction: no error")
+	}
+	if _, err := ob.ApplyOnceIn(ctx, nil, postgres.Message{Key: "k"}, false); err == nil {
+		t.Error("ApplyOnceIn with no transaction: no error")
+	}
+	if n := count(t, db, `SELECT count(*) FROM outbox`) + count(t, db, `SELECT count(*) FROM processed_messages`); n != 0 {
+		t.Errorf("%d rows written by refused calls", n)
+	}
+}
+
+// otherConnector is a database/sql connector of a driver that is not
+// pgx's, which never connects.
+type otherConnector struct{}
+
+func (otherConnector) Connect(context.Context) (driver.Conn, error) {
+	return nil, errors.New("not a real driver")
+}
+func (otherConnector) Driver() driver.Driver { return otherDriver{} }
+
+type otherDriver struct{}
+
+func (otherDriver) Open(string) (driver.Conn, error) { return nil, errors.New("not a real driver") }
+
+// Passing a pool, a connection or a *sql.DB where the caller's transaction
+// belongs does not compile: the event cannot be written in a transaction
+// of its own, which would be the dual write again. Each call is built in a
+// package of its own, in a module outside the repository that requires
+// this one; the same calls given a transaction (a pgx.Tx, a *sql.Tx, and
+// a type that embeds one, as sqlx's Tx does) build, and so does the
+// README's block of a write in a pgx transaction. (Caught: PgxQuerier
+// asked only for QueryRow, which a pool has.)
+func TestAPoolWhereATransactionBelongsDoesNotCompile(t *testing.T) {
+	const header = `package p
+
+import (
+	"context"
+	"database/sql"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+var (
+	_ *pgx.Conn
+	_ *pgxpool.Pool
+	_ *sql.DB
+)
+
+type wrappedTx struct{ *sql.Tx } // as sqlx's Tx embeds *sql.Tx
+
+func f(ctx context.Context, ob *postgres.Outbox[postgres.PgxTx], sob *postgres.Outbox[postgres.SQLTx],
+	pool *pgxpool.Pool, pconn *pgxpool.Conn, conn *pgx.Conn, ptx pgx.Tx,
+	db *sql.DB, sconn *sql.Conn, stx *sql.Tx) {
+	e, m := postgres.Event{Type: "Placed", Payload: "{}"}, postgres.Message{Key: "k"}
+	_, _ = e, m
+`
+	good := []string{
+		`ob.Write(ctx, ptx, e)`,
+		`ob.ApplyOnceIn(ctx, ptx, m, false)`,
+		`sob.Write(ctx, stx, e)`,
+		`sob.Write(ctx, wrappedTx{stx}, e)`,
+		`sob.ApplyOnceIn(ctx, stx, m, false)`,
+	}
+	bad := []string{
+		`ob.Write(ctx, pool, e)`,
+		`ob.Write(ctx, pconn, e)`,
+		`ob.Write(ctx, conn, e)`,
+		`ob.ApplyOnceIn(ctx, pool, m, false)`,
+		`sob.Write(ctx, db, e)`,
+		`sob.Write(ctx, sconn, e)`,
+		`sob.ApplyOnceIn(ctx, db, m, false)`,
+	}
+	dir := t.TempDir()
+	write := func(pkg, call string) {
+		t.Helper()
+		if err := os.MkdirAll(filepath.Join(dir, pkg), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		src := header + "\t" + call + "\n}\n"
+		if err := os.WriteFile(filepath.Join(dir, pkg, "p.go"), []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, call := range good {
+		write(fmt.Sprintf("good%d", i), call)
+	}
+	// The README's block of a write in a pgx transaction, as a team copies it.
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, block, _ := strings.Cut(string(readme), "**2. The change and its event")
+	_, block, _ = strings.Cut(block, "```go\n")
+	block, _, ok := strings.Cut(block, "```")
+	if !ok || !strings.Contains(block, "ob.Write(ctx, tx,") {
+		t.Fatalf("README.md has no block of Write after its step 2:\n%s", block)
+	}
+	if err := os.MkdirAll(filepath.Join(dir, "readme"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	src := `package readme
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+func register(ctx context.Context, pool *pgxpool.Pool, id int64, name string) error {
+` + block + "}\n"
+	if err := os.WriteFile(filepath.Join(dir, "readme", "readme.go"), []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for i, call := range bad {
+		write(fmt.Sprintf("bad%d", i), call)
+	}
+	here, err := filepath.Abs(".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mod, err := os.ReadFile("go.mod")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mod = regexp.MustCompile(`(?m)^module .*$`).ReplaceAll(mod, []byte("module example.org/team/app"))
+	mod = append(mod, []byte("\nrequire example.com/patterns/enterprise/outbox/postgres v0.0.0\n\nreplace example.com/patterns/enterprise/outbox/postgres => "+here+"\n")...)
+	sum, err := os.ReadFile("go.sum")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := errors.Join(os.WriteFile(filepath.Join(dir, "go.mod"), mod, 0o644), os.WriteFile(filepath.Join(dir, "go.sum"), sum, 0o644)); err != nil {
+		t.Fatal(err)
+	}
+
+	cmd := exec.Command("go", "build", "-gcflags=-e", "./...")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod", "GOWORK=off")
+	out, err := cmd.CombinedOutput()
+	if err == nil {
+		t.Fatalf("every call built, a pool where a transaction belongs too:\n%s", out)
+	}
+	t.Logf("go build:\n%s", out)
+	for i, call := range good {
+		if strings.Contains(string(out), fmt.Sprintf("good%d/", i)) {
+			t.Errorf("%s, given a transaction, does not build", call)
+		}
+	}
+	if strings.Contains(string(out), "readme/") {
+		t.Error("the README's block of a write in a pgx transaction does not build")
+	}
+	for i, call := range bad {
+		pkg := fmt.Sprintf("bad%d/", i)
+		line := ""
+		for l := range strings.SplitSeq(string(out), "\n") {
+			if strings.Contains(l, pkg) {
+				line = l
+				break
+			}
+		}
+		if !strings.Contains(line, "missing method Commit") {
+			t.Errorf("%s: want it refused for having no Commit, got %q", call, line)
+		}
+	}
+}
+
+// A log relay made from an Outbox is safe by default, on pgx as on
+// database/sql: it marks what it delivered (so its rows are not lag) and
+// parks a row the broker refuses for ever, the rest of its transaction
+// delivered. Its slot is made and dropped through the Outbox, and a slot
+// the relay reads is not dropped. (Caught: made with NewLogRelay it marked
+// nothing and parked nothing, so a refused row held it up for ever and
+// every row it delivered counted as lag.)
+func TestLogRelayFromAnOutboxMarksAndParksByDefault(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	pool := newPool(t, name, 4)
+	ob := pgxOutbox(t, pool)
+	if err := ob.CreateLogSlot(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	db := open(t, name, "")
+	t.Cleanup(func() { dropSlot(t, db, name) })
+	broker := &recorder{}
+	relay := ob.NewLogRelay(logConnString(name), brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.Type == "TooLarge" {
+			return fmt.Errorf("too large: %w", postgres.ErrRejected)
+		}
+		return broker.Publish(ctx, m)
+	}))
+	if relay.MarkIn == nil || relay.ParkAfter != postgres.DefaultParkAfter || relay.Publication != ob.Publication() {
+		t.Fatalf("the Outbox's log relay: MarkIn %v, ParkAfter %d, Publication %q; want its database, %d, %q",
+			relay.MarkIn, relay.ParkAfter, relay.Publication, postgres.DefaultParkAfter, ob.Publication())
+	}
+	relay.Slot, relay.MaxBackoff = name, 200*time.Millisecond
+	relay.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
+	stop := runLog(t, relay)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	for _, typ := range []string{"ItemPicked", "TooLarge", "ItemPacked"} {
+		if _, err := ob.Write(ctx, tx, postgres.Event{Type: typ, Payload: "{}"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The transaction goes again whole after each refusal: the row before
+	// the refused one is published again each time (at least once).
+	delivered := func() []string {
+		var types []string
+		for _, m := range broker.Published() {
+			if !slices.Contains(types, m.Type) {
+				types = append(types, m.Type)
+			}
+		}
+		return types
+	}
+	waitUntil(t, "two rows delivered and marked, the refused one parked", func() bool {
+		lag, err := ob.ReadLag(ctx)
+		return err == nil && lag.Unsent == 0 && lag.Parked == 1 && len(delivered()) == 2
+	})
+	if err := ob.DropLogSlot(ctx, name); !errors.Is(err, postgres.ErrSlotActive) {
+		t.Errorf("DropLogSlot of the slot the relay reads = %v, want ErrSlotActive", err)
+	}
+	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
+		t.Errorf("Run = %v", err)
+	}
+	if got := delivered(); !slices.Equal(got, []string{"ItemPicked", "ItemPacked"}) {
+		t.Errorf("published %v; want ItemPicked, ItemPacked", got)
+	}
+}
+
+// testWriter writes a test's log lines to t.Log.
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}

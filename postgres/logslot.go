@@ -1,0 +1,175 @@
+package postgres
+
+// The log relay's replication slot: made, dropped, and recovered when lost.
+
+import (
+	"cmp"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// CreateLogSlot creates the replication slot slot (DefaultSlot if empty)
+// of the database db is open on, with the pgoutput plugin, unless it exists.
+// Create it as a provisioning step, before the producers write the rows the
+// log relay must publish: the slot sees only what commits after it exists.
+// It needs wal_level = logical, and says so.
+func CreateLogSlot(ctx context.Context, db *sql.DB, slot string) error {
+	if slot == "" {
+		slot = DefaultSlot
+	}
+	if err := slotOfThisDatabase(ctx, db, slot); err != nil {
+		return fmt.Errorf("create replication slot %s: %w", slot, err)
+	}
+	_, err := db.ExecContext(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')
+		WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)`, slot)
+	if err != nil {
+		return fmt.Errorf("create replication slot %s (it needs wal_level = logical): %w", slot, err)
+	}
+	return nil
+}
+
+// CreateLogSlot is [CreateLogSlot] on o's database, of the slot named
+// slot, or o's Slot if slot is empty.
+func (o *Outbox[T]) CreateLogSlot(ctx context.Context, slot string) error {
+	if err := o.usable(); err != nil {
+		return err
+	}
+	return CreateLogSlot(ctx, o.sqldb, cmp.Or(slot, o.Slot()))
+}
+
+// DropLogSlot is [DropLogSlot] on o's database, of the slot named slot, or
+// o's Slot if slot is empty.
+func (o *Outbox[T]) DropLogSlot(ctx context.Context, slot string) error {
+	if err := o.usable(); err != nil {
+		return err
+	}
+	return DropLogSlot(ctx, o.sqldb, cmp.Or(slot, o.Slot()))
+}
+
+// slotOfThisDatabase is nil when the slot named slot does not exist or
+// belongs to the database db is open on, and an error wrapping
+// ErrSlotOfAnotherDatabase, naming that database, when it belongs to
+// another.
+func slotOfThisDatabase(ctx context.Context, db *sql.DB, slot string) error {
+	var theirs, ours string
+	err := db.QueryRowContext(ctx, `SELECT coalesce(database, ''), current_database()
+		FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&theirs, &ours)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil
+	case err != nil:
+		return err
+	case theirs != ours:
+		return fmt.Errorf("%w: it is database %q's, and this is %q: name this one's slot apart", ErrSlotOfAnotherDatabase, theirs, ours)
+	}
+	return nil
+}
+
+// ErrSlotActive is returned, wrapped, by [DropLogSlot] for a slot that a
+// log relay is reading: stop it first.
+var ErrSlotActive = errors.New("postgres: the replication slot is in use")
+
+// DropLogSlot drops the replication slot slot (DefaultSlot if empty) of the
+// database db is open on, if it exists: a slot that no relay reads any more
+// holds the server's log for ever, until the disk fills or
+// max_slot_wal_keep_size invalidates it. A slot a relay is reading is
+// refused with [ErrSlotActive], and kept; so is a slot of that name that
+// belongs to another database on the server, with
+// [ErrSlotOfAnotherDatabase].
+func DropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
+	if slot == "" {
+		slot = DefaultSlot
+	}
+	if err := slotOfThisDatabase(ctx, db, slot); err != nil {
+		return fmt.Errorf("drop replication slot %s: %w", slot, err)
+	}
+	var active sql.NullBool
+	err := db.QueryRowContext(ctx, `SELECT active FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&active)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil
+	case err != nil:
+		return fmt.Errorf("drop replication slot %s: %w", slot, err)
+	case active.Bool:
+		return fmt.Errorf("drop replication slot %s: %w", slot, ErrSlotActive)
+	}
+	if _, err := db.ExecContext(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+		WHERE slot_name = $1 AND database = current_database()`, slot); err != nil {
+		if sqlState(err) == "55006" { // object_in_use: a relay took it meanwhile
+			return fmt.Errorf("drop replication slot %s: %w: %w", slot, ErrSlotActive, err)
+		}
+		return fmt.Errorf("drop replication slot %s: %w", slot, err)
+	}
+	return nil
+}
+
+// slotReleaseWait is how long RecoverLogSlot waits for a slot's reader to
+// let go of it before it gives up with ErrSlotActive.
+const slotReleaseWait = 5 * time.Second
+
+// RecoverLogSlot makes the log relay's slot (o's Slot) anew and delivers
+// every row that may not have been delivered: after the slot was lost
+// ([ErrSlotLost]: the server removed log it had not read), or when there
+// is none ([ErrNoSlot]: a promoted standby, since PostgreSQL 15 keeps slots
+// on the primary only). It drops the slot if it is there (refusing, with
+// [ErrSlotActive], one a relay still reads after 5 s: a relay that has just
+// stopped lets go of it a moment later), creates it, and only then publishes,
+// with a polling relay of o, every row not marked sent, in passes until
+// none is left: a row committed before the new slot is in the table
+// unmarked and goes now; one committed after it is streamed by the log
+// relay, and may go both ways: at least once, the consumers drop the
+// copies. It relies on the log relay's marks (LogRelay.MarkIn): without
+// them every row ever written goes again. It returns how many rows it
+// published; on an error, call it again.
+func (o *Outbox[T]) RecoverLogSlot(ctx context.Context, broker MessageBroker) (int, error) {
+	if err := o.usable(); err != nil {
+		return 0, err
+	}
+	return o.t.recoverLogSlot(ctx, o.sqldb, o.Slot(), broker)
+}
+
+// Recover is [Outbox.RecoverLogSlot] for r: it makes r's Slot anew on
+// MarkIn and publishes, to r's broker, the rows of r's outbox not marked
+// sent. Without MarkIn it is refused with an error wrapping
+// ErrInvalidConfig: every row ever written would go again. Call it when
+// Run returned ErrSlotLost or ErrNoSlot, then Run again.
+func (r *LogRelay) Recover(ctx context.Context) (int, error) {
+	if r.MarkIn == nil || r.outbox == nil {
+		return 0, fmt.Errorf("%w: Recover needs MarkIn, and a LogRelay made by NewLogRelay", ErrInvalidConfig)
+	}
+	return r.outbox.recoverLogSlot(ctx, r.MarkIn, cmp.Or(r.Slot, DefaultSlot), r.broker)
+}
+
+func (o *tables) recoverLogSlot(ctx context.Context, db *sql.DB, slot string, broker MessageBroker) (int, error) {
+	// A relay that has just returned ErrSlotLost or ErrNoSlot closed its
+	// connection, but the server's walsender lets go of the slot a moment
+	// later: wait for that, a while.
+	err := DropLogSlot(ctx, db, slot)
+	for deadline := time.Now().Add(slotReleaseWait); errors.Is(err, ErrSlotActive) && time.Now().Before(deadline); {
+		if !pause(ctx, 50*time.Millisecond) {
+			return 0, ctx.Err()
+		}
+		err = DropLogSlot(ctx, db, slot)
+	}
+	if err != nil {
+		return 0, err
+	}
+	if err := CreateLogSlot(ctx, db, slot); err != nil {
+		return 0, err
+	}
+	relay := (&Outbox[SQLTx]{t: o, db: sqlPool{db}, sqldb: db}).NewRelay(broker)
+	total := 0
+	for {
+		n, err := relay.PublishPending(ctx)
+		total += n
+		switch {
+		case err != nil && !errors.Is(err, ErrRejected):
+			return total, fmt.Errorf("recover log slot %s: publish what it may have missed: %w", slot, err)
+		case n == 0:
+			return total, err // a refusal, if any, is said: the row stays in the table, parked in time
+		}
+	}
+}

@@ -1,0 +1,505 @@
+package postgres
+
+// The log relay's loop: a session on the replication connection, and the
+// stream of its transactions, delivered and confirmed.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Run streams the outbox's inserts and publishes them until ctx ends, then
+// returns ctx's error. After a failure (the connection lost, the broker
+// refusing or not answering) it connects again after a backoff, like
+// [OutboxRelay.Run]'s, and the server sends again every transaction after
+// the last one confirmed. It returns, with the error, when no retry can
+// mend it: the slot does not exist ([ErrNoSlot]), was invalidated
+// ([ErrSlotLost]), belongs to another database on the server
+// ([ErrSlotOfAnotherDatabase]), or the role may not replicate.
+func (r *LogRelay) Run(ctx context.Context) error {
+	r.tel = newRelayTelemetry(r.TracerProvider, r.MeterProvider, r.table, "log")
+	maxBackoff := orDefault(r.MaxBackoff, DefaultMaxBackoff)
+	wait := r.wait
+	if wait == nil {
+		wait = pause
+	}
+	failures := 0
+	for {
+		completed, err := r.session(ctx)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost) || errors.Is(err, ErrSlotOfAnotherDatabase) || sqlState(err) == "42501" || sqlState(err) == "28000" {
+			if r.Logger != nil {
+				r.Logger.Error("outbox: log relay stopped", "err", err)
+			}
+			return err
+		}
+		if completed > 0 { // progress of the slot, not messages sent again
+
+			failures = 0
+		}
+		failures++
+		d := backoff(failures, maxBackoff, rand.Float64)
+		if r.Logger != nil {
+			r.Logger.Error("outbox: log relay session failed", "err", err, "transactions_delivered", completed, "retry_in", d)
+		}
+		if !wait(ctx, d) {
+			return ctx.Err()
+		}
+	}
+}
+
+// session streams from the slot's position on one replication connection
+// until it fails, and reports how many messages it delivered.
+func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
+	var cfg *pgconn.Config
+	if r.connConfig != nil {
+		cfg = r.connConfig.Copy()
+	} else if cfg, err = pgconn.ParseConfig(r.connString); err != nil {
+		return 0, fmt.Errorf("log relay: %w", err)
+	}
+	cfg.RuntimeParams["replication"] = "database"
+	if cfg.RuntimeParams["application_name"] == "" {
+		cfg.RuntimeParams["application_name"] = "outbox-log-relay"
+	}
+	conn, err := pgconn.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return 0, fmt.Errorf("log relay: connect: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+
+	slot, publication := r.Slot, r.Publication
+	if slot == "" {
+		slot = DefaultSlot
+	}
+	if publication == "" {
+		publication = DefaultPublication
+	}
+	// Read before the stream starts: once it has, the connection takes no
+	// more queries.
+	every := orDefault(r.StatusInterval, 10*time.Second)
+	if half := senderTimeout(ctx, conn) / 2; half > 0 && half < every {
+		every = half
+	}
+	// The server refuses another database's slot with the SQLSTATE of an
+	// invalidated one: ask first, so that the two are never taken for each
+	// other.
+	if theirs := slotElsewhere(ctx, conn, slot); theirs != "" {
+		return 0, fmt.Errorf("%w: %s is database %q's", ErrSlotOfAnotherDatabase, slot, theirs)
+	}
+	// Position 0: from where the slot says the relay confirmed.
+	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + publication + "'"},
+	})
+	switch code := sqlState(err); {
+	case code == "42704": // undefined_object
+		return 0, fmt.Errorf("%w: %s: %w", ErrNoSlot, slot, err)
+	case code == "55000": // object_not_in_prerequisite_state: "can no longer get changes"
+		return 0, fmt.Errorf("%w: %s: %w", ErrSlotLost, slot, err)
+	case err != nil:
+		return 0, fmt.Errorf("log relay: start replication from slot %s: %w", slot, err)
+	}
+
+	s := stream{
+		relay:     r,
+		conn:      conn,
+		relations: map[uint32]*pglogrepl.RelationMessage{},
+		every:     every,
+		replyIn:   orDefault(r.ReplyTimeout, 10*time.Second),
+	}
+	if r.MarkIn != nil {
+		s.marks = newMarks(r)
+	}
+	err = s.run(ctx)
+	// Whatever ended the session, the server hears how far the broker
+	// accepted, so that a clean stop, or a failure after a delivery, sends
+	// again at most the transaction in flight.
+	// A connection that failed is being closed by pgconn, in a goroutine of
+	// its own: nothing more may be written to it.
+	if s.marks != nil {
+		s.marks.finish(context.WithoutCancel(ctx)) // each mark bounded by PublishTimeout
+	}
+	if s.safe() > s.toldPos && !conn.IsClosed() {
+		final, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		s.tell(final)
+		cancel()
+	}
+	return s.completed, err
+}
+
+// slotElsewhere is the name of the database the slot named slot belongs
+// to, if it is not the one conn is on; empty if it is, or if it cannot be
+// told. It is asked before the stream starts, on the replication
+// connection, which takes plain queries until then.
+func slotElsewhere(ctx context.Context, conn *pgconn.PgConn, slot string) string {
+	q := `SELECT database FROM pg_replication_slots WHERE slot_name = '` + strings.ReplaceAll(slot, "'", "''") +
+		`' AND database IS DISTINCT FROM current_database()`
+	res, err := conn.Exec(ctx, q).ReadAll()
+	if err != nil || len(res) != 1 || len(res[0].Rows) != 1 {
+		return ""
+	}
+	return string(res[0].Rows[0][0])
+}
+
+// senderTimeout is the server's wal_sender_timeout, or 0 if it cannot be
+// read or is off.
+func senderTimeout(ctx context.Context, conn *pgconn.PgConn) time.Duration {
+	res, err := conn.Exec(ctx, `SELECT setting FROM pg_settings WHERE name = 'wal_sender_timeout'`).ReadAll()
+	if err != nil || len(res) != 1 || len(res[0].Rows) != 1 {
+		return 0
+	}
+	ms, err := strconv.Atoi(string(res[0].Rows[0][0]))
+	if err != nil || ms <= 0 {
+		return 0
+	}
+	return time.Duration(ms) * time.Millisecond
+}
+
+// stream is one session's state: the tables' descriptions the server sent,
+// the transaction being read, and how far the relay has delivered.
+type stream struct {
+	relay     *LogRelay
+	conn      *pgconn.PgConn
+	relations map[uint32]*pglogrepl.RelationMessage
+	txn       []Message // the rows of the transaction being read, not yet published: at most streamRows
+	tables    []string  // each txn row's table, as an SQL identifier
+	txnBytes  int       // the payloads' bytes in txn: at most about streamBytes
+	inTxn     bool      // a BEGIN was read and its COMMIT not yet
+	txnDone   int       // rows of the transaction being read published already
+	sentIDs   []int64   // rows published and not yet handed to the marks, and their tables
+	sentIn    []string
+	marks     *marks        // with MarkIn, the marking of what was delivered
+	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
+	toldPos   pglogrepl.LSN // the position the server was last told
+	told      time.Time     // when the server was last told where the relay is
+	asked     time.Time     // when a status update asked for an answer that has not come; zero if none waits
+	every     time.Duration
+	replyIn   time.Duration
+	delivered int
+	completed int // transactions delivered whole and confirmed: the session's progress
+}
+
+// statusAfterDelivery is how soon after a delivered transaction the server
+// hears of it, at the latest: often enough that a restart sends little
+// again, seldom enough that a burst of small transactions costs few
+// messages.
+const statusAfterDelivery = 100 * time.Millisecond
+
+func (s *stream) run(ctx context.Context) error {
+	for {
+		if s.marks != nil {
+			s.marks.poll(ctx)
+		}
+		if time.Now().After(s.nextTell()) {
+			if err := s.tell(ctx); err != nil {
+				return err
+			}
+		}
+		deadline := s.nextTell()
+		if !s.asked.IsZero() && s.asked.Add(s.replyIn).Before(deadline) {
+			deadline = s.asked.Add(s.replyIn)
+		}
+		rctx, cancel := context.WithDeadline(ctx, deadline)
+		raw, err := s.conn.ReceiveMessage(rctx)
+		cancel()
+		switch {
+		case err != nil && pgconn.Timeout(err) && ctx.Err() == nil:
+			if !s.asked.IsZero() && time.Since(s.asked) >= s.replyIn {
+				return fmt.Errorf("log relay: the server did not answer a status update within %v: the connection is taken for dead", s.replyIn)
+			}
+			continue // time to tell the server where the relay is
+		case err != nil:
+			return fmt.Errorf("log relay: receive: %w", err)
+		}
+		s.asked = time.Time{} // the server answers: the connection lives
+		switch msg := raw.(type) {
+		case *pgproto3.ErrorResponse:
+			return fmt.Errorf("log relay: %w", pgconn.ErrorResponseToPgError(msg))
+		case *pgproto3.CopyData:
+			if err := s.handle(ctx, msg.Data); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// nextTell is when the server is to hear next where the relay is: within
+// statusAfterDelivery of a delivery it has not heard of, and every
+// interval anyway.
+func (s *stream) nextTell() time.Time {
+	if s.confirmed > s.toldPos {
+		return s.told.Add(statusAfterDelivery)
+	}
+	return s.told.Add(s.every)
+}
+
+// handle handles one message of the replication stream.
+func (s *stream) handle(ctx context.Context, data []byte) error {
+	if len(data) == 0 {
+		return nil
+	}
+	switch data[0] {
+	case pglogrepl.PrimaryKeepaliveMessageByteID:
+		k, err := pglogrepl.ParsePrimaryKeepaliveMessage(data[1:])
+		if err != nil {
+			return fmt.Errorf("log relay: %w", err)
+		}
+		// Everything the server sent before the keepalive has been read;
+		// with no transaction half read, the relay has delivered all of it,
+		// and the log up to here holds nothing more for it (other tables'
+		// changes, transactions with no outbox row). Confirming it lets the
+		// server free that log.
+		if !s.inTxn && k.ServerWALEnd > s.confirmed {
+			s.confirmed = k.ServerWALEnd
+		}
+		if k.ReplyRequested {
+			return s.tell(ctx)
+		}
+	case pglogrepl.XLogDataByteID:
+		x, err := pglogrepl.ParseXLogData(data[1:])
+		if err != nil {
+			return fmt.Errorf("log relay: %w", err)
+		}
+		m, err := pglogrepl.Parse(x.WALData)
+		if err != nil {
+			return fmt.Errorf("log relay: decode: %w", err)
+		}
+		switch m := m.(type) {
+		case *pglogrepl.RelationMessage:
+			s.relations[m.RelationID] = m
+		case *pglogrepl.BeginMessage:
+			s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
+			s.inTxn, s.txnDone, s.sentIDs, s.sentIn = true, 0, s.sentIDs[:0], s.sentIn[:0]
+		case *pglogrepl.InsertMessage:
+			rel, ok := s.relations[m.RelationID]
+			if !ok {
+				return fmt.Errorf("log relay: an insert into relation %d, which the server never described", m.RelationID)
+			}
+			msg, err := decodeRow(rel, m.Tuple)
+			if err != nil {
+				return err
+			}
+			s.txn = append(s.txn, msg)
+			s.tables = append(s.tables, pgx.Identifier{rel.Namespace, rel.RelationName}.Sanitize())
+			s.txnBytes += len(msg.Payload)
+			// pgoutput (proto_version 1) sends a transaction only once it
+			// committed, so its rows may go before its COMMIT is read:
+			// memory is bounded by these, not by the transaction. Its end
+			// is confirmed only at the COMMIT, after its last row went.
+			if len(s.txn) >= streamRows || s.txnBytes >= streamBytes {
+				return s.deliver(ctx, 0)
+			}
+		case *pglogrepl.CommitMessage:
+			return s.deliver(ctx, m.TransactionEndLSN)
+		}
+	}
+	return nil
+}
+
+// streamRows and streamBytes bound the rows of a transaction the log relay
+// holds before it publishes them: a transaction of a million rows goes in
+// parts of at most streamRows rows, or about streamBytes of payload.
+const (
+	streamRows  = 1000
+	streamBytes = 8 << 20
+)
+
+// deliver publishes the rows of the transaction read so far in their order
+// and, at its COMMIT (end is then the transaction's end; 0 for a part of
+// it), once the broker accepted every row of the transaction, hands them to
+// the marks and confirms its end.
+func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
+	timeout := orDefault(s.relay.PublishTimeout, DefaultPassTimeout)
+	tel, start := s.relay.tel, time.Now()
+	var span trace.Span // a transaction's delivery, or a part's, is the log relay's pass
+	if len(s.txn) > 0 {
+		ctx, span = tel.tracer.Start(ctx, "outbox log relay transaction", trace.WithTimestamp(start))
+	}
+	res := passResult{claimed: len(s.txn)}
+	defer func() {
+		tel.endPass(ctx, span, start, res, err)
+		if s.relay.OnPass != nil {
+			s.relay.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Err: err})
+		}
+	}()
+	for i := 0; i < len(s.txn); {
+		pctx, cancel := context.WithTimeout(ctx, timeout)
+		accepted, err := send(pctx, s.relay.tel, s.relay.broker, s.txn[i:min(len(s.txn), i+DefaultBatchSize)], true)
+		cancel()
+		for j := i; j < i+accepted; j++ {
+			s.sentIn, s.sentIDs = append(s.sentIn, s.tables[j]), append(s.sentIDs, s.txn[j].ID)
+		}
+		s.delivered += accepted
+		res.published += accepted
+		i += accepted
+		if err != nil && errors.Is(err, ErrRejected) && s.park(ctx, i, err) {
+			i++
+			continue // set aside: the rest of the transaction goes on
+		}
+		if err != nil {
+			return fmt.Errorf("publish message %d, row %d of a transaction, which goes again whole: %w",
+				s.txn[i].ID, s.txnDone+i+1, err)
+		}
+		// A large transaction takes long to publish: the server hears from
+		// the relay all the same, at the old position, so that it does not
+		// end the session at its wal_sender_timeout.
+		if time.Since(s.told) >= s.every {
+			if err := s.tell(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	s.txnDone += len(s.txn)
+	s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
+	if s.marks != nil && (len(s.sentIDs) > 0 || end != 0 && s.txnDone > 0) {
+		s.marks.delivered(ctx, s.sentIn, s.sentIDs, end)  // a part's (end 0) moves no position
+		s.sentIn, s.sentIDs = s.sentIn[:0], s.sentIDs[:0] // the marks copied them
+	}
+	if end == 0 {
+		return nil // a part: the rest of the transaction, and its COMMIT, to come
+	}
+	if s.marks == nil {
+		res.marked = res.published // confirmed, as far as the relay goes
+	}
+	s.inTxn = false
+	s.confirmed = end
+	s.completed++
+	if time.Since(s.told) >= statusAfterDelivery {
+		return s.tell(ctx)
+	}
+	return nil
+}
+
+// batchOf is how many of msgs, from the first and at most limit, go in one
+// batch: up to the first message whose aggregate is already in it. A batch
+// is sent before any of its acks is read, so the broker may store a message
+// after one it refused; with no aggregate twice in a batch, that breaks no
+// order a consumer relies on (rows with no aggregate are in no order).
+func batchOf(msgs []Message, limit int) int {
+	seen := map[string]bool{}
+	n := 0
+	for _, m := range msgs[:min(len(msgs), limit)] {
+		if m.Aggregate != "" {
+			if seen[m.Aggregate] {
+				break
+			}
+			seen[m.Aggregate] = true
+		}
+		n++
+	}
+	return n
+}
+
+// park counts the broker's refusal of the transaction's row i in MarkIn,
+// within PublishTimeout, and, once the row's rejections reach ParkAfter,
+// parks it, logs it and reports true: the relay then skips it. Without MarkIn or ParkAfter, or if
+// the count cannot be written, it reports false, and the refusal stops the
+// session as any failure does.
+func (s *stream) park(ctx context.Context, i int, refusal error) bool {
+	r := s.relay
+	if r.MarkIn == nil || r.ParkAfter <= 0 {
+		return false
+	}
+	msg := s.txn[i]
+	var parked bool
+	ctx, cancel := context.WithTimeout(ctx, orDefault(r.PublishTimeout, DefaultPassTimeout))
+	defer cancel()
+	err := r.MarkIn.QueryRowContext(ctx, `UPDATE `+s.tables[i]+`
+		SET attempts = attempts + 1, rejections = rejections + 1, last_error = $2,
+		    parked_at = CASE WHEN rejections + 1 >= $3 THEN clock_timestamp() END
+		WHERE id = $1 RETURNING parked_at IS NOT NULL`, msg.ID, refusal.Error(), r.ParkAfter).Scan(&parked)
+	if err != nil {
+		if r.Logger != nil {
+			r.Logger.Error("outbox: log relay could not count a rejection", "id", msg.ID, "err", err)
+		}
+		return false
+	}
+	if parked && r.Logger != nil {
+		r.Logger.Warn("outbox: message parked after too many rejections", "id", msg.ID, "key", msg.Key, "err", refusal)
+	}
+	return parked
+}
+
+// safe is the position the server may hear of: how far the relay
+// delivered, or, with MarkIn, how far it delivered and marked.
+func (s *stream) safe() pglogrepl.LSN {
+	if s.marks == nil || s.marks.idle() {
+		return s.confirmed
+	}
+	return s.marks.markedTo
+}
+
+// tell sends the server the position the relay has delivered up to (safe,
+// or the position it told before if that is further): the server may
+// forget the log before it, and starts there next time. Before the relay
+// delivered anything the position is 0, which the server takes for none:
+// the slot keeps its own. Each update asks the server for an answer, so
+// that a connection that went silent is noticed (ReplyTimeout).
+func (s *stream) tell(ctx context.Context) error {
+	if s.marks != nil {
+		s.marks.poll(ctx)
+	}
+	pos := max(s.safe(), s.toldPos)
+	s.told = time.Now()
+	if s.asked.IsZero() {
+		s.asked = s.told
+	}
+	if err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn,
+		pglogrepl.StandbyStatusUpdate{WALWritePosition: pos, ReplyRequested: true}); err != nil {
+		return fmt.Errorf("log relay: tell the server its position: %w", err)
+	}
+	s.toldPos = pos
+	return nil
+}
+
+// decodeRow is an inserted outbox row as a Message, from pgoutput's text
+// form of its columns.
+func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (Message, error) {
+	var msg Message
+	if tuple == nil || len(tuple.Columns) != len(rel.Columns) {
+		return msg, fmt.Errorf("log relay: a row of %s.%s that does not match its description", rel.Namespace, rel.RelationName)
+	}
+	var traceparent, tracestate string
+	for i, col := range tuple.Columns {
+		if col.DataType != pglogrepl.TupleDataTypeText {
+			continue // NULL ('n'); an insert sends no unchanged TOAST ('u')
+		}
+		v := string(col.Data)
+		var err error
+		switch rel.Columns[i].Name {
+		case "id":
+			msg.ID, err = strconv.ParseInt(v, 10, 64)
+		case "message_key":
+			msg.Key = v
+		case "type":
+			msg.Type = v
+		case "payload":
+			msg.Payload = v
+		case "aggregate":
+			msg.Aggregate = v
+		case "seq":
+			msg.Seq, err = strconv.ParseInt(v, 10, 64)
+		case "traceparent":
+			traceparent = v
+		case "tracestate":
+			tracestate = v
+		}
+		if err != nil {
+			return msg, fmt.Errorf("log relay: column %s: %w", rel.Columns[i].Name, err)
+		}
+	}
+	msg.TraceContext = claimedTraceContext(traceparent, tracestate)
+	return msg, nil
+}

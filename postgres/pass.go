@@ -1,0 +1,479 @@
+package postgres
+
+// One relay pass: claim, publish, mark, commit, and what it waits for
+// between them.
+
+import (
+	"context"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// passResult is what a pass did, for Run.
+type passResult struct {
+	published int       // accepted by the broker
+	marked    int       // marked sent, and committed: the pass's progress
+	claimed   int       // rows the pass claimed
+	full      bool      // it claimed a whole batch
+	flushed   bool      // it made the server flush its log
+	parked    []int64   // ids of the rows it parked, if it committed
+	failing   []failure // the rows whose attempts reached FailingAfter, if it committed
+	// fatal is set when a statement failed in a way no retry mends: a
+	// table or column that does not exist, a permission the relay lacks.
+	fatal bool
+}
+
+// pass is PublishPending, reporting more.
+func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
+	batch, budget := r.BatchSize, r.PassTimeout
+	tel, start := r.telemetry(), time.Now()
+	var span trace.Span // started once the claim found rows: an empty pass makes no trace
+	defer func() { tel.endPass(ctx, span, start, res, err) }()
+	if r.OnPass != nil {
+		defer func() {
+			r.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Parked: len(res.parked),
+				Flushed: res.flushed, Err: err})
+		}()
+	}
+	defer func() { res.fatal = err != nil && cannotPass(err) }()
+
+	// Publishing stops at the budget or when the caller's ctx ends. The
+	// transaction lives under a context that the caller cannot cancel, so
+	// that what the broker accepted can still be marked, and that ends at
+	// twice the budget whatever happens.
+	pubCtx, cancelPub := context.WithTimeout(ctx, budget)
+	defer cancelPub()
+	txCtx, cancelTx := context.WithTimeout(context.WithoutCancel(ctx), 2*budget)
+	defer cancelTx()
+
+	tx, err := r.db.begin(txCtx)
+	if err != nil {
+		return res, fmt.Errorf("begin relay pass: %w", err)
+	}
+	defer tx.rollback() // after a commit this does nothing; otherwise it frees the claim
+
+	query := r.outbox.sql.claimRows
+	if r.PerAggregate {
+		query = r.outbox.sql.claimRuns
+	}
+	// Until the claim is done nothing is published, so a stop may cut it
+	// short: a claim that waits for a lock (a migration's, a VACUUM FULL)
+	// ends at the stop, not at its lock_timeout.
+	claimCtx, cancelClaim := context.WithCancel(txCtx)
+	defer cancelClaim()
+	defer context.AfterFunc(ctx, cancelClaim)()
+	msgs, wal, head, err := claim(claimCtx, tx, query, batch, millis(budget), millis(2*budget), r.PerAggregate)
+	if err == nil && r.PerAggregate && head.passedOver(msgs) {
+		// Rows of an aggregate may have been claimed without its first:
+		// those stay as they are, claimed by this pass and left unsent.
+		msgs, err = r.runsOnly(claimCtx, tx, msgs)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return res, fmt.Errorf("relay pass stopped while it claimed: %w", ctx.Err())
+		}
+		return res, err
+	}
+	// The claim is done: from here on a stop lets the pass mark what the
+	// broker accepted, under txCtx.
+	res.claimed, res.full = len(msgs), len(msgs) == batch
+	if len(msgs) > 0 {
+		// The publishes' context carries the pass's span, their link.
+		pubCtx, span = tel.tracer.Start(pubCtx, "outbox relay pass", trace.WithTimestamp(start))
+	}
+	if len(msgs) > 0 && !wal.flushed {
+		var err error
+		if res.flushed, err = r.flush(pubCtx, tx, wal.inserted); err != nil {
+			if ctx.Err() != nil {
+				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
+			}
+			return res, fmt.Errorf("relay pass: flush the server's log to %s, past the claimed rows' commits: %w", wal.inserted, err)
+		}
+	}
+	// The standbys get only what the primary flushed: first the flush.
+	if len(msgs) > 0 && len(r.Standbys) > 0 {
+		if err := r.waitForStandbys(pubCtx, tx, wal.inserted); err != nil {
+			if ctx.Err() != nil {
+				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
+			}
+			return res, fmt.Errorf("relay pass: %w", err)
+		}
+	}
+
+	sent := make([]int64, 0, len(msgs))
+	var failed []failure
+	var stop error      // why publishing stopped before the end of the batch, if it matters
+	var refused []error // with PerAggregate, the refusals the pass went on after
+	checked := time.Now()
+	for pending := msgs; len(pending) > 0; {
+		if pubCtx.Err() != nil {
+			if err := ctx.Err(); err != nil {
+				stop = fmt.Errorf("relay pass stopped: %w", err)
+			} // else the budget ran out: the rest wait for the next pass
+			break
+		}
+		if time.Since(checked) >= ClaimCheckInterval {
+			if err := tx.exec(txCtx, `SELECT 1`); err != nil {
+				stop = fmt.Errorf("%w after %d published messages: %w", ErrClaimLost, len(sent), err)
+				break
+			}
+			checked = time.Now()
+		}
+		n, err := r.publish(pubCtx, pending)
+		for _, msg := range pending[:n] {
+			sent = append(sent, msg.ID)
+		}
+		if err == nil {
+			pending = pending[n:]
+			continue
+		}
+		msg := pending[n] // the message the broker did not accept
+		pending = pending[n+1:]
+		if ctx.Err() != nil { // stopped: nothing is written to the row
+			stop = fmt.Errorf("publish message %d: %w", msg.ID, err)
+			break
+		}
+		// The broker's failure, or the end of the pass's budget (a publish
+		// that hung): either way written to the row, so that it says why the
+		// message is stuck. Only a refusal the broker made in time counts as
+		// a rejection; a timeout never parks a row. Each context is read
+		// once: a parent's Err is set before its children are cancelled.
+		inTime := pubCtx.Err() == nil
+		f := failure{id: msg.ID, key: msg.Key, err: err, rejected: inTime && errors.Is(err, ErrRejected)}
+		f.park = f.rejected && r.ParkAfter > 0 && msg.rejections+1 >= r.ParkAfter
+		failed = append(failed, f)
+		if inTime { // the broker's own failure, not the end of the pass
+			if f.park {
+				res.parked = append(res.parked, msg.ID)
+				if r.PerAggregate { // parked, it still holds back its aggregate
+					pending = without(pending, msg.Aggregate)
+				}
+				continue // set aside: the rows after it go on
+			}
+			if r.PerAggregate && !errors.Is(err, ErrBrokerUnavailable) {
+				// It holds back its aggregate alone: the pass goes on
+				// with the other aggregates' rows.
+				refused = append(refused, fmt.Errorf("publish message %d: %w", msg.ID, err))
+				pending = without(pending, msg.Aggregate)
+				continue
+			}
+		}
+		stop = fmt.Errorf("publish message %d: %w", msg.ID, err)
+		break
+	}
+	res.published = len(sent)
+	stop = errors.Join(stop, errors.Join(refused...))
+
+	// Whatever fails from here on leaves every accepted message unsent, to
+	// go again, and no row parked.
+	unmarked := func(what string, err error) (passResult, error) {
+		res.parked, res.failing = nil, nil
+		return res, errors.Join(stop, fmt.Errorf("%s%s, so the %d messages the broker accepted stay unsent and go again: %w",
+			what, why(txCtx, err), len(sent), err))
+	}
+	if len(sent) > 0 {
+		mark := r.outbox.sql.markSent
+		if r.mark != "" {
+			mark = r.mark
+		}
+		if err := tx.exec(txCtx, mark, sent); err != nil {
+			return unmarked("mark the published messages sent", err)
+		}
+	}
+	for _, f := range failed {
+		var attempts int
+		if err := tx.queryRow(txCtx, r.outbox.sql.recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park).Scan(&attempts); err != nil {
+			return unmarked(fmt.Sprintf("record the failure of message %d", f.id), err)
+		}
+		if attempts == FailingAfter && !f.park {
+			res.failing = append(res.failing, f)
+		}
+	}
+	if err := tx.commit(txCtx); err != nil {
+		return unmarked("relay pass", err)
+	}
+	res.marked = len(sent)
+	return res, stop
+}
+
+// why says, for an error of the pass's transaction, what happened to it
+// when the error itself does not: the pass ran past twice its budget (its
+// transaction's context ended), or its session is gone (the server ended
+// it, or a pooler, or the network did) and with it everything the pass
+// wrote.
+// (A commit whose outcome is unknown says so itself.)
+func why(txCtx context.Context, err error) string {
+	code := sqlState(err)
+	switch {
+	case errors.Is(err, ErrCommitUnknown):
+		return ""
+	case txCtx.Err() != nil:
+		return " (the pass ran past twice its budget, PassTimeout: a broker slower than the budget?)"
+	case errors.Is(err, driver.ErrBadConn), strings.HasPrefix(code, "08"), code == "57P01", code == "57P02", code == "25P03":
+		return " (the pass's session is gone, ended by the server, a pooler or the network, and nothing it wrote was kept)"
+	}
+	return ""
+}
+
+// ErrStandbyBehind is returned, wrapped, by [OutboxRelay.PublishPending]
+// when a pass's standbys (OutboxRelay.Standbys) had not flushed the log
+// past its rows' commits within its budget: it published nothing, and the
+// rows wait for a later pass.
+var ErrStandbyBehind = errors.New("postgres: a standby the relay waits for is behind")
+
+// ErrStandbysUnreadable is returned, wrapped, by
+// [OutboxRelay.PublishPending] when the relay has Standbys and its role
+// cannot read their positions: pg_stat_replication shows a role without
+// the privileges of pg_read_all_stats (nor superuser) a NULL flush_lsn,
+// which would look like a standby for ever behind. Grant the role
+// pg_read_all_stats. Run stops on it, as on any failure no retry mends.
+var ErrStandbysUnreadable = errors.New("postgres: the relay's role cannot read its standbys' positions (it needs pg_read_all_stats)")
+
+// standbysFlushed says whether every standby of $2, by application_name,
+// is connected and has flushed the log up to $1, and whether the role may
+// read the standbys' positions at all.
+const standbysFlushed = `SELECT count(DISTINCT application_name) = cardinality($2::text[]),
+       pg_has_role('pg_read_all_stats', 'USAGE')
+FROM pg_stat_replication WHERE application_name = ANY($2::text[]) AND flush_lsn >= $1::pg_lsn`
+
+// waitForStandbys waits until every standby of r.Standbys has flushed the
+// log up to lsn, looking again after 1 ms, then twice as long each time up
+// to 50 ms, until ctx ends.
+func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx txn, lsn string) error {
+	names := slices.Compact(slices.Sorted(slices.Values(r.Standbys)))
+	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
+		var caught, readable bool
+		err := tx.queryRow(ctx, standbysFlushed, lsn, names).Scan(&caught, &readable)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			return fmt.Errorf("read the standbys' positions: %w", err)
+		case err == nil && caught:
+			return nil
+		case err == nil && !readable:
+			return fmt.Errorf("%w: pg_stat_replication shows the role flush_lsn NULL for %v: GRANT pg_read_all_stats TO the relay's role",
+				ErrStandbysUnreadable, names)
+		}
+		if err != nil || !pause(ctx, wait) {
+			return fmt.Errorf("%w: %v had not all flushed the log to %s, past the claimed rows' commits, within the pass's budget",
+				ErrStandbyBehind, names, lsn)
+		}
+	}
+}
+
+// pause waits for d, and reports false if ctx ended first.
+func pause(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// flushLooks is how often a pass looks again whether the server has
+// flushed its log far enough before it makes it flush: each look is a
+// round trip on the pass's connection, and with producers that commit
+// synchronously the log is flushed far enough within a few of them in all
+// but a few passes in a hundred (make measure-relays, flushed-%).
+const flushLooks = 5
+
+// flushLookAfter is the wait before the second look; each next one waits
+// twice as long (all five looks: 3.75 ms at most).
+const flushLookAfter = 250 * time.Microsecond
+
+// flush makes sure the server has flushed its log up to lsn before the pass
+// publishes, and reports whether it had to make it flush. The log that was
+// not flushed as the claim began is mostly that of producers still in their
+// transactions, whose synchronous commits flush it a moment later: so it
+// first looks again, flushLooks times at most, on the pass's connection.
+// Only if the log is still not flushed that far does it commit flushWAL on
+// a second connection of the relay's pool (the pass's is inside its
+// transaction), then check again. That is needed when some producer commits
+// asynchronously, or when nothing commits after a write to the log (a
+// transaction still open, vacuum).
+func (r *OutboxRelay) flush(ctx context.Context, tx txn, lsn string) (flushed bool, err error) {
+	var done bool
+	for look := range flushLooks {
+		if look > 0 && !pause(ctx, flushLookAfter<<(look-1)) {
+			return false, ctx.Err()
+		}
+		if err := tx.queryRow(ctx, walFlushed, lsn).Scan(&done); err != nil || done {
+			return false, err
+		}
+	}
+	if err := r.db.exec(ctx, flushWAL); err != nil {
+		return true, err
+	}
+	if err := tx.queryRow(ctx, walFlushed, lsn).Scan(&done); err != nil {
+		return true, err
+	}
+	if !done {
+		return true, errors.New("the server's log is still not flushed after a synchronous commit: is the pool's every connection to the same server?")
+	}
+	return true, nil
+}
+
+// cannotPass reports whether err holds a server error that the same
+// statement would meet again however often it is retried: SQLSTATE class 42
+// (a table, column or function that does not exist, a permission denied)
+// or 3D000 (a database that does not exist).
+func cannotPass(err error) bool {
+	if errors.Is(err, ErrStandbysUnreadable) {
+		return true
+	}
+	code := sqlState(err)
+	return strings.HasPrefix(code, "42") || code == "3D000"
+}
+
+// publish publishes msgs from the first, as many at once as the broker and
+// the relay's order allow (see send), and returns how many the broker
+// accepted and, if it did not accept them all, the error of the first it did
+// not accept.
+//
+// A pass with PerAggregate holds only runs of each aggregate from its
+// first unsent row, and the next row of an aggregate is claimed only once
+// the rows before it are marked: so a batch that holds no aggregate twice
+// breaks no order a consumer relies on, whatever the broker stores after a
+// message it refused. Over the whole table it would: so without
+// PerAggregate the relay sends a batch only to a [SequencePublisher].
+func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) {
+	_, batches := r.broker.(BatchPublisher)
+	if _, sequences := r.broker.(SequencePublisher); !sequences && !(batches && r.PerAggregate) {
+		return sendOne(ctx, r.telemetry(), r.broker, msgs[0].Message) // one at a time: nothing to copy
+	}
+	batch := make([]Message, len(msgs))
+	for i, m := range msgs {
+		batch[i] = m.Message
+	}
+	return send(ctx, r.telemetry(), r.broker, batch, r.PerAggregate)
+}
+
+// send publishes msgs from the first, each in a send span: through a
+// [BatchPublisher], if byAggregate, as many as hold no aggregate twice
+// (batchOf), unless that is fewer than all of them and the broker is a
+// [SequencePublisher] too; through a [SequencePublisher], all of them;
+// otherwise the first alone. An asynchronous batch costs the broker no more
+// than a sequence (natsbroker's REFERENCE.md measures both), so it goes
+// first where it keeps the order. send returns how many the
+// broker accepted, from the first, and, if not all it sent, the error of the
+// first it did not accept.
+func send(ctx context.Context, tel *relayTelemetry, broker MessageBroker, msgs []Message, byAggregate bool) (int, error) {
+	sp, sequences := broker.(SequencePublisher)
+	if bp, ok := broker.(BatchPublisher); ok && byAggregate {
+		if n := batchOf(msgs, len(msgs)); n > 1 && (n == len(msgs) || !sequences) {
+			return publishBatch(ctx, tel, broker, bp.PublishBatch, msgs[:n])
+		}
+	}
+	if sequences && len(msgs) > 1 {
+		return publishBatch(ctx, tel, broker, sp.PublishSequence, msgs)
+	}
+	return sendOne(ctx, tel, broker, msgs[0])
+}
+
+// sendOne publishes msg in a send span, and returns 1 if the broker
+// accepted it, or 0 and its error.
+func sendOne(ctx context.Context, tel *relayTelemetry, broker MessageBroker, msg Message) (int, error) {
+	msg, span := tel.startSend(ctx, messagingSystem(broker), msg)
+	err := broker.Publish(ctx, msg)
+	tel.endSend(ctx, span, err)
+	if err != nil {
+		return 0, err
+	}
+	return 1, nil
+}
+
+// without is msgs without the rows of aggregate (none if it is empty).
+func without(msgs []claimed, aggregate string) []claimed {
+	if aggregate == "" {
+		return msgs
+	}
+	var rest []claimed
+	for _, m := range msgs {
+		if m.Aggregate != aggregate {
+			rest = append(rest, m)
+		}
+	}
+	return rest
+}
+
+// publishBatch publishes msgs with publish (a BatchPublisher's PublishBatch
+// or an SequencePublisher's PublishSequence), each in a send span, and returns how many the broker accepted, from the first, and, if not all, the error
+// of the first it did not accept. A broker that misreports is taken for one
+// that is down.
+func publishBatch(ctx context.Context, tel *relayTelemetry, broker MessageBroker,
+	publish func(context.Context, []Message) (int, error), msgs []Message) (int, error) {
+	batch := make([]Message, len(msgs))
+	spans := make([]trace.Span, len(msgs))
+	for i, m := range msgs {
+		batch[i], spans[i] = tel.startSend(ctx, messagingSystem(broker), m)
+	}
+	n, err := publish(ctx, batch)
+	switch {
+	case n < 0 || n > len(msgs):
+		err = fmt.Errorf("broker says it accepted %d of %d messages: %w", n, len(msgs), ErrBrokerUnavailable)
+		n = 0
+	case n < len(msgs) && err == nil:
+		err = fmt.Errorf("broker accepted %d of %d messages and gave no error for the next: %w", n, len(msgs), ErrBrokerUnavailable)
+	case n == len(msgs):
+		err = nil
+	}
+	for i, span := range spans {
+		switch {
+		case i < n:
+			tel.endSend(ctx, span, nil)
+		case i == n:
+			tel.endSend(ctx, span, err)
+		default: // sent after the first failure: goes again, whatever the broker did with it
+			span.SetAttributes(attribute.Bool("outbox.acknowledged", false))
+			span.End()
+		}
+	}
+	return n, err
+}
+
+// claimed is a claimed row: its message, and how often the broker rejected
+// it before.
+type claimed struct {
+	Message
+	rejections int
+}
+
+// failure is a failed publish, to be written to its row.
+type failure struct {
+	id             int64
+	key            string
+	err            error
+	rejected, park bool
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// orDefault is v, or def where v is zero or less: how every field and
+// argument of this package that says "zero or less means the default" reads.
+func orDefault[T int | time.Duration](v, def T) T {
+	if v <= 0 {
+		return def
+	}
+	return v
+}
+
+// millis is d in whole milliseconds, at least 1, as the server's timeout
+// settings take it (0 would turn the timeout off).
+func millis(d time.Duration) string {
+	return strconv.FormatInt(max(1, int64((d+time.Millisecond-1)/time.Millisecond)), 10)
+}
