@@ -51,7 +51,11 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	log.Fatal(postgres.NewOutboxRelay(db, natsbroker.NewPublisher(js)).Run(ctx))
+	relay, err := postgres.NewOutboxRelay(db, natsbroker.NewPublisher(js), postgres.RelayConfig{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	log.Fatal(relay.Run(ctx))
 }
 `
 

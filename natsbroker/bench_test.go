@@ -77,12 +77,11 @@ func drain(b *testing.B, url, mode string) {
 	var relay *postgres.OutboxRelay
 	switch mode {
 	case "each":
-		relay = postgres.NewOutboxRelay(db, publishOnly{pub})
+		relay = newRelay(b, db, publishOnly{pub})
 	case "batch":
-		relay = postgres.NewOutboxRelay(db, batchOnly{pub})
+		relay = newRelay(b, db, batchOnly{pub})
 	case "sequence":
-		relay = postgres.NewOutboxRelay(db, pub)
-		relay.PerAggregate = false // the whole table's order, which only a sequence keeps
+		relay = newRelay(b, db, pub, postgres.RelayConfig{WholeTable: true}) // the whole table's order, which only a sequence keeps
 	}
 	drainRows(b, db, relay, "NULL")
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
@@ -126,7 +125,7 @@ func BenchmarkLatency(b *testing.B) {
 	db := newDatabase(b)
 	br := startBroker(b, nil)
 	setUp(b, connect(b, br.url()), 0, 0)
-	relay := postgres.NewOutboxRelay(db, newPublisher(b, connect(b, br.url())))
+	relay := newRelay(b, db, newPublisher(b, connect(b, br.url())))
 	goRun(b, relay.Run)
 	applied := make(chan time.Time, orders)
 	runConsumer(b, connect(b, br.url()), timed{shop.NewWarehouse(db), applied})
@@ -190,12 +189,13 @@ func BenchmarkRelayTracing(b *testing.B) {
 		b.Run("trace="+mode, func(b *testing.B) {
 			ctx := context.Background()
 			db := newDatabase(b)
-			relay := postgres.NewOutboxRelay(db, acceptAll{})
+			var cfg postgres.RelayConfig
 			if mode == "sdk" {
 				tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(dropSpans{}))
 				b.Cleanup(func() { tp.Shutdown(ctx) })
-				relay.TracerProvider = tp
+				cfg.TracerProvider = tp
 			}
+			relay := newRelay(b, db, acceptAll{}, cfg)
 			trace := "NULL"
 			if mode != "none" {
 				trace = `'00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'`

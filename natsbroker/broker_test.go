@@ -72,10 +72,7 @@ func TestEveryOrderReservedOnceEndToEnd(t *testing.T) {
 	b := startBroker(t, nil)
 	_, stream := setUp(t, connect(t, b.url()), 0, 0)
 	for range 3 {
-		relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
-		relay.PerAggregate = true // each order an aggregate of its own: the relays publish in batches
-		relay.BatchSize = 20
-		relay.PollInterval = 50 * time.Millisecond
+		relay := newRelay(t, db, newPublisher(t, connect(t, b.url())), postgres.RelayConfig{BatchSize: 20, PollInterval: 50 * time.Millisecond}) // each order an aggregate of its own: the relays publish in batches
 		goRun(t, relay.Run)
 	}
 	rec := newRecorder(shop.NewWarehouse(db))
@@ -128,9 +125,7 @@ func TestLostAckIsSentAgainAndStoredOnce(t *testing.T) {
 	_, stream := setUp(t, connect(t, b.url()), 0, 0)
 	proxy := newAckDropper(t, strings.TrimPrefix(b.url(), "nats://"))
 	pub := newPublisher(t, connect(t, proxy.url()))
-	relay := postgres.NewOutboxRelay(db, pub)
-	relay.PerAggregate = true // each order an aggregate of its own: the relay publishes its batch at once
-	relay.PassTimeout = time.Second
+	relay := newRelay(t, db, pub, postgres.RelayConfig{PassTimeout: time.Second}) // each order an aggregate of its own: the relay publishes its batch at once
 	for _, total := range []int64{2500, 4000, 700} {
 		if _, err := shop.NewOrderService(db).PlaceOrder(ctx, total); err != nil {
 			t.Fatal(err)
@@ -175,7 +170,7 @@ func TestResendAfterTheWindowReachesTheConsumerWhichDropsIt(t *testing.T) {
 	const window = 500 * time.Millisecond
 	_, stream := setUp(t, connect(t, b.url()), window, 0)
 	pub := newPublisher(t, connect(t, b.url()))
-	relay := postgres.NewOutboxRelay(db, pub)
+	relay := newRelay(t, db, pub)
 	rec := newRecorder(shop.NewWarehouse(db))
 	runConsumer(t, connect(t, b.url()), rec)
 	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
@@ -224,12 +219,7 @@ func TestBrokerRestartMidDrainLosesNothingAndStillDropsCopies(t *testing.T) {
 	for range 2 {
 		pub := newPublisher(t, connect(t, b.url()))
 		pubs = append(pubs, pub)
-		relay := postgres.NewOutboxRelay(db, pub)
-		relay.BatchSize = 10
-		relay.PassTimeout = time.Second
-		relay.ParkAfter = 1 // a broker that is down must never park a row
-		relay.PollInterval = 50 * time.Millisecond
-		relay.MaxBackoff = 200 * time.Millisecond
+		relay := newRelay(t, db, pub, postgres.RelayConfig{BatchSize: 10, PassTimeout: time.Second, ParkAfter: 1, PollInterval: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}) // a broker that is down must never park a row
 		goRun(t, relay.Run)
 	}
 	duplicates := func() (n int64) {
@@ -326,7 +316,7 @@ func TestConsumerThatDiesBeforeItsAckGetsTheMessageAgainAndAppliesItOnce(t *test
 	db := newDatabase(t)
 	b := startBroker(t, nil)
 	_, stream := setUp(t, connect(t, b.url()), 0, time.Second)
-	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
+	relay := newRelay(t, db, newPublisher(t, connect(t, b.url())))
 	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
 	}
@@ -378,8 +368,7 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	b := startBroker(t, func(o *server.Options) { o.MaxPayload = 16 << 10 })
 	js, _ := setUp(t, connect(t, b.url()), 0, 0)
 	pub := newPublisher(t, connect(t, b.url()))
-	relay := postgres.NewOutboxRelay(db, pub)
-	relay.ParkAfter = 1
+	relay := newRelay(t, db, pub, postgres.RelayConfig{ParkAfter: 1})
 	rec := newRecorder(shop.NewWarehouse(db))
 	runConsumer(t, connect(t, b.url()), rec)
 

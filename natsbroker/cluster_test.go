@@ -167,12 +167,7 @@ func drainThroughAFault(t *testing.T, c interface{ url() string }, fault func())
 	for range 2 {
 		pub := newPublisher(t, connect(t, c.url()))
 		pubs = append(pubs, pub)
-		relay := postgres.NewOutboxRelay(db, pub)
-		relay.PerAggregate = true
-		relay.BatchSize = 20
-		relay.PassTimeout = 2 * time.Second
-		relay.PollInterval = 50 * time.Millisecond
-		relay.MaxBackoff = 500 * time.Millisecond
+		relay := newRelay(t, db, pub, postgres.RelayConfig{BatchSize: 20, PassTimeout: 2 * time.Second, PollInterval: 50 * time.Millisecond, MaxBackoff: 500 * time.Millisecond})
 		goRun(t, relay.Run)
 	}
 	h := shoptest.NewOrdered(shop.NewWarehouse(db))

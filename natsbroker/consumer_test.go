@@ -237,7 +237,7 @@ func placeAndPublish(t *testing.T, db *sql.DB, url string, n int) {
 			t.Fatal(err)
 		}
 	}
-	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, url)))
+	relay := newRelay(t, db, newPublisher(t, connect(t, url)))
 	for sent := 0; sent < n; {
 		k, err := relay.PublishPending(ctx)
 		if err != nil {
@@ -299,7 +299,7 @@ func TestHandleThatHangsIsCutAtItsDeadline(t *testing.T) {
 	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url()))).PublishPending(ctx); err != nil {
+	if _, err := newRelay(t, db, newPublisher(t, connect(t, b.url()))).PublishPending(ctx); err != nil {
 		t.Fatal(err)
 	}
 	cons, err := js.Consumer(ctx, natsbroker.Stream, "warehouse")

@@ -58,7 +58,10 @@ func ExamplePublisher() {
 	}
 
 	publisher := natsbroker.NewPublisher(js)
-	relay := postgres.NewOutboxRelay(db, publisher)
+	relay, err := postgres.NewOutboxRelay(db, publisher, postgres.RelayConfig{})
+	if err != nil {
+		log.Fatal(err)
+	}
 	// As it comes: each aggregate in order, each pass's batch through
 	// PublishBatch, a message refused five times parked.
 	if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {

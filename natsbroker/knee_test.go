@@ -100,7 +100,7 @@ func newPipeline(b *testing.B, url, relay string, consumers int) *pipeline {
 	pub := newPublisher(b, connect(b, url))
 	switch relay {
 	case "poll":
-		goRun(b, postgres.NewOutboxRelay(db, pub).Run)
+		goRun(b, newRelay(b, db, pub).Run)
 	case "log":
 		var name string
 		if err := db.QueryRow(`SELECT current_database()`).Scan(&name); err != nil {
@@ -115,9 +115,15 @@ func newPipeline(b *testing.B, url, relay string, consumers int) *pipeline {
 				b.Error(err)
 			}
 		})
-		r := postgres.NewLogRelay(fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable",
-			pgtest.Config.Host, pgtest.Config.Port, pgtest.Config.User, name), pub)
-		r.Slot, r.MarkIn = name, db
+		ob, err := postgres.OpenDB(db, postgres.Config{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		r, err := ob.NewLogRelay(fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable",
+			pgtest.Config.Host, pgtest.Config.Port, pgtest.Config.User, name), pub, postgres.LogRelayConfig{Slot: name})
+		if err != nil {
+			b.Fatal(err)
+		}
 		goRun(b, r.Run)
 	}
 	for range consumers {

@@ -97,8 +97,8 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, relay := range []*postgres.OutboxRelay{
-		billingOutbox.NewRelay(billing.NewPublisher(js)),
-		postgres.NewOutboxRelay(db, natsbroker.NewPublisher(js)),
+		must(t)(billingOutbox.NewRelay(billing.NewPublisher(js), postgres.RelayConfig{})),
+		newRelay(t, db, natsbroker.NewPublisher(js)),
 	} {
 		for {
 			n, err := relay.PublishPending(ctx)

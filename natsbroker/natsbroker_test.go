@@ -270,3 +270,29 @@ func (l testLog) Write(p []byte) (int, error) {
 	l.t.Log(strings.TrimSuffix(string(p), "\n"))
 	return len(p), nil
 }
+
+// newRelay is the relay cfg describes (none: the defaults) on the table
+// outbox of db; a configuration NewOutboxRelay refuses fails tb.
+func newRelay(tb testing.TB, db *sql.DB, broker postgres.MessageBroker, cfg ...postgres.RelayConfig) *postgres.OutboxRelay {
+	tb.Helper()
+	var c postgres.RelayConfig
+	if len(cfg) > 0 {
+		c = cfg[0]
+	}
+	r, err := postgres.NewOutboxRelay(db, broker, c)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return r
+}
+
+// must is a relay, or tb failed with its error.
+func must(tb testing.TB) func(*postgres.OutboxRelay, error) *postgres.OutboxRelay {
+	return func(r *postgres.OutboxRelay, err error) *postgres.OutboxRelay {
+		tb.Helper()
+		if err != nil {
+			tb.Fatal(err)
+		}
+		return r
+	}
+}

@@ -55,8 +55,7 @@ func TestRefusedRowNeverHasLaterRowsStoredAheadOfItsOrder(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
-			relay.PerAggregate = perAggregate
+			relay := newRelay(t, db, newPublisher(t, connect(t, b.url())), postgres.RelayConfig{WholeTable: !perAggregate})
 			var marked []int
 			for range 3 {
 				n, err := relay.PublishPending(ctx)
@@ -95,8 +94,7 @@ func TestMissingStreamIsAnUnavailableBrokerAndParksNothing(t *testing.T) {
 	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
 	}
-	relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
-	relay.ParkAfter = 1
+	relay := newRelay(t, db, newPublisher(t, connect(t, b.url())), postgres.RelayConfig{ParkAfter: 1})
 	for range 2 {
 		if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, postgres.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) {
 			t.Fatalf("pass with no stream = %d, %v; want 0 and ErrBrokerUnavailable, not ErrRejected", n, err)
@@ -131,8 +129,7 @@ func TestTypeThatMakesNoSubjectIsARejection(t *testing.T) {
 			if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 				t.Fatal(err)
 			}
-			relay := postgres.NewOutboxRelay(db, newPublisher(t, connect(t, b.url())))
-			relay.ParkAfter, relay.PerAggregate = 1, perAggregate
+			relay := newRelay(t, db, newPublisher(t, connect(t, b.url())), postgres.RelayConfig{ParkAfter: 1, WholeTable: !perAggregate})
 			if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
 				t.Fatalf("pass = %d, %v; want 1 (row 1 parked, row 2 sent), <nil>", n, err)
 			}
@@ -180,8 +177,7 @@ func TestShutdownSendsAgainWhatWasInFlight(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			relay := postgres.NewOutboxRelay(db, tc.broker(pub))
-			relay.PerAggregate = tc.perAggregate
+			relay := newRelay(t, db, tc.broker(pub), postgres.RelayConfig{WholeTable: !(tc.perAggregate)})
 			proxy.dropNextAck()
 			shutdown, cancel := context.WithCancel(ctx)
 			done := make(chan int, 1)

@@ -61,7 +61,7 @@ const (
 //
 // The rule for the window: it must be longer than the longest delay before a
 // relay publishes a message again. That delay is a relay pass's budget
-// (postgres.OutboxRelay.PassTimeout) twice over when its session is lost,
+// (postgres.RelayConfig.PassTimeout) twice over when its session is lost,
 // plus the relay's backoff, but also as long as the broker is unreachable
 // after it stored a message whose acknowledgement was lost, and as long as
 // a parked message waits before someone puts it back. A copy published

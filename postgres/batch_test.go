@@ -51,8 +51,7 @@ func TestBatchPublisherMarksExactlyTheAcceptedPrefix(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 100, 200, 300, 400, 500)
 	broker := &batchBroker{replies: []batchReply{{2, fmt.Errorf("ack of 3 lost: %w", postgres.ErrBrokerUnavailable)}}}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate = true
+	relay := newRelay(t, db, broker)
 	n, err := relay.PublishPending(ctx)
 	if n != 2 || !errors.Is(err, postgres.ErrBrokerUnavailable) {
 		t.Fatalf("pass = %d, %v; want 2 and the broker's error", n, err)
@@ -74,9 +73,7 @@ func TestBatchPublisherRejectionParksAndTheRestGoesOn(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 100, 200, 300, 400, 500)
 	broker := &batchBroker{replies: []batchReply{{2, fmt.Errorf("too large: %w", postgres.ErrRejected)}}}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate = true
-	relay.ParkAfter = 1
+	relay := newRelay(t, db, broker, postgres.RelayConfig{ParkAfter: 1})
 	if n, err := relay.PublishPending(ctx); n != 4 || err != nil {
 		t.Fatalf("pass = %d, %v; want 4, <nil>", n, err)
 	}
@@ -107,8 +104,7 @@ func TestBatchPublisherThatMisreportsMarksNothingItCannotHaveAccepted(t *testing
 		t.Run(fmt.Sprint(tc.reply.accept), func(t *testing.T) {
 			db := newDatabase(t)
 			place(t, db, 100, 200, 300)
-			relay := postgres.NewOutboxRelay(db, &batchBroker{replies: []batchReply{tc.reply}})
-			relay.PerAggregate = true
+			relay := newRelay(t, db, &batchBroker{replies: []batchReply{tc.reply}})
 			n, err := relay.PublishPending(ctx)
 			if n != tc.n || err == nil {
 				t.Fatalf("pass = %d, %v; want %d and an error", n, err, tc.n)
@@ -127,8 +123,7 @@ func TestWholeTableRelayPublishesOneAtATime(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 100, 200, 300)
 	broker := &eitherBroker{}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate = false // the whole table's order, the article's
+	relay := newRelay(t, db, broker, postgres.RelayConfig{WholeTable: true}) // the whole table's order, the article's
 	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("pass = %d, %v; want 3", n, err)
 	}
@@ -148,8 +143,7 @@ func TestWholeTableRelayHandsASequencePublisherItsBatch(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000)
 	broker := &sequenceBroker{refuse: 6}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate, relay.ParkAfter = false, 0 // the article's relay
+	relay := newRelay(t, db, broker, postgres.RelayConfig{WholeTable: true, NeverPark: true}) // the article's relay
 	if n, err := relay.PublishPending(ctx); n != 5 || err == nil {
 		t.Fatalf("first pass = %d, %v; want 5 and the refusal of message 6", n, err)
 	}
@@ -214,7 +208,7 @@ func TestRelayAsItComesBatchesAndParksWhatCanNeverGo(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 100, 200, 300)
 	batching := &eitherBroker{}
-	if n, err := postgres.NewOutboxRelay(db, batching).PublishPending(ctx); n != 3 || err != nil {
+	if n, err := newRelay(t, db, batching).PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("pass = %d, %v; want 3", n, err)
 	}
 	if batching.batches != 1 || batching.singles != 0 {
@@ -229,7 +223,7 @@ func TestRelayAsItComesBatchesAndParksWhatCanNeverGo(t *testing.T) {
 		}
 		return broker.Publish(ctx, m)
 	})
-	relay := postgres.NewOutboxRelay(db, refuse5)
+	relay := newRelay(t, db, refuse5)
 	for pass := 1; pass <= postgres.DefaultParkAfter+1; pass++ {
 		relay.PublishPending(ctx)
 	}
@@ -255,7 +249,7 @@ func TestPerAggregateRelayBatchesWhereItCanAndSequencesRuns(t *testing.T) {
 	insertRun(t, db, "B", 1, 1)
 	insertRun(t, db, "C", 1, 1) // ids 1 to 3: no aggregate twice
 	broker := &bothBroker{}
-	relay := postgres.NewOutboxRelay(db, broker)
+	relay := newRelay(t, db, broker)
 	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("first pass = %d, %v; want 3", n, err)
 	}

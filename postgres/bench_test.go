@@ -57,8 +57,7 @@ func BenchmarkDeliver(b *testing.B) {
 		b.Run("batch="+strconv.Itoa(batch), func(b *testing.B) {
 			ctx := context.Background()
 			db := newDatabase(b)
-			relay := postgres.NewOutboxRelay(db, discard{})
-			relay.BatchSize = batch
+			relay := newRelay(b, db, discard{}, postgres.RelayConfig{BatchSize: batch})
 			drainInChunks(b, relay, func(chunk, done int) error {
 				_, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
 					SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, chunk)
@@ -79,8 +78,7 @@ func BenchmarkDeliverOrdered(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			ctx := context.Background()
 			db := newDatabase(b)
-			relay := postgres.NewOutboxRelay(db, discard{})
-			relay.PerAggregate = perAggregate
+			relay := newRelay(b, db, discard{}, postgres.RelayConfig{WholeTable: !perAggregate})
 			drainInChunks(b, relay, func(chunk, done int) error {
 				_, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload, aggregate, seq)
 					SELECT 'OrderPlaced', '{}', 'order/' || ($2::int + (g + 1) / 2), 2 - g % 2
@@ -153,11 +151,11 @@ func BenchmarkLatency(b *testing.B) {
 					received <- m.ID
 					return nil
 				})
-				relay := postgres.NewOutboxRelay(db, broker)
-				relay.PollInterval, relay.PollOnly = time.Second, tc.poll
-				if !tc.poll {
-					relay.PollInterval = time.Hour // only a notification wakes it
+				poll := time.Hour // only a notification wakes it
+				if tc.poll {
+					poll = time.Second
 				}
+				relay := newRelay(b, db, broker, postgres.RelayConfig{PollInterval: poll, PollOnly: tc.poll})
 				runCtx, stop := context.WithCancel(ctx)
 				done := make(chan error, 1)
 				go func() { done <- relay.Run(runCtx) }()
@@ -222,7 +220,7 @@ func BenchmarkDrain(b *testing.B) {
 				if _, err := db.ExecContext(ctx, `VACUUM ANALYZE outbox`); err != nil {
 					b.Fatal(err)
 				}
-				relay := postgres.NewOutboxRelay(db, discard{})
+				relay := newRelay(b, db, discard{})
 				if mark == "delete" {
 					postgres.SetMark(relay, `DELETE FROM outbox WHERE id = ANY($1)`)
 				}
@@ -272,7 +270,7 @@ func BenchmarkClaimOverSentRows(b *testing.B) {
 				b.Fatal(err)
 			}
 		}
-		relay := postgres.NewOutboxRelay(db, discard{})
+		relay := newRelay(b, db, discard{})
 		b.ReportMetric(emptyPass(b, relay), "kept-empty-pass-µs")
 		b.ReportMetric(claimBuffers(b, db), "kept-claim-buffers")
 		start := time.Now()

@@ -43,16 +43,16 @@ type Message struct {
 // ErrRejected is what a [MessageBroker] wraps to say that it refused a
 // message for ever: a payload over its limit, a destination that does not
 // exist. Publishing it again cannot succeed, so a relay may park it
-// ([OutboxRelay.ParkAfter]). Every other error, such as
+// ([RelayConfig.ParkAfter]). Every other error, such as
 // [ErrBrokerUnavailable], is taken as one that may pass: a broker that
 // is down, however long, never has a message parked.
 var ErrRejected = errors.New("postgres: message rejected by the broker")
 
-// ErrBrokerUnavailable is what a [MessageBroker] wraps to say that it could
-// not reach the broker, or gave up waiting for its answer: the message may
-// go through on a later try, and so may every message after it. A relay
-// pass stops at it, with [OutboxRelay.PerAggregate] too, which passes over
-// only the aggregate of a message refused in any other way.
+// ErrBrokerUnavailable is what a [MessageBroker] wraps to say that it could not
+// reach the broker, or gave up waiting for its answer: the message may go
+// through on a later try, and so may every message after it. A relay pass stops
+// at it, with order per aggregate too, which passes over only the aggregate of
+// a message refused in any other way.
 var ErrBrokerUnavailable = errors.New("postgres: message broker unavailable")
 
 // MessageBroker is the producer side of a message broker, as the relay uses
@@ -71,15 +71,15 @@ type MessageBroker interface {
 	Publish(ctx context.Context, msg Message) error
 }
 
-// BatchPublisher is a [MessageBroker] that can also publish several messages
-// at once, without waiting for each acknowledgement before it sends the next
-// message, as JetStream's asynchronous publish and Kafka's producer do. A
-// relay pass with [OutboxRelay.PerAggregate] publishes through PublishBatch
-// the rows of its batch that hold no aggregate twice, and a [LogRelay] a
-// transaction's rows the same way; a polling relay without PerAggregate
+// BatchPublisher is a [MessageBroker] that can also publish several messages at
+// once, without waiting for each acknowledgement before it sends the next
+// message, as JetStream's asynchronous publish and Kafka's producer do. A relay
+// pass with order per aggregate (the default) publishes through PublishBatch
+// the rows of its batch that hold no aggregate twice, and a
+// [LogRelay] a transaction's rows the same way; a polling relay with WholeTable
 // publishes a message at a time, since a broker may store a batch's messages
-// after one it refused, ahead of it. A [SequencePublisher] does not: the
-// relays hand it their whole batch.
+// after one it refused, ahead of it. A [SequencePublisher] does not: the relays
+// hand it their whole batch.
 //
 // PublishBatch publishes msgs, in their order, and returns how many of them,
 // counted from the first, the broker accepted, and, if that is fewer than
@@ -95,11 +95,11 @@ type BatchPublisher interface {
 
 // SequencePublisher is a [MessageBroker] that publishes several messages at
 // once and keeps their order: of the messages one PublishSequence call is
-// given, the broker stores the first few, and never a message after one it
-// did not store, as JetStream's fast batch does (it ends at the first
-// message it refuses). The relays hand it their whole batch, over the whole
-// table as with [OutboxRelay.PerAggregate]: the order a consumer sees is the
-// rows' order, at the cost of one round trip a batch instead of one a
+// given, the broker stores the first few, and never a message after one it did
+// not store, as JetStream's fast batch does (it ends at the first message it
+// refuses). The relays hand it their whole batch, with
+// [RelayConfig.WholeTable] as with order per aggregate: the order a consumer
+// sees is the rows' order, at the cost of one round trip a batch instead of one a
 // message.
 //
 // PublishSequence publishes msgs, in their order, and returns how many of

@@ -109,7 +109,7 @@ ORDER BY id
 LIMIT ` + batchSize + `
 FOR UPDATE SKIP LOCKED`
 
-// claimRuns is claimRows for a relay with PerAggregate: it does not claim
+// claimRuns is claimRows for a relay with order per aggregate: it does not claim
 // a row when an earlier row of its aggregate is held back (outbox_held:
 // parked, or failed to publish), so that the rows of a stuck aggregate do
 // not fill the batch of every pass. Whether any row is held is asked once

@@ -30,9 +30,9 @@ func BenchmarkPassCPU(b *testing.B) {
 			ctx := context.Background()
 			name := newDatabaseName(b)
 			db := open(b, name, "")
-			relay := postgres.NewOutboxRelay(db, discard{})
-			relayPgx := pgxOutbox(b, newPool(b, name, 4)).NewRelay(discard{})
-			relay.PerAggregate, relayPgx.PerAggregate = false, false // the bare loops' claim
+			wholeTable := postgres.RelayConfig{WholeTable: true} // the bare loops' claim
+			relay := newRelay(b, db, discard{}, wholeTable)
+			relayPgx := newRelayOn(b, pgxOutbox(b, newPool(b, name, 4)), discard{}, wholeTable)
 			cfg := pgtest.Config.Copy()
 			cfg.Database = name
 			conn, err := pgx.ConnectConfig(ctx, cfg)

@@ -43,7 +43,7 @@ func TestAsyncCommitProducersGetNoEventForAnOrderACrashErased(t *testing.T) {
 		}
 	}
 	broker := &recorder{}
-	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != orders || err != nil {
+	if n, err := newRelay(t, db, broker).PublishPending(ctx); n != orders || err != nil {
 		t.Fatalf("pass = %d, %v; want %d", n, err, orders)
 	}
 	db.Close()
@@ -195,16 +195,15 @@ func TestSynchronousProducersSeldomCostTheRelayAFlush(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
 	var passes, flushes atomic.Int64 // passes with rows
-	relay.OnPass = func(r postgres.PassReport) {
+	relay := newRelay(t, db, broker, postgres.RelayConfig{OnPass: func(r postgres.PassReport) {
 		if r.Claimed > 0 {
 			passes.Add(1)
 			if r.Flushed {
 				flushes.Add(1)
 			}
 		}
-	}
+	}})
 	service := shop.NewOrderService(db)
 	const rounds = 20
 	for range rounds {
@@ -277,7 +276,7 @@ func TestFlushOnAnotherServerIsNotTakenForOne(t *testing.T) {
 	}))
 	defer mixed.Close()
 	broker := &recorder{}
-	n, err := postgres.NewOutboxRelay(mixed, broker).PublishPending(ctx)
+	n, err := newRelay(t, mixed, broker).PublishPending(ctx)
 	if n != 0 || err == nil || !strings.Contains(err.Error(), "still not flushed") {
 		t.Errorf("pass = %d, %v; want nothing published, and the log not flushed", n, err)
 	}

@@ -34,7 +34,7 @@ func TestRawJSONPayloadIsStoredAsGiven(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 2 || err != nil {
+	if n, err := newRelay(t, db, broker).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("pass = %d, %v; want 2", n, err)
 	}
 	for i, m := range broker.Published() {

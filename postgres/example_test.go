@@ -33,11 +33,17 @@ func ExampleOutboxRelay_Run() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
 	var broker postgres.MessageBroker // natsbroker.NewPublisher(js) for JetStream, or your broker's client
-	relay := postgres.NewOutboxRelay(db, broker)
 	// As it comes: order per aggregate, batches, a message refused
 	// DefaultParkAfter times set aside.
-	relay.Logger = slog.Default()
+	relay, err := ob.NewRelay(broker, postgres.RelayConfig{Logger: slog.Default()})
+	if err != nil {
+		log.Fatal(err) // errors.Is(err, postgres.ErrInvalidConfig), the setting named
+	}
 	if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
 	}

@@ -70,9 +70,9 @@ const DeleteSentQuery = deleteSent
 // drive one mark at a time.
 type Marks struct{ m *marks }
 
-// NewMarks returns the marks a LogRelay with MarkIn db makes.
+// NewMarks returns the marks a LogRelay marking in db makes.
 func NewMarks(db *sql.DB, timeout time.Duration, logger *slog.Logger, report func(PassReport)) *Marks {
-	return &Marks{newMarks(&LogRelay{MarkIn: db, PublishTimeout: timeout, Logger: logger, OnPass: report})}
+	return &Marks{newMarks(&LogRelay{markIn: db, cfg: LogRelayConfig{PublishTimeout: timeout, Logger: logger, OnPass: report}})}
 }
 
 // Delivered notes rows of table delivered up to end, starting a mark.

@@ -167,11 +167,12 @@ func failover(t *testing.T, mode string) {
 		return d
 	}
 	outboxBroker, dualBroker := &ordersSeen{}, &ordersSeen{}
-	relay := postgres.NewOutboxRelay(both(), outboxBroker)
+	relayDB := both()
+	relayCfg := postgres.RelayConfig{MaxBackoff: 200 * time.Millisecond}
 	if guarded {
-		relay.Standbys = []string{"standby"}
+		relayCfg.Standbys = []string{"standby"}
 	}
-	relay.MaxBackoff = 200 * time.Millisecond
+	relay := newRelay(t, relayDB, outboxBroker, relayCfg)
 	relayCtx, stopRelay := context.WithCancel(ctx)
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- relay.Run(relayCtx) }()
@@ -252,7 +253,7 @@ func failover(t *testing.T, mode string) {
 	if err := <-relayDone; !errors.Is(err, context.Canceled) {
 		t.Errorf("relay: %v", err)
 	}
-	relay.Standbys = nil
+	relay = newRelay(t, relayDB, outboxBroker, postgres.RelayConfig{MaxBackoff: 200 * time.Millisecond})
 	relayCtx, stopRelay = context.WithCancel(ctx)
 	go func() { relayDone <- relay.Run(relayCtx) }()
 	mu.Lock()
@@ -341,9 +342,7 @@ func TestRelayWaitsForItsStandbysAndSaysSo(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 2500)
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.Standbys = []string{"standby"}
-	relay.PassTimeout = 300 * time.Millisecond
+	relay := newRelay(t, db, broker, postgres.RelayConfig{Standbys: []string{"standby"}, PassTimeout: 300 * time.Millisecond})
 	n, err := relay.PublishPending(ctx)
 	if n != 0 || !errors.Is(err, postgres.ErrStandbyBehind) {
 		t.Errorf("pass = %d, %v; want nothing and ErrStandbyBehind", n, err)
@@ -354,9 +353,8 @@ func TestRelayWaitsForItsStandbysAndSaysSo(t *testing.T) {
 	if lag, err := postgres.ReadLag(ctx, db); err != nil || lag.Unsent != 1 {
 		t.Errorf("ReadLag = %+v, %v; want the row unsent", lag, err)
 	}
-	relay.Standbys = []string{""}
-	if err := relay.Validate(); !errors.Is(err, postgres.ErrInvalidConfig) {
-		t.Errorf("Validate with an empty standby name = %v, want ErrInvalidConfig", err)
+	if _, err := postgres.NewOutboxRelay(db, broker, postgres.RelayConfig{Standbys: []string{""}}); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("NewOutboxRelay with an empty standby name = %v, want ErrInvalidConfig", err)
 	}
 }
 
@@ -392,14 +390,11 @@ func TestRelayWhoseRoleCannotReadItsStandbysSaysWhichGrant(t *testing.T) {
 		}
 	})
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(asRole, broker)
-	relay.Standbys = []string{"standby"}
-	relay.PassTimeout = 300 * time.Millisecond
+	relay := newRelay(t, asRole, broker, postgres.RelayConfig{Standbys: []string{"standby"}, PassTimeout: 300 * time.Millisecond, PollInterval: time.Hour})
 	n, err := relay.PublishPending(ctx)
 	if n != 0 || !errors.Is(err, postgres.ErrStandbysUnreadable) || errors.Is(err, postgres.ErrStandbyBehind) || !strings.Contains(err.Error(), "pg_read_all_stats") {
 		t.Fatalf("pass = %d, %v; want nothing and ErrStandbysUnreadable naming pg_read_all_stats", n, err)
 	}
-	relay.PollInterval = time.Hour
 	if err := relay.Run(ctx); !errors.Is(err, postgres.ErrStandbysUnreadable) {
 		t.Errorf("Run = %v; want it stopped with ErrStandbysUnreadable", err)
 	}

@@ -89,7 +89,7 @@ func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.
 	}
 
 	// Rolled back, the event is not written.
-	tx, commit, rollback := begin(ctx)
+	tx, _, rollback := begin(ctx)
 	if _, err := ob.Write(ctx, tx, postgres.Event{Type: "ItemPicked", Payload: map[string]int{"item": 1}}); err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +100,7 @@ func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.
 
 	// Bad events are refused before any statement, and the transaction
 	// goes on to commit the good ones.
-	tx, commit, rollback = begin(ctx)
+	tx, commit, rollback := begin(ctx)
 	defer rollback()
 	for _, bad := range []struct {
 		e    postgres.Event
@@ -132,7 +132,7 @@ func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.
 	}
 
 	broker := &recorder{}
-	if n, err := ob.NewRelay(broker).PublishPending(ctx); n != 2 || err != nil {
+	if n, err := newRelayOn(t, ob, broker).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("pass = %d, %v; want the 2 rows", n, err)
 	}
 	if m := broker.Published()[0]; m.ID != first || m.Aggregate != "account/7" || m.Seq != 1 || m.Payload != `{"account":7}` {
@@ -159,10 +159,9 @@ func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.
 	if err := commit(); err != nil {
 		t.Fatal(err)
 	}
-	refusing := ob.NewRelay(brokerFunc(func(context.Context, postgres.Message) error {
+	refusing := newRelayOn(t, ob, brokerFunc(func(context.Context, postgres.Message) error {
 		return fmt.Errorf("too large: %w", postgres.ErrRejected)
-	}))
-	refusing.ParkAfter = 1
+	}), postgres.RelayConfig{ParkAfter: 1})
 	for range 2 {
 		if _, err := refusing.PublishPending(ctx); err != nil {
 			t.Fatal(err)
@@ -278,8 +277,8 @@ func TestOpenChecksItsConfig(t *testing.T) {
 	if err := zero.Migrate(ctx); !errors.Is(err, postgres.ErrInvalidConfig) {
 		t.Errorf("Migrate of a zero Outbox = %v, want ErrInvalidConfig", err)
 	}
-	if err := zero.NewRelay(&recorder{}).Validate(); !errors.Is(err, postgres.ErrInvalidConfig) {
-		t.Errorf("a zero Outbox's relay: Validate = %v, want ErrInvalidConfig", err)
+	if r, err := zero.NewRelay(&recorder{}, postgres.RelayConfig{}); r != nil || !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("a zero Outbox's NewRelay = %v, %v; want ErrInvalidConfig", r, err)
 	}
 	ob, err := postgres.OpenDB(db, postgres.Config{})
 	if err != nil {
@@ -473,18 +472,19 @@ func TestLogRelayFromAnOutboxMarksAndParksByDefault(t *testing.T) {
 	db := open(t, name, "")
 	t.Cleanup(func() { dropSlot(t, db, name) })
 	broker := &recorder{}
-	relay := ob.NewLogRelay(logConnString(name), brokerFunc(func(ctx context.Context, m postgres.Message) error {
+	relay, err := ob.NewLogRelay(logConnString(name), brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.Type == "TooLarge" {
 			return fmt.Errorf("too large: %w", postgres.ErrRejected)
 		}
 		return broker.Publish(ctx, m)
-	}))
-	if relay.MarkIn == nil || relay.ParkAfter != postgres.DefaultParkAfter || relay.Publication != ob.Publication() {
-		t.Fatalf("the Outbox's log relay: MarkIn %v, ParkAfter %d, Publication %q; want its database, %d, %q",
-			relay.MarkIn, relay.ParkAfter, relay.Publication, postgres.DefaultParkAfter, ob.Publication())
+	}), postgres.LogRelayConfig{Slot: name, MaxBackoff: 200 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
+	if err != nil {
+		t.Fatal(err)
 	}
-	relay.Slot, relay.MaxBackoff = name, 200*time.Millisecond
-	relay.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
+	if got := relay.Config(); got.Unmarked || got.ParkAfter != postgres.DefaultParkAfter || got.Publication != ob.Publication() {
+		t.Fatalf("the Outbox's log relay: Unmarked %v, ParkAfter %d, Publication %q; want marks, %d, %q",
+			got.Unmarked, got.ParkAfter, got.Publication, postgres.DefaultParkAfter, ob.Publication())
+	}
 	stop := runLog(t, relay)
 	tx, err := pool.Begin(ctx)
 	if err != nil {

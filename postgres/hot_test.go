@@ -38,7 +38,7 @@ func TestHotAggregateGoesABatchAPass(t *testing.T) {
 	db := newDatabase(t)
 	insertRun(t, db, "hot", 1, 250)
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
+	relay := newRelay(t, db, broker)
 	var passes []int
 	for range 3 {
 		n, err := relay.PublishPending(ctx)
@@ -69,7 +69,7 @@ func TestAnotherRelaysRunHoldsBackTheRestOfItsAggregate(t *testing.T) {
 	insertRun(t, db, "hot", 1, 150) // ids 1 to 150
 	insertRun(t, db, "cold", 1, 1)  // id 151
 	held, release := make(chan struct{}), make(chan struct{})
-	first := postgres.NewOutboxRelay(db, brokerFunc(func(ctx context.Context, m postgres.Message) error {
+	first := newRelay(t, db, brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.ID == 1 {
 			close(held)
 			<-release
@@ -80,8 +80,7 @@ func TestAnotherRelaysRunHoldsBackTheRestOfItsAggregate(t *testing.T) {
 	go func() { _, err := first.PublishPending(ctx); done <- err }()
 	<-held
 	broker := &recorder{}
-	second := postgres.NewOutboxRelay(db, broker)
-	second.BatchSize = 200
+	second := newRelay(t, db, broker, postgres.RelayConfig{BatchSize: 200})
 	n, err := second.PublishPending(ctx)
 	close(release)
 	if err != nil {
@@ -106,15 +105,13 @@ func TestAStuckAggregateLeavesTheBatchToTheOthers(t *testing.T) {
 	insertRun(t, db, "A", 1, 5) // ids 1 to 5
 	insertRun(t, db, "B", 1, 1) // id 6
 	accepted := &recorder{}
-	relay := postgres.NewOutboxRelay(db, brokerFunc(func(ctx context.Context, m postgres.Message) error {
+	var claims []int
+	relay := newRelay(t, db, brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.ID == 1 {
 			return errors.New("cannot take it now")
 		}
 		return accepted.Publish(ctx, m)
-	}))
-	relay.BatchSize, relay.ParkAfter = 3, 0
-	var claims []int
-	relay.OnPass = func(r postgres.PassReport) { claims = append(claims, r.Claimed) }
+	}), postgres.RelayConfig{BatchSize: 3, NeverPark: true, OnPass: func(r postgres.PassReport) { claims = append(claims, r.Claimed) }})
 	for range 2 {
 		if _, err := relay.PublishPending(ctx); err == nil {
 			t.Fatal("a pass whose broker refused A1 returned no error")
@@ -236,12 +233,11 @@ func TestRelaysKeepEachHotAggregatesOrder(t *testing.T) {
 			runCtx, stop := context.WithCancel(ctx)
 			var wg sync.WaitGroup
 			for range 4 {
-				relay := postgres.NewOutboxRelay(db, broker)
+				cfg := postgres.RelayConfig{BatchSize: 5, NeverPark: true, PollInterval: 5 * time.Millisecond, MaxBackoff: 10 * time.Millisecond}
+				relay := newRelay(t, db, broker, cfg)
 				if tc.pool == "pgx" {
-					relay = pgxOutbox(t, newPool(t, name, 4)).NewRelay(broker)
+					relay = newRelayOn(t, pgxOutbox(t, newPool(t, name, 4)), broker, cfg)
 				}
-				relay.BatchSize, relay.ParkAfter = 5, 0
-				relay.PollInterval, relay.MaxBackoff = 5*time.Millisecond, 10*time.Millisecond
 				wg.Go(func() { _ = relay.Run(runCtx) })
 			}
 			for n := 61; n <= 100; n++ { // the producer goes on while they run
@@ -309,10 +305,9 @@ func BenchmarkHotAggregate(b *testing.B) {
 				if _, err := db.ExecContext(ctx, `VACUUM ANALYZE outbox`); err != nil {
 					b.Fatal(err)
 				}
-				relay := postgres.NewOutboxRelay(db, discard{})
-				relay.PerAggregate = perAggregate
 				flushed := 0
-				relay.OnPass = func(r postgres.PassReport) { flushed += b2i(r.Flushed) }
+				relay := newRelay(b, db, discard{}, postgres.RelayConfig{WholeTable: !perAggregate,
+					OnPass: func(r postgres.PassReport) { flushed += b2i(r.Flushed) }})
 				const passes = 50 // after one that connects and prepares the statements
 				var elapsed time.Duration
 				for i := range passes + 1 {

@@ -16,7 +16,7 @@ import (
 // ErrNotMarked is reported (LogRelay.OnPass, in PassReport.Err) for rows
 // the log relay delivered and then could not find to mark sent, after
 // MarkRetries marks over some seconds: deleted, or in a table the relay's
-// MarkIn does not see. They stay counted as unsent, and the slot moves
+// its marks do not see. They stay counted as unsent, and the slot moves
 // past them all the same, so that one missing row does not hold the log
 // for ever.
 var ErrNotMarked = errors.New("postgres: delivered rows not found to mark sent")
@@ -37,7 +37,7 @@ const (
 )
 
 // marks is how a log relay session marks the rows it delivered sent
-// (LogRelay.MarkIn): in a goroutine, so that the stream never waits for a
+// (unless LogRelayConfig.Unmarked): in a goroutine, so that the stream never waits for a
 // write; one mark at a time, each of every row delivered since the one
 // before began, and of the rows the one before could not mark. A mark runs
 // before the server hears of the rows it marks: the slot is told of a
@@ -81,8 +81,8 @@ type markResult struct {
 }
 
 func newMarks(r *LogRelay) *marks {
-	return &marks{db: r.MarkIn, timeout: orDefault(r.PublishTimeout, DefaultPassTimeout), logger: r.Logger,
-		report: r.OnPass, pending: map[string][]int64{}, done: make(chan markResult, 1),
+	return &marks{db: r.markIn, timeout: orDefault(r.cfg.PublishTimeout, DefaultPassTimeout), logger: r.cfg.Logger,
+		report: r.cfg.OnPass, pending: map[string][]int64{}, done: make(chan markResult, 1),
 		missed: map[rowRef]int{}, now: time.Now}
 }
 

@@ -148,7 +148,7 @@ func TestLogMarkGivesUpOnARowItNeverFinds(t *testing.T) {
 }
 
 // End to end on the real stream: eight clients place 400 orders at once
-// while the log relay with MarkIn delivers them. Every row is published and
+// while the log relay delivers and marks them. Every row is published and
 // every row is marked: ReadLag counts none unsent. (Caught: marks that
 // matched fewer rows than they were given, a commit heard of before other
 // sessions saw it, and moved on: with the relay process, 101 of 400
@@ -158,10 +158,9 @@ func TestLogRelayMarksEveryRowItDeliversUnderConcurrentClients(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
 	broker := &recorder{}
-	relay := logRelayOn(t, db, logConnString(name), name, broker)
-	relay.MarkIn = open(t, name, "marks")
 	var logs logBuffer
-	relay.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	relay := logRelayOn(t, open(t, name, "marks"), logConnString(name), name, broker, postgres.LogRelayConfig{
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
 	stop := runLog(t, relay)
 	const clients, each = 8, 50
 	service := shop.NewOrderService(db)

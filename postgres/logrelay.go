@@ -1,10 +1,13 @@
 package postgres
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"log/slog"
+	"regexp"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -12,11 +15,10 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// DefaultSlot and DefaultPublication name what a [LogRelay] reads when its
-// Slot and Publication are empty: the replication slot that [CreateLogSlot]
-// makes, and the publication of the outbox's inserts that migration 4
-// creates; [DefaultOutbox]'s Slot and Publication (another [Outbox]'s are
-// named after its table).
+// DefaultSlot and DefaultPublication are the Slot and Publication of the
+// table outbox (an [Outbox] of another table has its own, named after it):
+// the replication slot that [CreateLogSlot] makes when given no name, and
+// the publication of the outbox's inserts that migration 4 creates.
 const (
 	DefaultSlot        = "outbox"
 	DefaultPublication = "outbox_inserts"
@@ -53,143 +55,195 @@ var ErrSlotOfAnotherDatabase = errors.New("postgres: the replication slot belong
 // batches of up to 100). A row that committed after a
 // higher id is published after it, as it committed, so the trap of the
 // polling relay (ids are not commit order) cannot happen. It never updates a
-// row unless MarkIn is set: no mark, no dead index entry, no vacuum debt;
-// sent_at then stays NULL, so [DeleteSent] does not touch the rows and
-// [ReadLag] counts them as unsent. With MarkIn, what it delivered is
-// marked, beside the stream, and the table is counted and cleaned up as
-// the polling relay's.
+// row with LogRelayConfig.Unmarked: no mark, no dead index entry, no vacuum
+// debt; sent_at then stays NULL, so [Outbox.DeleteSent] does not touch the
+// rows and [Outbox.ReadLag] counts them as unsent. By default what it
+// delivered is marked, beside the stream, and the table is counted and
+// cleaned up as the polling relay's.
 //
-// Its place in the log is the slot's: the server keeps every record from
-// the slot's position on, and sends again, after a reconnect or a restart,
-// every transaction that committed after it. The relay moves the position
-// (a standby status update) only past a transaction whose every row the
-// broker accepted, so what a crash or a broker failure sends again is the
-// transactions after the last one confirmed, at least once, with the same
-// keys; consumers drop the copies. A transaction is published as it is
-// read, in parts of at most 1,000 rows or about 8 MiB of payload, so the
-// relay's memory is bounded by a part, not by the transaction. The server hears of each delivery within
-// 100 ms (with MarkIn, of its mark) and when a session ends on a connection
-// that still works, a clean stop included, so a restart sends again at most
-// the transaction in flight. It holds no transaction on the server, but its
-// slot holds log: as long as the relay is behind or gone, the server
-// keeps the log it has not read, bounded only by max_slot_wal_keep_size (an
-// invalidated slot is [ErrSlotLost]). Watch pg_replication_slots. A slot has
-// one reader: one LogRelay per slot runs at a time (a second one waits, as
-// Run retries, until the first is gone); and PostgreSQL 15 does not carry a
-// slot over to a standby, so after a failover it must be created again.
+// Its place in the log is the slot's: the server keeps every record from the
+// slot's position on, and sends again, after a reconnect or a restart, every
+// transaction that committed after it. The relay moves the position (a standby
+// status update) only past a transaction whose every row the broker accepted,
+// so what a crash or a broker failure sends again is the transactions after the
+// last one confirmed, at least once, with the same keys; consumers drop the
+// copies. A transaction is published as it is read, in parts of at most 1,000
+// rows or about 8 MiB of payload, so the relay's memory is bounded by a part,
+// not by the transaction. The server hears of each delivery within 100 ms (of
+// its mark, unless Unmarked) and when a session ends on a connection that still
+// works, a clean stop included, so a restart sends again at most the
+// transaction in flight. It holds no transaction on the server, but its slot
+// holds log: as long as the relay is behind or gone, the server keeps the log
+// it has not read, bounded only by max_slot_wal_keep_size (an invalidated slot
+// is [ErrSlotLost]). Watch pg_replication_slots. A slot has one reader: one
+// LogRelay per slot runs at a time (a second one waits, as Run retries, until
+// the first is gone); and PostgreSQL 15 does not carry a slot over to a
+// standby, so after a failover it must be created again.
 //
 // A LogRelay needs the server's wal_level = logical, a role with the
 // REPLICATION attribute, and a connection string for a replication
-// connection, which database/sql cannot make. Create one with
-// [NewLogRelay]; do not change its fields while Run runs.
+// connection, which database/sql cannot make. Make one with
+// [Outbox.NewLogRelay], which checks its [LogRelayConfig]; it is fixed from
+// then on. A LogRelay is safe for concurrent use, but Run runs once at a
+// time.
 type LogRelay struct {
+	cfg    LogRelayConfig  // with the defaults filled in
+	markIn *sql.DB         // where it marks, unless cfg.Unmarked
+	table  string          // the outbox table, for the measurements' outbox.table
+	outbox *tables         // the outbox whose rows Recover publishes
+	tel    *relayTelemetry // made by Run
+
+	connConfig *pgconn.Config
+	broker     MessageBroker
+	wait       func(ctx context.Context, d time.Duration) bool // a seam for the tests
+}
+
+// LogRelayConfig configures a [LogRelay]: [Outbox.NewLogRelay] checks it,
+// refuses a bad value with an error that names it, and keeps a copy. The
+// zero LogRelayConfig is the relay as a team should run it: it marks what it
+// delivered and parks a message the broker refused DefaultParkAfter times,
+// as the polling relay does. Zero means the default in every field.
+type LogRelayConfig struct {
 	// Slot and Publication name the replication slot and the publication;
-	// empty means DefaultSlot and DefaultPublication.
+	// empty means the Outbox's (Outbox.Slot, Outbox.Publication).
 	Slot, Publication string
 
 	// PublishTimeout bounds each publish, a batch's too, and each mark;
-	// zero or less means DefaultPassTimeout. A publish that runs out
-	// fails as any other.
+	// 0 means DefaultPassTimeout. A publish that runs out fails as any
+	// other.
 	PublishTimeout time.Duration
 
 	// StatusInterval is how often, at most, the relay tells the server how
 	// far it has delivered while the stream is idle, and while it publishes
-	// a transaction; zero or less means 10 s. Each session uses no more than
-	// half the server's wal_sender_timeout, so that the server never takes
-	// a relay that is publishing a large transaction for a dead one.
+	// a transaction; 0 means 10 s. Each session uses no more than half the
+	// server's wal_sender_timeout, so that the server never takes a relay
+	// that is publishing a large transaction for a dead one.
 	StatusInterval time.Duration
 
 	// ReplyTimeout is how long the relay waits for the server to answer a
 	// status update (each asks for an answer) before it takes the
-	// connection for dead and starts a new session; zero or less means 10
-	// s. A connection that went silent (a frozen network path, a server
-	// gone without a FIN) is so given up within StatusInterval plus
+	// connection for dead and starts a new session; 0 means 10 s. A
+	// connection that went silent (a frozen network path, a server gone
+	// without a FIN) is so given up within StatusInterval plus
 	// ReplyTimeout, instead of when TCP gives up.
 	ReplyTimeout time.Duration
 
 	// MaxBackoff is the longest Run waits before it connects again after a
-	// failure; zero or less means DefaultMaxBackoff.
+	// failure; 0 means DefaultMaxBackoff.
 	MaxBackoff time.Duration
 
 	// Logger, if not nil, is told of each failed session.
 	Logger *slog.Logger
 
-	// MarkIn, if not nil, is the outbox's database opened with pgx's
-	// stdlib driver: the relay then marks the rows it delivered sent
-	// (sent_at), beside the stream, so that it never waits for the write:
-	// one mark at a time, each of every row delivered since the one before
-	// began, in one statement a table. The server hears of a transaction
-	// only once its rows are marked, and a session's end waits for its
-	// marks. So ReadLag counts only the rows not yet delivered (or
-	// delivered a moment ago), and DeleteSent cleans up the delivered
-	// ones, as for the polling relay. A mark that fails, or that finds
-	// fewer rows than it was given (a row the log carried can be invisible
-	// to other sessions for a moment after its commit), is logged and
-	// tried again, after a backoff, before the slot moves past its rows; a
-	// row still not found after MarkRetries marks (deleted meanwhile) is
-	// given up on, logged and reported as ErrNotMarked, so that it does
-	// not hold the log for ever.
-	MarkIn *sql.DB
+	// Unmarked makes the relay mark nothing. Otherwise it marks the rows
+	// it delivered sent (sent_at) in the Outbox's database, beside the
+	// stream, so that it never waits for the write: one mark at a time,
+	// each of every row delivered since the one before began, in one
+	// statement a table. The server hears of a transaction only once its
+	// rows are marked, and a session's end waits for its marks. So ReadLag
+	// counts only the rows not yet delivered (or delivered a moment ago),
+	// and DeleteSent cleans up the delivered ones, as for the polling
+	// relay. A mark that fails, or that finds fewer rows than it was given
+	// (a row the log carried can be invisible to other sessions for a
+	// moment after its commit), is logged and tried again, after a
+	// backoff, before the slot moves past its rows; a row still not found
+	// after MarkRetries marks (deleted meanwhile) is given up on, logged
+	// and reported as ErrNotMarked, so that it does not hold the log for
+	// ever. Unmarked, every row stays unsent: lag for ReadLag, never
+	// cleaned up, sent again by a recovery; and none is parked.
+	Unmarked bool
 
-	// ParkAfter, with MarkIn, is how many rejections (broker errors
-	// wrapping ErrRejected, counted in the row's rejections as the polling
-	// relay counts them) set a row aside, parked: the relay then skips it
-	// and delivers the rest of its transaction, and those after it. Zero
-	// never parks: a message the broker can never take stops the relay,
-	// which tries its transaction again once a backoff. A parked row is
-	// listed by ListParked; put back (Unpark), it is published by a
-	// polling pass (OutboxRelay.PublishPending, or RecoverLogSlot), since
-	// the log relay has gone past it.
+	// ParkAfter is how many rejections (broker errors wrapping
+	// ErrRejected, counted in the row's rejections as the polling relay
+	// counts them) set a row aside, parked: 0 means DefaultParkAfter. The
+	// relay then skips it and delivers the rest of its transaction, and
+	// those after it. A parked row is listed by ListParked; put back
+	// (Unpark), it is published by a polling pass (OutboxRelay's, or
+	// RecoverLogSlot's), since the log relay has gone past it.
 	ParkAfter int
+
+	// NeverPark makes a message the broker can never take stop the relay,
+	// which tries its transaction again after a backoff, for ever. ParkAfter
+	// must then be 0. Unmarked implies it.
+	NeverPark bool
 
 	// TracerProvider and MeterProvider are where the relay reports (nil:
 	// otel's global ones): the polling relay's instruments and spans, with
-	// outbox.relay "log"; a transaction's delivery is its pass. They are
-	// read when Run starts.
+	// outbox.relay "log"; a transaction's delivery is its pass.
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
 
 	// OnPass, if not nil, is called after each transaction's delivery, in
 	// Run's goroutine, with what it did (Claimed, Published, Err), as
-	// OutboxRelay.OnPass is after a pass: for a live view of the relay.
-	// With MarkIn it is called too after each mark, with Marked and Err
-	// alone. It must return quickly.
+	// RelayConfig.OnPass is after a pass: for a live view of the relay.
+	// It is called too after each mark, with Marked and Err alone. It must
+	// return quickly.
 	OnPass func(PassReport)
-
-	table  string          // the outbox table, for the measurements' outbox.table
-	outbox *tables         // the outbox whose rows Recover publishes
-	tel    *relayTelemetry // made by Run
-
-	connString string
-	connConfig *pgconn.Config // if not nil, used instead of connString
-	broker     MessageBroker
-	wait       func(ctx context.Context, d time.Duration) bool // a seam for the tests
 }
 
-// NewLogRelay returns a LogRelay that reads the log of the database that
-// connString names (a libpq connection string or URL, as pgx parses it;
-// the relay adds replication=database) and publishes to broker.
-func NewLogRelay(connString string, broker MessageBroker) *LogRelay {
-	return &LogRelay{connString: connString, broker: broker, table: defaultTables.table, outbox: defaultTables}
+// NewLogRelay returns a LogRelay that reads the log of o's database through
+// connString (a libpq connection string or URL, as pgx parses it; the relay
+// adds replication=database) and publishes o's rows to broker, as cfg says.
+// It checks both and refuses, with an error wrapping [ErrInvalidConfig]
+// that names it, a connection string pgx cannot parse, no broker, a slot
+// or publication name PostgreSQL would not take, a negative value, and
+// ParkAfter with NeverPark or Unmarked. It connects to nothing. On an
+// Outbox made by [Open], it marks through stdlib.OpenDBFromPool of o's
+// pool.
+func (o *Outbox[T]) NewLogRelay(connString string, broker MessageBroker, cfg LogRelayConfig) (*LogRelay, error) {
+	conn, err := pgconn.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("%w: the log relay's connection string: %w", ErrInvalidConfig, err)
+	}
+	return o.NewLogRelayConfig(conn, broker, cfg)
 }
 
 // NewLogRelayConfig is NewLogRelay with the connection as pgx's own
 // configuration: TLS, a dialer, several hosts, whatever pgconn.ParseConfig
-// and its fields allow. The relay uses a copy of cfg with replication =
+// and its fields allow. The relay uses a copy of conn with replication =
 // database set.
-func NewLogRelayConfig(cfg *pgconn.Config, broker MessageBroker) *LogRelay {
-	return &LogRelay{connConfig: cfg.Copy(), broker: broker, table: defaultTables.table, outbox: defaultTables}
+func (o *Outbox[T]) NewLogRelayConfig(conn *pgconn.Config, broker MessageBroker, cfg LogRelayConfig) (*LogRelay, error) {
+	if err := o.usable(); err != nil {
+		return nil, err
+	}
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s", ErrInvalidConfig, fmt.Sprintf(format, args...))
+	}
+	switch {
+	case conn == nil:
+		return nil, bad("no connection configuration")
+	case broker == nil:
+		return nil, bad("no broker")
+	case cfg.Slot != "" && !slotName.MatchString(cfg.Slot):
+		return nil, bad("LogRelayConfig.Slot %q: want lowercase letters, digits and '_', at most 63 bytes", cfg.Slot)
+	case cfg.Publication != "" && !identifier(cfg.Publication):
+		return nil, bad("LogRelayConfig.Publication %q: want letters, digits and '_', at most 63 bytes", cfg.Publication)
+	case cfg.PublishTimeout < 0, cfg.StatusInterval < 0, cfg.ReplyTimeout < 0, cfg.MaxBackoff < 0:
+		return nil, bad("LogRelayConfig: a negative duration (PublishTimeout %v, StatusInterval %v, ReplyTimeout %v, MaxBackoff %v)",
+			cfg.PublishTimeout, cfg.StatusInterval, cfg.ReplyTimeout, cfg.MaxBackoff)
+	case cfg.ParkAfter < 0:
+		return nil, bad("LogRelayConfig.ParkAfter %d: n parks after n rejections (0 for %d)", cfg.ParkAfter, DefaultParkAfter)
+	case cfg.ParkAfter > 0 && (cfg.NeverPark || cfg.Unmarked):
+		return nil, bad("LogRelayConfig.ParkAfter %d with NeverPark or Unmarked (parking needs the marks): choose one", cfg.ParkAfter)
+	}
+	cfg.Slot, cfg.Publication = cmp.Or(cfg.Slot, o.Slot()), cmp.Or(cfg.Publication, o.Publication())
+	cfg.PublishTimeout = orDefault(cfg.PublishTimeout, DefaultPassTimeout)
+	cfg.StatusInterval = orDefault(cfg.StatusInterval, 10*time.Second)
+	cfg.ReplyTimeout = orDefault(cfg.ReplyTimeout, 10*time.Second)
+	cfg.MaxBackoff = orDefault(cfg.MaxBackoff, DefaultMaxBackoff)
+	cfg.NeverPark = cfg.NeverPark || cfg.Unmarked
+	if !cfg.NeverPark {
+		cfg.ParkAfter = orDefault(cfg.ParkAfter, DefaultParkAfter)
+	}
+	r := &LogRelay{cfg: cfg, table: o.t.table, outbox: o.t, connConfig: conn.Copy(), broker: broker}
+	if !cfg.Unmarked {
+		r.markIn = o.sqldb
+	}
+	return r, nil
 }
 
-// NewLogRelay is [NewLogRelay] for o, and safe by default: its Slot and
-// Publication are o's, it marks what it delivered in o's database (MarkIn)
-// and parks a row after DefaultParkAfter rejections, as the polling relay
-// does. On an Outbox made by [Open], MarkIn is o's pool seen through
-// stdlib.OpenDBFromPool.
-func (o *Outbox[T]) NewLogRelay(connString string, broker MessageBroker) *LogRelay {
-	r := &LogRelay{connString: connString, broker: broker, ParkAfter: DefaultParkAfter}
-	if o != nil && o.t != nil {
-		r.Slot, r.Publication, r.table, r.outbox, r.MarkIn = o.Slot(), o.Publication(), o.t.table, o.t, o.sqldb
-	}
-	return r
-}
+// Config is r's configuration, with the defaults filled in.
+func (r *LogRelay) Config() LogRelayConfig { return r.cfg }
+
+// slotName is what PostgreSQL allows in a replication slot's name.
+var slotName = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)

@@ -35,26 +35,42 @@ func logConnString(name string) string {
 
 // newLogRelay is a database of t's own with the log relay's slot, named
 // after the database and dropped when t ends, and a LogRelay on it.
-func newLogRelay(t *testing.T, broker postgres.MessageBroker) (*sql.DB, *postgres.LogRelay) {
+func newLogRelay(t *testing.T, broker postgres.MessageBroker, cfg postgres.LogRelayConfig) (*sql.DB, *postgres.LogRelay) {
 	t.Helper()
 	name := newDatabaseName(t)
 	db := open(t, name, "")
-	return db, logRelayOn(t, db, logConnString(name), name, broker)
+	return db, logRelayOn(t, db, logConnString(name), name, broker, cfg)
 }
 
 // logRelayOn creates the slot slot on db, dropped when t ends, and returns
 // a LogRelay reading it through connString.
-func logRelayOn(t *testing.T, db *sql.DB, connString, slot string, broker postgres.MessageBroker) *postgres.LogRelay {
+func logRelayOn(t *testing.T, db *sql.DB, connString, slot string, broker postgres.MessageBroker, cfg postgres.LogRelayConfig) *postgres.LogRelay {
 	t.Helper()
 	if err := postgres.CreateLogSlot(context.Background(), db, slot); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { dropSlot(t, db, slot) })
-	relay := postgres.NewLogRelay(connString, broker)
-	relay.Slot = slot
-	relay.MaxBackoff = 200 * time.Millisecond
+	return logRelayMarkingIn(t, db, connString, slot, broker, cfg)
+}
+
+// logRelayMarkingIn is a LogRelay of the table outbox reading slot through
+// connString, which marks in db unless cfg.Unmarked, as cfg says, with a
+// backoff of at most 200 ms unless cfg says otherwise.
+func logRelayMarkingIn(t *testing.T, db *sql.DB, connString, slot string, broker postgres.MessageBroker, cfg postgres.LogRelayConfig) *postgres.LogRelay {
+	t.Helper()
+	cfg.Slot = slot
+	if cfg.MaxBackoff == 0 {
+		cfg.MaxBackoff = 200 * time.Millisecond
+	}
+	relay, err := sqlOutbox(t, db, postgres.Config{}).NewLogRelay(connString, broker, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	return relay
 }
+
+// unmarked is the log relay that marks nothing.
+var unmarked = postgres.LogRelayConfig{Unmarked: true}
 
 // dropSlot drops slot once no session reads it.
 func dropSlot(t *testing.T, db *sql.DB, slot string) {
@@ -111,7 +127,7 @@ func runLog(t *testing.T, relay *postgres.LogRelay) (stop func() error) {
 func TestLogRelayPublishesInCommitOrder(t *testing.T) {
 	ctx := context.Background()
 	broker := &recorder{}
-	db, relay := newLogRelay(t, broker)
+	db, relay := newLogRelay(t, broker, unmarked)
 	a := begin(t, db)
 	idA := insertOrderAndRow(t, a, 100)
 	b := begin(t, db)
@@ -131,7 +147,7 @@ func TestLogRelayPublishesInCommitOrder(t *testing.T) {
 		t.Errorf("the log relay published %v, want %v: commit order", got, want)
 	}
 	polled := &recorder{}
-	if _, err := postgres.NewOutboxRelay(db, polled).PublishPending(ctx); err != nil {
+	if _, err := newRelay(t, db, polled).PublishPending(ctx); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("log relay (commit order): %v; polling relay (id order): %v", broker.IDs(), polled.IDs())
@@ -227,7 +243,7 @@ func wantEachOnceButTheTail(t *testing.T, db *sql.DB, broker *recorder, at map[i
 func TestLogRelayResumesFromTheSlotAfterAKillAndAStop(t *testing.T) {
 	ctx := context.Background()
 	broker := &stalling{}
-	db, relay := newLogRelay(t, broker)
+	db, relay := newLogRelay(t, broker, unmarked)
 	var slot string
 	if err := db.QueryRow(`SELECT current_database()`).Scan(&slot); err != nil {
 		t.Fatal(err)
@@ -313,7 +329,7 @@ func TestLogRelayConfirmsNothingWhileTheBrokerIsDown(t *testing.T) {
 		}
 		return nil
 	}}
-	db, relay := newLogRelay(t, broker)
+	db, relay := newLogRelay(t, broker, unmarked)
 	before := slotPosition(t, db)
 	at := committedAt(t, db, 5)
 	runLog(t, relay)
@@ -370,7 +386,7 @@ func TestLogRelayAfterTheServerIsKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := logRelayOn(t, db, "host="+srv.dir+" user=postgres dbname=postgres sslmode=disable", "outbox", broker)
+	relay := logRelayOn(t, db, "host="+srv.dir+" user=postgres dbname=postgres sslmode=disable", "outbox", broker, unmarked)
 	runLog(t, relay)
 
 	var mu sync.Mutex
@@ -479,8 +495,9 @@ func TestLogRelaySlotHoldsTheLogAndIsLostPastItsLimit(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := logRelayOn(t, db, "host="+srv.dir+" user=postgres dbname=postgres sslmode=disable", "outbox", broker)
-	relay.MaxBackoff = time.Hour // a relay that retried would not return
+	// A relay that retried would not return.
+	relay := logRelayOn(t, db, "host="+srv.dir+" user=postgres dbname=postgres sslmode=disable", "outbox", broker,
+		postgres.LogRelayConfig{Unmarked: true, MaxBackoff: time.Hour})
 	held := func() (bytes int64, status string) {
 		t.Helper()
 		if err := db.QueryRow(`SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
@@ -524,9 +541,76 @@ func TestLogRelaySlotHoldsTheLogAndIsLostPastItsLimit(t *testing.T) {
 // Run on a slot that does not exist stops with ErrNoSlot.
 func TestLogRelayWithoutItsSlotStops(t *testing.T) {
 	name := newDatabaseName(t)
-	relay := postgres.NewLogRelay(logConnString(name), &recorder{})
-	relay.Slot = "no_such_slot"
+	relay := logRelayMarkingIn(t, open(t, name, ""), logConnString(name), "no_such_slot", &recorder{}, unmarked)
 	if err := relay.Run(context.Background()); !errors.Is(err, postgres.ErrNoSlot) {
 		t.Errorf("Run = %v, want ErrNoSlot", err)
+	}
+}
+
+// A log relay that cannot run as configured is refused when it is made,
+// with an error wrapping ErrInvalidConfig that names the setting, and
+// nothing connects: a connection string pgx cannot parse, no broker, a slot
+// or publication name PostgreSQL would not take, a negative duration,
+// ParkAfter with NeverPark or Unmarked. The zero LogRelayConfig is the
+// Outbox's slot and publication, marks and parking; a LogRelay no
+// NewLogRelay made refuses to run, and one that marks nothing to recover.
+// (Caught: settings read from fields when Run started, and a NewLogRelay
+// that marked and parked nothing.)
+func TestLogRelayConfigurationIsCheckedWhenTheRelayIsMade(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	ob := sqlOutbox(t, db, postgres.Config{Table: "billing_outbox"})
+	good := "host=/nonexistent user=postgres dbname=postgres"
+	for _, c := range []struct {
+		name   string
+		conn   string
+		broker postgres.MessageBroker
+		cfg    postgres.LogRelayConfig
+		says   string
+	}{
+		{"a connection string pgx cannot parse", "host='", &recorder{}, postgres.LogRelayConfig{}, "connection string"},
+		{"no broker", good, nil, postgres.LogRelayConfig{}, "no broker"},
+		{"a slot PostgreSQL refuses", good, &recorder{}, postgres.LogRelayConfig{Slot: "Billing-Slot"}, "LogRelayConfig.Slot"},
+		{"a publication PostgreSQL refuses", good, &recorder{}, postgres.LogRelayConfig{Publication: "a b"}, "LogRelayConfig.Publication"},
+		{"a negative timeout", good, &recorder{}, postgres.LogRelayConfig{ReplyTimeout: -time.Second}, "negative duration"},
+		{"a negative ParkAfter", good, &recorder{}, postgres.LogRelayConfig{ParkAfter: -1}, "LogRelayConfig.ParkAfter -1"},
+		{"ParkAfter with NeverPark", good, &recorder{}, postgres.LogRelayConfig{ParkAfter: 2, NeverPark: true}, "LogRelayConfig.ParkAfter 2"},
+		{"ParkAfter unmarked", good, &recorder{}, postgres.LogRelayConfig{ParkAfter: 2, Unmarked: true}, "parking needs the marks"},
+	} {
+		r, err := ob.NewLogRelay(c.conn, c.broker, c.cfg)
+		if r != nil || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), c.says) {
+			t.Errorf("%s: NewLogRelay = %v, %v; want ErrInvalidConfig saying %q", c.name, r, err, c.says)
+		}
+		t.Logf("%s: %v", c.name, err)
+	}
+	r, err := ob.NewLogRelay(good, &recorder{}, postgres.LogRelayConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := r.Config(); got.Slot != "billing_outbox" || got.Publication != "billing_outbox_inserts" || got.Unmarked || got.NeverPark ||
+		got.ParkAfter != postgres.DefaultParkAfter || got.PublishTimeout != postgres.DefaultPassTimeout || got.MaxBackoff != postgres.DefaultMaxBackoff {
+		t.Errorf("the zero LogRelayConfig became %+v; want the Outbox's names, marks and every default", got)
+	}
+	if got := must2(t)(ob.NewLogRelay(good, &recorder{}, postgres.LogRelayConfig{Unmarked: true})).Config(); !got.NeverPark || got.ParkAfter != 0 {
+		t.Errorf("Unmarked: %+v, want it never to park", got)
+	}
+	unmarkedRelay := must2(t)(ob.NewLogRelay(good, &recorder{}, postgres.LogRelayConfig{Unmarked: true}))
+	if _, err := unmarkedRelay.Recover(ctx); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("Recover of a relay that marks nothing = %v, want ErrInvalidConfig", err)
+	}
+	var zero postgres.LogRelay
+	if err := zero.Run(ctx); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("a zero LogRelay's Run = %v, want ErrInvalidConfig", err)
+	}
+}
+
+// must2 is a log relay, or tb failed with its error.
+func must2(tb testing.TB) func(*postgres.LogRelay, error) *postgres.LogRelay {
+	return func(r *postgres.LogRelay, err error) *postgres.LogRelay {
+		tb.Helper()
+		if err != nil {
+			tb.Fatal(err)
+		}
+		return r
 	}
 }

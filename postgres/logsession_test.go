@@ -34,8 +34,7 @@ import (
 // reported nothing: 8 of 20 sent again.)
 func TestLogRelayCleanStopSendsNothingAgain(t *testing.T) {
 	broker := &recorder{}
-	db, relay := newLogRelay(t, broker)
-	relay.StatusInterval = time.Hour
+	db, relay := newLogRelay(t, broker, postgres.LogRelayConfig{Unmarked: true, StatusInterval: time.Hour})
 	stop := runLog(t, relay)
 	at := committedAt(t, db, 20)
 	waitUntil(t, "the 20 rows published", func() bool { return len(broker.Published()) == 20 })
@@ -74,7 +73,7 @@ func TestLogRelayDeliversATransactionLongerThanTheServersTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := logRelayOn(t, db, srv.ConnString(), "outbox", slowBroker(broker, 100*time.Millisecond))
+	relay := logRelayOn(t, db, srv.ConnString(), "outbox", slowBroker(broker, 100*time.Millisecond), unmarked)
 	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
 		for i := range 30 {
 			if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": i + 1}); err != nil {
@@ -118,10 +117,9 @@ func TestLogRelayGivesUpASilentConnection(t *testing.T) {
 	p := startProxy(t)
 	port := p.ln.Addr().(*net.TCPAddr).Port
 	broker := &recorder{}
-	relay := logRelayOn(t, db, fmt.Sprintf("host=127.0.0.1 port=%d user=%s dbname=%s sslmode=disable", port, pgtest.Config.User, name), name, broker)
-	relay.StatusInterval, relay.ReplyTimeout = 200*time.Millisecond, 500*time.Millisecond
 	logs := &logBuffer{}
-	relay.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	relay := logRelayOn(t, db, fmt.Sprintf("host=127.0.0.1 port=%d user=%s dbname=%s sslmode=disable", port, pgtest.Config.User, name), name, broker,
+		postgres.LogRelayConfig{Unmarked: true, StatusInterval: 200 * time.Millisecond, ReplyTimeout: 500 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 	runLog(t, relay)
 	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 100); err != nil {
 		t.Fatal(err)
@@ -143,30 +141,30 @@ func TestLogRelayGivesUpASilentConnection(t *testing.T) {
 func TestDropLogSlotDropsOnlyASlotNoRelayReads(t *testing.T) {
 	ctx := context.Background()
 	broker := &recorder{}
-	db, relay := newLogRelay(t, broker)
+	db, relay := newLogRelay(t, broker, unmarked)
 	stop := runLog(t, relay)
 	waitUntil(t, "the relay reading its slot", func() bool {
 		var active bool
-		db.QueryRow(`SELECT active FROM pg_replication_slots WHERE slot_name = $1`, relay.Slot).Scan(&active)
+		db.QueryRow(`SELECT active FROM pg_replication_slots WHERE slot_name = $1`, relay.Config().Slot).Scan(&active)
 		return active
 	})
-	if err := postgres.DropLogSlot(ctx, db, relay.Slot); !errors.Is(err, postgres.ErrSlotActive) {
+	if err := postgres.DropLogSlot(ctx, db, relay.Config().Slot); !errors.Is(err, postgres.ErrSlotActive) {
 		t.Errorf("DropLogSlot of the slot a relay reads = %v, want ErrSlotActive", err)
 	}
 	stop()
 	waitUntil(t, "the slot free", func() bool {
 		var active bool
-		db.QueryRow(`SELECT active FROM pg_replication_slots WHERE slot_name = $1`, relay.Slot).Scan(&active)
+		db.QueryRow(`SELECT active FROM pg_replication_slots WHERE slot_name = $1`, relay.Config().Slot).Scan(&active)
 		return !active
 	})
 	for range 2 { // the second finds none, and changes nothing
-		if err := postgres.DropLogSlot(ctx, db, relay.Slot); err != nil {
+		if err := postgres.DropLogSlot(ctx, db, relay.Config().Slot); err != nil {
 			t.Fatal(err)
 		}
 	}
 	var n int
-	if err := db.QueryRow(`SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, relay.Slot).Scan(&n); err != nil || n != 0 {
-		t.Errorf("%d slots named %s left (%v), want none", n, relay.Slot, err)
+	if err := db.QueryRow(`SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, relay.Config().Slot).Scan(&n); err != nil || n != 0 {
+		t.Errorf("%d slots named %s left (%v), want none", n, relay.Config().Slot, err)
 	}
 }
 
@@ -185,8 +183,10 @@ func TestLogRelayFromAConnectionConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := postgres.NewLogRelayConfig(cfg, broker)
-	relay.Slot = name
+	relay, err := sqlOutbox(t, db, postgres.Config{}).NewLogRelayConfig(cfg, broker, postgres.LogRelayConfig{Slot: name, Unmarked: true})
+	if err != nil {
+		t.Fatal(err)
+	}
 	runLog(t, relay)
 	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 100); err != nil {
 		t.Fatal(err)
@@ -197,7 +197,7 @@ func TestLogRelayFromAConnectionConfig(t *testing.T) {
 	}
 }
 
-// With MarkIn, what the log relay delivered is neither lag nor kept for
+// Marking, what the log relay delivered is neither lag nor kept for
 // ever: ReadLag counts no row once all are delivered, and DeleteSent
 // removes them; a row not yet delivered (the broker refusing it) stays
 // unsent and is never deleted. (Caught: the log relay marking nothing,
@@ -214,8 +214,7 @@ func TestLogRelayRowsDeliveredAreNotLagAndAreCleanedUp(t *testing.T) {
 		}
 		return broker.Publish(ctx, m)
 	})
-	db, relay := newLogRelay(t, gate)
-	relay.MarkIn = db
+	db, relay := newLogRelay(t, gate, postgres.LogRelayConfig{})
 	runLog(t, relay)
 	committedAt(t, db, 20)
 	waitUntil(t, "the 20 rows published and marked", func() bool {
@@ -253,9 +252,7 @@ func TestLogRelayRecoversALostSlot(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := logRelayOn(t, db, srv.ConnString(), "outbox", broker)
-	relay.MarkIn = db
-	relay.MaxBackoff = time.Hour // Run returns at a lost slot
+	relay := logRelayOn(t, db, srv.ConnString(), "outbox", broker, postgres.LogRelayConfig{MaxBackoff: time.Hour}) // Run returns at a lost slot
 	stop := runLog(t, relay)
 	all := committedAt(t, db, 30)
 	waitUntil(t, "the 30 rows delivered and marked", func() bool { return count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0 })
@@ -315,7 +312,7 @@ func seenAll(broker *recorder, rows map[int64]string) bool {
 }
 
 // A message the broker can never take, in the middle of a transaction:
-// with MarkIn and ParkAfter 2, its second refusal parks it, the rest of
+// marking, with ParkAfter 2, its second refusal parks it, the rest of
 // its transaction and the transactions after it are delivered, and
 // ListParked shows it. The transaction before it is not sent again, and
 // the refused row is tried twice, not in a loop. (Caught: the transaction
@@ -334,8 +331,7 @@ func TestLogRelayParksWhatTheBrokerCanNeverTake(t *testing.T) {
 		}
 		return broker.Publish(ctx, m)
 	})
-	relay := logRelayOn(t, db, logConnString(name), name, refuse2)
-	relay.MarkIn, relay.ParkAfter = db, 2
+	relay := logRelayOn(t, db, logConnString(name), name, refuse2, postgres.LogRelayConfig{ParkAfter: 2})
 	insert := func(n int) {
 		t.Helper()
 		if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
@@ -432,8 +428,7 @@ func TestLogRelayPublishesATransactionInBatches(t *testing.T) {
 		}
 		return nil
 	}}
-	relay := logRelayOn(t, db, logConnString(name), name, broker)
-	relay.MarkIn, relay.ParkAfter = db, 1
+	relay := logRelayOn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{ParkAfter: 1})
 	insert := func(rows func(tx *sql.Tx) error) {
 		t.Helper()
 		if err := postgres.Transaction(ctx, db, rows); err != nil {
@@ -470,7 +465,7 @@ func TestLogRelayPublishesATransactionInBatches(t *testing.T) {
 	}
 }
 
-// With MarkIn, the log relay marks beside the stream: while its marks
+// Marking, the log relay marks beside the stream: while its marks
 // cannot be written (the marks' database has no connection to give), it
 // goes on publishing, and the server is never told of a transaction whose
 // rows are not marked, so that a crash then cannot leave a delivered row
@@ -484,7 +479,6 @@ func TestLogRelayMarksBesideTheStream(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
 	broker := &recorder{}
-	relay := logRelayOn(t, db, logConnString(name), name, broker)
 	marks := open(t, name, "marks")
 	marks.SetMaxOpenConns(1)
 	held, err := marks.Conn(ctx) // the marks' one connection: no mark can be written
@@ -492,8 +486,12 @@ func TestLogRelayMarksBesideTheStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer held.Close()
-	relay.MarkIn = marks
-	relay.PublishTimeout = time.Minute // a mark waits for its connection, not for a deadline
+	if err := postgres.CreateLogSlot(ctx, db, name); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dropSlot(t, db, name) })
+	// A mark waits for its connection, not for a deadline.
+	relay := logRelayMarkingIn(t, marks, logConnString(name), name, broker, postgres.LogRelayConfig{PublishTimeout: time.Minute})
 	stop := runLog(t, relay)
 	rows := committedAt(t, db, 4)
 	waitUntil(t, "the 4 rows published while no mark can be written", func() bool { return len(broker.Published()) == 4 })
@@ -556,9 +554,7 @@ func TestLogRelayAnswersTheServersRequestForAReply(t *testing.T) {
 	if err := postgres.Migrate(ctx, db); err != nil {
 		t.Fatal(err)
 	}
-	relay := logRelayOn(t, db, srv.ConnString(), "outbox", &recorder{})
-	relay.StatusInterval = time.Hour
-	relay.ReplyTimeout = time.Hour
+	relay := logRelayOn(t, db, srv.ConnString(), "outbox", &recorder{}, postgres.LogRelayConfig{Unmarked: true, StatusInterval: time.Hour, ReplyTimeout: time.Hour})
 	runLog(t, relay)
 	walsender := func() (pid int, replied time.Time) {
 		t.Helper()
@@ -616,8 +612,7 @@ func TestLogRelaySendsASequencePublisherWholeTransactions(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
 	broker := &batchRecorder{}
-	relay := logRelayOn(t, db, logConnString(name), name, sequenceRecorder{broker})
-	relay.MarkIn = db
+	relay := logRelayOn(t, db, logConnString(name), name, sequenceRecorder{broker}, postgres.LogRelayConfig{})
 	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { return insertItems(ctx, tx, 150) }); err != nil {
 		t.Fatal(err) // rows 1-150
 	}
@@ -683,8 +678,7 @@ func TestSlotOfAnotherDatabaseIsNeverTaken(t *testing.T) {
 	}
 	t.Cleanup(func() { dropSlot(t, dbFirst, slot) })
 	broker := &recorder{}
-	relay := postgres.NewLogRelay(logConnString(second), broker)
-	relay.Slot, relay.MarkIn, relay.MaxBackoff = slot, dbSecond, time.Hour
+	relay := logRelayMarkingIn(t, dbSecond, logConnString(second), slot, broker, postgres.LogRelayConfig{MaxBackoff: time.Hour})
 	_, recovered := relay.Recover(ctx)
 	for what, err := range map[string]error{
 		"CreateLogSlot": postgres.CreateLogSlot(ctx, dbSecond, slot),
@@ -703,7 +697,7 @@ func TestSlotOfAnotherDatabaseIsNeverTaken(t *testing.T) {
 	}
 
 	own := second + "_own"
-	relay = logRelayOn(t, dbSecond, logConnString(second), own, broker)
+	relay = logRelayOn(t, dbSecond, logConnString(second), own, broker, unmarked)
 	stop := runLog(t, relay)
 	rows := committedAt(t, dbSecond, 3)
 	waitUntil(t, "the second service's rows streamed from its own slot", func() bool { return seenAll(broker, rows) })

@@ -121,7 +121,7 @@ const slotReleaseWait = 5 * time.Second
 // none is left: a row committed before the new slot is in the table
 // unmarked and goes now; one committed after it is streamed by the log
 // relay, and may go both ways: at least once, the consumers drop the
-// copies. It relies on the log relay's marks (LogRelay.MarkIn): without
+// copies. It relies on the log relay's marks (unless LogRelayConfig.Unmarked): without
 // them every row ever written goes again. It returns how many rows it
 // published; on an error, call it again.
 func (o *Outbox[T]) RecoverLogSlot(ctx context.Context, broker MessageBroker) (int, error) {
@@ -131,16 +131,16 @@ func (o *Outbox[T]) RecoverLogSlot(ctx context.Context, broker MessageBroker) (i
 	return o.t.recoverLogSlot(ctx, o.sqldb, o.Slot(), broker)
 }
 
-// Recover is [Outbox.RecoverLogSlot] for r: it makes r's Slot anew on
-// MarkIn and publishes, to r's broker, the rows of r's outbox not marked
-// sent. Without MarkIn it is refused with an error wrapping
-// ErrInvalidConfig: every row ever written would go again. Call it when
-// Run returned ErrSlotLost or ErrNoSlot, then Run again.
+// Recover is [Outbox.RecoverLogSlot] for r: it makes r's Slot anew and
+// publishes, to r's broker, the rows of r's outbox not marked sent. A relay
+// that marks nothing (LogRelayConfig.Unmarked) is refused with an error
+// wrapping ErrInvalidConfig: every row ever written would go again. Call it
+// when Run returned ErrSlotLost or ErrNoSlot, then Run again.
 func (r *LogRelay) Recover(ctx context.Context) (int, error) {
-	if r.MarkIn == nil || r.outbox == nil {
-		return 0, fmt.Errorf("%w: Recover needs MarkIn, and a LogRelay made by NewLogRelay", ErrInvalidConfig)
+	if r == nil || r.markIn == nil || r.outbox == nil {
+		return 0, fmt.Errorf("%w: Recover needs a LogRelay made by NewLogRelay that marks what it delivers", ErrInvalidConfig)
 	}
-	return r.outbox.recoverLogSlot(ctx, r.MarkIn, cmp.Or(r.Slot, DefaultSlot), r.broker)
+	return r.outbox.recoverLogSlot(ctx, r.markIn, r.cfg.Slot, r.broker)
 }
 
 func (o *tables) recoverLogSlot(ctx context.Context, db *sql.DB, slot string, broker MessageBroker) (int, error) {
@@ -160,7 +160,11 @@ func (o *tables) recoverLogSlot(ctx context.Context, db *sql.DB, slot string, br
 	if err := CreateLogSlot(ctx, db, slot); err != nil {
 		return 0, err
 	}
-	relay := (&Outbox[SQLTx]{t: o, db: sqlPool{db}, sqldb: db}).NewRelay(broker)
+	// PollOnly: it only passes, and needs no connection to listen on.
+	relay, err := (&Outbox[SQLTx]{t: o, db: sqlPool{db}, sqldb: db}).NewRelay(broker, RelayConfig{PollOnly: true})
+	if err != nil {
+		return 0, err
+	}
 	total := 0
 	for {
 		n, err := relay.PublishPending(ctx)

@@ -26,10 +26,14 @@ import (
 // the last one confirmed. It returns, with the error, when no retry can
 // mend it: the slot does not exist ([ErrNoSlot]), was invalidated
 // ([ErrSlotLost]), belongs to another database on the server
-// ([ErrSlotOfAnotherDatabase]), or the role may not replicate.
+// ([ErrSlotOfAnotherDatabase]), or the role may not replicate; and at once,
+// with [ErrInvalidConfig], for a LogRelay that no NewLogRelay made.
 func (r *LogRelay) Run(ctx context.Context) error {
-	r.tel = newRelayTelemetry(r.TracerProvider, r.MeterProvider, r.table, "log")
-	maxBackoff := orDefault(r.MaxBackoff, DefaultMaxBackoff)
+	if r == nil || r.connConfig == nil || r.broker == nil || r.outbox == nil {
+		return fmt.Errorf("%w: a LogRelay made by no Outbox's NewLogRelay", ErrInvalidConfig)
+	}
+	r.tel = newRelayTelemetry(r.cfg.TracerProvider, r.cfg.MeterProvider, r.table, "log")
+	maxBackoff := orDefault(r.cfg.MaxBackoff, DefaultMaxBackoff)
 	wait := r.wait
 	if wait == nil {
 		wait = pause
@@ -41,8 +45,8 @@ func (r *LogRelay) Run(ctx context.Context) error {
 			return ctx.Err()
 		}
 		if errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost) || errors.Is(err, ErrSlotOfAnotherDatabase) || sqlState(err) == "42501" || sqlState(err) == "28000" {
-			if r.Logger != nil {
-				r.Logger.Error("outbox: log relay stopped", "err", err)
+			if r.cfg.Logger != nil {
+				r.cfg.Logger.Error("outbox: log relay stopped", "err", err)
 			}
 			return err
 		}
@@ -52,8 +56,8 @@ func (r *LogRelay) Run(ctx context.Context) error {
 		}
 		failures++
 		d := backoff(failures, maxBackoff, rand.Float64)
-		if r.Logger != nil {
-			r.Logger.Error("outbox: log relay session failed", "err", err, "transactions_delivered", completed, "retry_in", d)
+		if r.cfg.Logger != nil {
+			r.cfg.Logger.Error("outbox: log relay session failed", "err", err, "transactions_delivered", completed, "retry_in", d)
 		}
 		if !wait(ctx, d) {
 			return ctx.Err()
@@ -64,12 +68,7 @@ func (r *LogRelay) Run(ctx context.Context) error {
 // session streams from the slot's position on one replication connection
 // until it fails, and reports how many messages it delivered.
 func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
-	var cfg *pgconn.Config
-	if r.connConfig != nil {
-		cfg = r.connConfig.Copy()
-	} else if cfg, err = pgconn.ParseConfig(r.connString); err != nil {
-		return 0, fmt.Errorf("log relay: %w", err)
-	}
+	cfg := r.connConfig.Copy()
 	cfg.RuntimeParams["replication"] = "database"
 	if cfg.RuntimeParams["application_name"] == "" {
 		cfg.RuntimeParams["application_name"] = "outbox-log-relay"
@@ -80,16 +79,10 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 
-	slot, publication := r.Slot, r.Publication
-	if slot == "" {
-		slot = DefaultSlot
-	}
-	if publication == "" {
-		publication = DefaultPublication
-	}
+	slot, publication := r.cfg.Slot, r.cfg.Publication
 	// Read before the stream starts: once it has, the connection takes no
 	// more queries.
-	every := orDefault(r.StatusInterval, 10*time.Second)
+	every := orDefault(r.cfg.StatusInterval, 10*time.Second)
 	if half := senderTimeout(ctx, conn) / 2; half > 0 && half < every {
 		every = half
 	}
@@ -117,9 +110,9 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 		conn:      conn,
 		relations: map[uint32]*pglogrepl.RelationMessage{},
 		every:     every,
-		replyIn:   orDefault(r.ReplyTimeout, 10*time.Second),
+		replyIn:   orDefault(r.cfg.ReplyTimeout, 10*time.Second),
 	}
-	if r.MarkIn != nil {
+	if r.markIn != nil {
 		s.marks = newMarks(r)
 	}
 	err = s.run(ctx)
@@ -180,7 +173,7 @@ type stream struct {
 	txnDone   int       // rows of the transaction being read published already
 	sentIDs   []int64   // rows published and not yet handed to the marks, and their tables
 	sentIn    []string
-	marks     *marks        // with MarkIn, the marking of what was delivered
+	marks     *marks        // unless Unmarked, the marking of what was delivered
 	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
 	toldPos   pglogrepl.LSN // the position the server was last told
 	told      time.Time     // when the server was last told where the relay is
@@ -321,7 +314,7 @@ const (
 // it), once the broker accepted every row of the transaction, hands them to
 // the marks and confirms its end.
 func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
-	timeout := orDefault(s.relay.PublishTimeout, DefaultPassTimeout)
+	timeout := orDefault(s.relay.cfg.PublishTimeout, DefaultPassTimeout)
 	tel, start := s.relay.tel, time.Now()
 	var span trace.Span // a transaction's delivery, or a part's, is the log relay's pass
 	if len(s.txn) > 0 {
@@ -330,8 +323,8 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 	res := passResult{claimed: len(s.txn)}
 	defer func() {
 		tel.endPass(ctx, span, start, res, err)
-		if s.relay.OnPass != nil {
-			s.relay.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Err: err})
+		if s.relay.cfg.OnPass != nil {
+			s.relay.cfg.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Err: err})
 		}
 	}()
 	for i := 0; i < len(s.txn); {
@@ -402,38 +395,38 @@ func batchOf(msgs []Message, limit int) int {
 	return n
 }
 
-// park counts the broker's refusal of the transaction's row i in MarkIn,
-// within PublishTimeout, and, once the row's rejections reach ParkAfter,
-// parks it, logs it and reports true: the relay then skips it. Without MarkIn or ParkAfter, or if
-// the count cannot be written, it reports false, and the refusal stops the
-// session as any failure does.
+// park counts the broker's refusal of the transaction's row i in its database,
+// within PublishTimeout, and, once the row's rejections reach ParkAfter, parks
+// it, logs it and reports true: the relay then skips it. Unmarked, with
+// NeverPark, or if the count cannot be written, it reports false, and the
+// refusal stops the session as any failure does.
 func (s *stream) park(ctx context.Context, i int, refusal error) bool {
 	r := s.relay
-	if r.MarkIn == nil || r.ParkAfter <= 0 {
+	if r.markIn == nil || r.cfg.ParkAfter <= 0 {
 		return false
 	}
 	msg := s.txn[i]
 	var parked bool
-	ctx, cancel := context.WithTimeout(ctx, orDefault(r.PublishTimeout, DefaultPassTimeout))
+	ctx, cancel := context.WithTimeout(ctx, orDefault(r.cfg.PublishTimeout, DefaultPassTimeout))
 	defer cancel()
-	err := r.MarkIn.QueryRowContext(ctx, `UPDATE `+s.tables[i]+`
+	err := r.markIn.QueryRowContext(ctx, `UPDATE `+s.tables[i]+`
 		SET attempts = attempts + 1, rejections = rejections + 1, last_error = $2,
 		    parked_at = CASE WHEN rejections + 1 >= $3 THEN clock_timestamp() END
-		WHERE id = $1 RETURNING parked_at IS NOT NULL`, msg.ID, refusal.Error(), r.ParkAfter).Scan(&parked)
+		WHERE id = $1 RETURNING parked_at IS NOT NULL`, msg.ID, refusal.Error(), r.cfg.ParkAfter).Scan(&parked)
 	if err != nil {
-		if r.Logger != nil {
-			r.Logger.Error("outbox: log relay could not count a rejection", "id", msg.ID, "err", err)
+		if r.cfg.Logger != nil {
+			r.cfg.Logger.Error("outbox: log relay could not count a rejection", "id", msg.ID, "err", err)
 		}
 		return false
 	}
-	if parked && r.Logger != nil {
-		r.Logger.Warn("outbox: message parked after too many rejections", "id", msg.ID, "key", msg.Key, "err", refusal)
+	if parked && r.cfg.Logger != nil {
+		r.cfg.Logger.Warn("outbox: message parked after too many rejections", "id", msg.ID, "key", msg.Key, "err", refusal)
 	}
 	return parked
 }
 
 // safe is the position the server may hear of: how far the relay
-// delivered, or, with MarkIn, how far it delivered and marked.
+// delivered, or, unless Unmarked, how far it delivered and marked.
 func (s *stream) safe() pglogrepl.LSN {
 	if s.marks == nil || s.marks.idle() {
 		return s.confirmed

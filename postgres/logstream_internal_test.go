@@ -76,7 +76,7 @@ func (r *syncRecorder) Publish(_ context.Context, m Message) error {
 func TestKeepaliveInsideATransactionMovesNothing(t *testing.T) {
 	ctx := context.Background()
 	broker := &syncRecorder{}
-	r := NewLogRelay("", broker)
+	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: LogRelayConfig{NeverPark: true, Unmarked: true}}
 	r.tel = newRelayTelemetry(nil, nil, r.table, "log")
 	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)} // never due to tell the server: there is none
 	feed := func(data []byte) {
@@ -119,7 +119,7 @@ func insertWithPayload(id, payload string) []byte {
 func TestLargeTransactionIsPublishedInPartsAsItIsRead(t *testing.T) {
 	ctx := context.Background()
 	broker := &syncRecorder{}
-	r := NewLogRelay("", broker)
+	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: LogRelayConfig{NeverPark: true, Unmarked: true}}
 	r.tel = newRelayTelemetry(nil, nil, r.table, "log")
 	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)} // never due to tell the server: there is none
 	most := 0

@@ -54,12 +54,10 @@ func TestStuckMarkRepublishesOnceABackoffAndSaysWhy(t *testing.T) {
 				}
 				return inner.Publish(ctx, m)
 			})
-			relay := postgres.NewOutboxRelay(db, broker)
-			relay.PerAggregate = perAggregate
-			relay.PassTimeout = 200 * time.Millisecond // how long the mark waits
-			relay.PollInterval, relay.PollOnly = time.Hour, true
 			var logs logBuffer
-			relay.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+			relay := newRelay(t, db, broker, postgres.RelayConfig{WholeTable: !perAggregate,
+				PassTimeout:  200 * time.Millisecond, // how long the mark waits
+				PollInterval: time.Hour, PollOnly: true, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 
 			const stuck = 4
 			var backoffs []time.Duration
@@ -119,8 +117,7 @@ func TestRefusalsStayInTheErrorWhenTheMarkFails(t *testing.T) {
 		}
 		return nil
 	})
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate = true
+	relay := newRelay(t, db, broker)
 	postgres.SetMark(relay, `SELECT 1/0 WHERE $1::bigint[] IS NOT NULL`) // a mark that fails: division by zero
 	n, err := relay.PublishPending(ctx)
 	var pgErr *pgconn.PgError
@@ -157,10 +154,8 @@ func TestRunStopsOnAFailureNoRetryMends(t *testing.T) {
 			db := open(t, name, "")
 			insertPending(t, db, 1)
 			relayDB := tc.setup(t, name, db)
-			relay := postgres.NewOutboxRelay(relayDB, &recorder{})
-			relay.PollOnly = true
 			var logs logBuffer
-			relay.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+			relay := newRelay(t, relayDB, &recorder{}, postgres.RelayConfig{PollOnly: true, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 			ctx, cancel := context.WithTimeout(context.Background(), generous)
 			defer cancel()
 			err := relay.Run(ctx)
@@ -214,9 +209,7 @@ func TestRunPassesAgainAtOnceAfterItsBudgetRanOut(t *testing.T) {
 		time.Sleep(40 * time.Millisecond) // the fault: a slow broker that finishes what it started
 		return broker.Publish(ctx, m)
 	})
-	relay := postgres.NewOutboxRelay(db, slow)
-	relay.PassTimeout = 100 * time.Millisecond
-	relay.PollInterval, relay.PollOnly = time.Hour, true
+	relay := newRelay(t, db, slow, postgres.RelayConfig{PassTimeout: 100 * time.Millisecond, PollInterval: time.Hour, PollOnly: true})
 	runRelay(t, relay)
 	waitUntil(t, "six rows marked sent", func() bool {
 		var n int
@@ -242,8 +235,7 @@ func TestBrokerThatReturnsLateStillGetsItsAcceptedMessagesMarked(t *testing.T) {
 		}
 		return nil
 	})
-	relay := postgres.NewOutboxRelay(db, late)
-	relay.PassTimeout = budget
+	relay := newRelay(t, db, late, postgres.RelayConfig{PassTimeout: budget})
 	if n, err := relay.PublishPending(ctx); n != 1 || !errors.Is(err, postgres.ErrBrokerUnavailable) {
 		t.Fatalf("pass = %d, %v; want 1 marked and the broker's error", n, err)
 	}
@@ -263,8 +255,7 @@ func TestBrokerThatReturnsLateStillGetsItsAcceptedMessagesMarked(t *testing.T) {
 		}
 		return nil
 	})
-	relay = postgres.NewOutboxRelay(db, later)
-	relay.PassTimeout = budget
+	relay = newRelay(t, db, later, postgres.RelayConfig{PassTimeout: budget})
 	n, err := relay.PublishPending(ctx)
 	if n != 0 || !strings.Contains(fmt.Sprint(err), "the pass ran past twice its budget") {
 		t.Errorf("pass with a broker past twice the budget = %d, %v; want 0, saying the pass ran past twice its budget", n, err)
@@ -279,8 +270,7 @@ func TestRunPassesOnceItListensAgain(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(open(t, name, "listening-relay"), broker)
-	relay.PollInterval = time.Hour
+	relay := newRelay(t, open(t, name, "listening-relay"), broker, postgres.RelayConfig{PollInterval: time.Hour})
 	var idle atomic.Bool // Run waits for a wake-up
 	postgres.SetRunWait(relay, func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
 		idle.Store(wake != nil)
@@ -327,8 +317,7 @@ func TestRunPassesOnceItListensAgain(t *testing.T) {
 func TestListenerBackoffStartsAgainOnceItListened(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
-	relay := postgres.NewOutboxRelay(open(t, name, "listening-relay"), &recorder{})
-	relay.PollInterval = time.Hour
+	relay := newRelay(t, open(t, name, "listening-relay"), &recorder{}, postgres.RelayConfig{PollInterval: time.Hour})
 	waits := make(chan time.Duration, 3)
 	postgres.SetListenWait(relay, func(ctx context.Context, d time.Duration, _ <-chan struct{}) bool {
 		waits <- d
@@ -477,8 +466,7 @@ func TestPublishThatHangsIsWrittenToItsRowAndNeverParks(t *testing.T) {
 		<-ctx.Done()
 		return fmt.Errorf("no ack: %w: %w", postgres.ErrRejected, ctx.Err()) // even a broker that says "rejected" late
 	})
-	relay := postgres.NewOutboxRelay(db, hang)
-	relay.PassTimeout, relay.ParkAfter = 200*time.Millisecond, 1
+	relay := newRelay(t, db, hang, postgres.RelayConfig{PassTimeout: 200 * time.Millisecond, ParkAfter: 1})
 	for range 3 {
 		if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, context.DeadlineExceeded) {
 			t.Fatalf("pass = %d, %v; want 0 and the deadline", n, err)
@@ -507,10 +495,8 @@ func TestRowThatKeepsFailingIsLoggedOnceAndCounted(t *testing.T) {
 	broker := brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		return fmt.Errorf("connection refused: %w", postgres.ErrBrokerUnavailable)
 	})
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PollOnly = true
 	var logs logBuffer
-	relay.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	relay := newRelay(t, db, broker, postgres.RelayConfig{PollOnly: true, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	const passes = postgres.FailingAfter + 3

@@ -159,10 +159,10 @@ func deleteInBatches(ctx context.Context, db stmts, query string, retention time
 	}
 }
 
-// ParkedMessage is a parked outbox row, as [ListParked] returns it. Its
-// Message carries the row's Aggregate and Seq: with
-// [OutboxRelay.PerAggregate] a parked row holds back every later event of
-// its aggregate until it is put back.
+// ParkedMessage is a parked outbox row, as [Outbox.ListParked] returns it. Its Message
+// carries the row's Aggregate and Seq: with order per aggregate (the
+// default) a parked row holds back every later event of its
+// aggregate until it is put back.
 type ParkedMessage struct {
 	Message
 	Attempts   int       // failed publishes, for any reason
@@ -237,15 +237,15 @@ DELETE FROM outbox WHERE id = $1 AND parked_at IS NOT NULL AND sent_at IS NULL
 RETURNING id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
           attempts, rejections, COALESCE(last_error, ''), parked_at`
 
-// DropParked deletes the parked row id, for good: a message that no
-// consumer needs, or that a person has delivered by other means. It returns
-// the row as it was, for the caller to log (its key, type and last error
-// say what was dropped and why it had been parked). An id that names no
-// parked row is refused with [ErrNotParked], and nothing is deleted. With
-// [OutboxRelay.PerAggregate], the row's aggregate goes on with its next
-// event, whose consumer, keeping the aggregate's order, will wait for the
-// dropped one ([ErrOutOfOrder]) until its bound: drop only what ends its
-// aggregate, or what its consumers can do without.
+// DropParked deletes the parked row id, for good: a message that no consumer
+// needs, or that a person has delivered by other means. It returns the row as
+// it was, for the caller to log (its key, type and last error say what was
+// dropped and why it had been parked). An id that names no parked row is
+// refused with [ErrNotParked], and nothing is deleted. With order per aggregate
+// (the default), the row's aggregate goes on with its next event,
+// whose consumer, keeping the aggregate's order, will wait for the dropped one
+// ([ErrOutOfOrder]) until its bound: drop only what ends its aggregate, or what
+// its consumers can do without.
 func (o *Outbox[T]) DropParked(ctx context.Context, id int64) (ParkedMessage, error) {
 	if err := o.usable(); err != nil {
 		return ParkedMessage{}, err

@@ -92,7 +92,7 @@ func TestIdsAreNotReusedAfterCleanup(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 100, 200, 300)
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
+	relay := newRelay(t, db, broker)
 	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("pass = %d, %v", n, err)
 	}
@@ -119,8 +119,7 @@ func TestCleanupBesideRelaysAndPlacementLosesNothing(t *testing.T) {
 	db := open(t, name, "")
 	broker := &recorder{}
 	for i := range 4 {
-		relay := postgres.NewOutboxRelay(open(t, name, fmt.Sprintf("relay-%d", i)), broker)
-		relay.BatchSize, relay.PollInterval = 20, 10*time.Millisecond
+		relay := newRelay(t, open(t, name, fmt.Sprintf("relay-%d", i)), broker, postgres.RelayConfig{BatchSize: 20, PollInterval: 10 * time.Millisecond})
 		runRelay(t, relay)
 	}
 	cleanerCtx, stopCleaner := context.WithCancel(ctx)
@@ -225,8 +224,7 @@ func TestForgetProcessedForgetsOnlyClosedPositions(t *testing.T) {
 		t.Fatal(err)
 	}
 	recorded := &recorder{}
-	relay := postgres.NewOutboxRelay(db, recorded)
-	relay.PerAggregate = true
+	relay := newRelay(t, db, recorded)
 	for range 2 { // order/1's cancellation goes once its placement was marked
 		if _, err := relay.PublishPending(ctx); err != nil {
 			t.Fatal(err)
@@ -289,8 +287,8 @@ func TestRejectedMessageIsParkedAndTheRestFlow(t *testing.T) {
 		}
 		return inner.Publish(ctx, m)
 	})
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.ParkAfter, relay.PerAggregate = 3, false // over the whole table, where a refusal stops the pass
+	// Over the whole table, where a refusal stops the pass.
+	relay := newRelay(t, db, broker, postgres.RelayConfig{ParkAfter: 3, WholeTable: true})
 
 	var counts []int
 	for range 3 {
@@ -356,8 +354,7 @@ func TestOnlyRejectionsParkAndOnlyWhenAskedTo(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			db := newDatabase(t)
 			place(t, db, 100, 200)
-			relay := postgres.NewOutboxRelay(db, brokerFunc(func(context.Context, postgres.Message) error { return tc.err }))
-			relay.ParkAfter = tc.parkAfter
+			relay := newRelay(t, db, brokerFunc(func(context.Context, postgres.Message) error { return tc.err }), postgres.RelayConfig{ParkAfter: tc.parkAfter, NeverPark: tc.parkAfter == 0})
 			for range 5 {
 				if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, tc.err) {
 					t.Fatalf("pass = %d, %v; want 0 and %v", n, err, tc.err)
@@ -401,7 +398,7 @@ func TestTwoProducersWithTheSameIDsThroughOneWarehouse(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if n, err := postgres.NewOutboxRelay(producer, broker).PublishPending(ctx); n != 2 || err != nil {
+		if n, err := newRelay(t, producer, broker).PublishPending(ctx); n != 2 || err != nil {
 			t.Fatalf("pass = %d, %v", n, err)
 		}
 	}

@@ -53,16 +53,21 @@ var ErrMigratorBusy = errors.New("postgres: another migrator holds the migration
 // schema is not at [SchemaVersion].
 var ErrSchemaVersion = errors.New("postgres: database schema is not at this package's version")
 
-// Migrate brings the outbox's tables in db to [SchemaVersion]: it applies,
-// in order, each migration that the table outbox_migrations does not record
-// yet, each in a transaction of its own with its record, so that a
-// migration is applied whole or not at all. It is idempotent: run again, it
-// applies nothing; run by two processes at once, the second waits for the
-// first, up to [MigrationLockWait], and then applies nothing (past that it
-// gives up with an error wrapping [ErrMigratorBusy], having applied
-// nothing). Each statement waits at most
-// [MigrationLockTimeout] for a lock; a migration that times out is rolled
-// back and Migrate returns an error saying which, to be run again.
+// Migrate is [Outbox.Migrate] on the table outbox of db.
+func Migrate(ctx context.Context, db *sql.DB) error {
+	return sqlOutbox(db, 0).Migrate(ctx)
+}
+
+// Migrate brings o's tables to [SchemaVersion]: it applies, in order, each
+// migration that <table>_migrations (outbox_migrations for the table outbox)
+// does not record yet, each in a transaction of its own with its record, so
+// that a migration is applied whole or not at all. It is idempotent: run
+// again, it applies nothing; run by two processes at once, the second waits
+// for the first, up to [MigrationLockWait], and then applies nothing (past
+// that it gives up with an error wrapping [ErrMigratorBusy], having applied
+// nothing). Each statement waits at most [MigrationLockTimeout] for a lock;
+// a migration that times out is rolled back and Migrate returns an error
+// saying which, to be run again.
 //
 // It creates the outbox table, its indexes and its NOTIFY trigger, for a
 // producer, and processed_messages and aggregate_positions, for a consumer
@@ -71,15 +76,8 @@ var ErrSchemaVersion = errors.New("postgres: database schema is not at this pack
 // migrations of their own.
 //
 // Run it as a step of its own, before the services start: the shop's
-// "migrate" command does. Services call [CheckSchema] instead, which takes
-// no lock.
-func Migrate(ctx context.Context, db *sql.DB) error {
-	return sqlOutbox(db, 0).Migrate(ctx)
-}
-
-// Migrate is [Migrate] for o: it creates o's table and what is named after
-// it, and the consumer's tables if they do not exist, recorded in
-// <table>_migrations.
+// "migrate" command does. Services call [Outbox.CheckSchema] instead, which
+// takes no lock.
 func (o *Outbox[T]) Migrate(ctx context.Context) error {
 	if err := o.usable(); err != nil {
 		return err
@@ -87,17 +85,17 @@ func (o *Outbox[T]) Migrate(ctx context.Context) error {
 	return o.t.migrations.apply(ctx, o.db)
 }
 
-// CheckSchema reports, with an error wrapping [ErrSchemaVersion], a
-// database whose outbox tables are not at [SchemaVersion]: one that
-// [Migrate] never ran on, one it has not yet brought to this version, or one
-// migrated by a newer version of this package. It reads one table and takes
-// no lock, so a service calls it at start-up and refuses to start on its
-// error, instead of running DDL.
+// CheckSchema is [Outbox.CheckSchema] on the table outbox of db.
 func CheckSchema(ctx context.Context, db *sql.DB) error {
 	return sqlOutbox(db, 0).CheckSchema(ctx)
 }
 
-// CheckSchema is [CheckSchema] for o.
+// CheckSchema reports, with an error wrapping [ErrSchemaVersion], a database
+// whose outbox tables are not at [SchemaVersion]: one that [Outbox.Migrate]
+// never ran on, one it has not yet brought to this version, or one migrated
+// by a newer version of this package. It reads one table and takes no lock,
+// so a service calls it at start-up and refuses to start on its error,
+// instead of running DDL.
 func (o *Outbox[T]) CheckSchema(ctx context.Context) error {
 	if err := o.usable(); err != nil {
 		return err

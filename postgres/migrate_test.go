@@ -78,7 +78,7 @@ func TestMigrateFromTheSchemaBeforeMigrationsLosesNoRow(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
+	relay := newRelay(t, db, broker)
 
 	var placed atomic.Int64
 	placed.Store(3)

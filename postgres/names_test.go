@@ -88,10 +88,10 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 	}
 
 	billingBroker, ordersBroker := &recorder{}, &recorder{}
-	if n := drain(t, billing.NewRelay(billingBroker)); int64(n) != billingWaiting {
+	if n := drain(t, newRelayOn(t, billing, billingBroker)); int64(n) != billingWaiting {
 		t.Fatalf("billing's relay published %d, want its %d rows", n, billingWaiting)
 	}
-	if n := drain(t, postgres.NewOutboxRelay(db, ordersBroker)); int64(n) != ordersWaiting {
+	if n := drain(t, newRelay(t, db, ordersBroker)); int64(n) != ordersWaiting {
 		t.Fatalf("the default outbox's relay published %d, want its %d rows", n, ordersWaiting)
 	}
 	for _, m := range billingBroker.Published() {
@@ -111,8 +111,7 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 
 	// Run listens on billing's own channel: with an hour between polls, a
 	// billing row is published because its commit woke the relay.
-	relay := billing.NewRelay(billingBroker)
-	relay.PollInterval = time.Hour
+	relay := newRelayOn(t, billing, billingBroker, postgres.RelayConfig{PollInterval: time.Hour})
 	before := len(billingBroker.Published())
 	runRelay(t, relay)
 	waitUntil(t, "billing's relay listening on billing_outbox", func() bool {
@@ -166,8 +165,7 @@ func TestDropParkedDeletesOnlyAParkedRowAndSaysWhich(t *testing.T) {
 		}
 		return broker.Publish(ctx, m)
 	})
-	relay := postgres.NewOutboxRelay(db, refuse2)
-	relay.ParkAfter = 1
+	relay := newRelay(t, db, refuse2, postgres.RelayConfig{ParkAfter: 1})
 	drain(t, relay)
 	if parked, err := postgres.ListParked(ctx, db, 0); err != nil || len(parked) != 1 || parked[0].ID != 2 {
 		t.Fatalf("ListParked = %v, %v; want row 2", parked, err)

@@ -55,8 +55,7 @@ func TestCancellationNeverOvertakesItsOrder(t *testing.T) {
 		return accepted.Publish(ctx, m)
 	})
 	for i := range 4 {
-		relay := postgres.NewOutboxRelay(open(t, name, fmt.Sprintf("relay-%d", i)), broker)
-		relay.PerAggregate, relay.BatchSize, relay.PollInterval = true, 3, 10*time.Millisecond
+		relay := newRelay(t, open(t, name, fmt.Sprintf("relay-%d", i)), broker, postgres.RelayConfig{BatchSize: 3, PollInterval: 10 * time.Millisecond})
 		runRelay(t, relay)
 	}
 
@@ -133,8 +132,7 @@ func TestRefusedMessageHoldsBackOnlyItsAggregate(t *testing.T) {
 		}
 		return accepted.Publish(ctx, m)
 	})
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate = true
+	relay := newRelay(t, db, broker)
 	for pass := 1; pass <= 6 && len(accepted.Published()) < 4; pass++ {
 		n, err := relay.PublishPending(ctx)
 		t.Logf("pass %d: published %d, error %v", pass, n, err)
@@ -181,8 +179,7 @@ func TestProducersWithoutTheLockCommitOutOfIDOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate = true
+	relay := newRelay(t, db, broker)
 	pass := func() {
 		t.Helper()
 		if _, err := relay.PublishPending(ctx); err != nil {
@@ -338,8 +335,7 @@ func TestParkedRowHoldsBackItsAggregate(t *testing.T) {
 		}
 		return accepted.Publish(ctx, m)
 	})
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PerAggregate, relay.ParkAfter = true, 1
+	relay := newRelay(t, db, broker, postgres.RelayConfig{ParkAfter: 1})
 	for range 3 {
 		if _, err := relay.PublishPending(ctx); err != nil {
 			t.Fatal(err)

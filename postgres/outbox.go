@@ -24,7 +24,7 @@
 // [Outbox.ReadLag] and [Outbox.ObserveLag] for a gauge; [Outbox.DeleteSent]
 // and [Outbox.ForgetProcessed] for bounded cleanup; parking of the
 // messages a broker rejects for ever ([ErrRejected],
-// [OutboxRelay.ParkAfter], [Outbox.ListParked], [Outbox.Unpark],
+// [RelayConfig.ParkAfter], [Outbox.ListParked], [Outbox.Unpark],
 // [Outbox.DropParked]). Two Outboxes of different tables share a database,
 // each with its own relays, lag and cleanup. [LogRelay] is the other relay,
 // which reads the server's log. Package pgtest, below this one, gives tests
@@ -42,7 +42,7 @@
 // unknown ([ErrCommitUnknown]); a consumer must drop duplicates, by a key
 // unique across producers ([Message.Key]); order holds per aggregate only if
 // producers, relays and consumers each keep it ([Event.Aggregate],
-// [OutboxRelay.PerAggregate], [ApplyOnce]).
+// the relay's order per aggregate, [ApplyOnce]).
 package postgres
 
 import (
@@ -326,26 +326,27 @@ type Executor interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }
 
-// ErrInvalidEventType is returned, wrapped, by [Outbox.Write] for an event type that a broker could not route: one
-// that is not words of letters, digits, '_' and '-' joined by single dots
-// ("UserRegistered", "user.registered"), or is longer than [MaxEventTypeLen]
-// bytes. A broker names its destination after the type (JetStream's
-// subject outbox.<type>), and a space or a wildcard there would hold the
-// row in the outbox for ever; refused at insert, the caller's transaction
-// learns of it while it can still roll back.
+// ErrInvalidEventType is returned, wrapped, by [Outbox.Write] for an event type
+// that a broker could not route: one that is not words of letters, digits, '_'
+// and '-' joined by single dots ("UserRegistered", "user.registered"), or is
+// longer than [MaxEventTypeLen] bytes. A broker names its destination after the
+// type (JetStream's subject outbox.<type>), and a space or a wildcard there
+// would hold the row in the outbox for ever; refused at insert, the caller's
+// transaction learns of it while it can still roll back.
 var ErrInvalidEventType = errors.New("postgres: event type no broker can route")
 
 // MaxEventTypeLen is the longest event type, in bytes.
 const MaxEventTypeLen = 200
 
-// ErrInvalidPayload is returned, wrapped, by [Outbox.Write] for a payload given as JSON text ([]byte or
-// json.RawMessage) that is not valid JSON: stored, it would reach every
-// consumer as a message none can read. Nothing is written.
+// ErrInvalidPayload is returned, wrapped, by [Outbox.Write] for a payload given
+// as JSON text ([]byte or json.RawMessage) that is not valid JSON: stored, it
+// would reach every consumer as a message none can read. Nothing is written.
 var ErrInvalidPayload = errors.New("postgres: payload is not valid JSON")
 
-// ErrInvalidSeq is returned, wrapped, by [Outbox.Write] for a seq below 1
-// with an aggregate, or any seq without one: an aggregate's events are numbered from 1, and a consumer
-// ([ApplyOnce]) refuses any other as malformed. Nothing is written.
+// ErrInvalidSeq is returned, wrapped, by [Outbox.Write] for a seq below 1 with
+// an aggregate, or any seq without one: an aggregate's events are numbered from
+// 1, and a consumer ([ApplyOnce]) refuses any other as malformed. Nothing is
+// written.
 var ErrInvalidSeq = errors.New("postgres: an aggregate's seq starts at 1")
 
 // InsertOutbox is [Outbox.Write] of an event with no aggregate, on the

@@ -59,7 +59,7 @@ func TestOutboxKeepsMessageWhileBrokerIsDownAndRelaysItWhenBack(t *testing.T) {
 	db := newDatabase(t)
 	broker := &recorder{}
 	broker.SetDown(true)
-	relay := postgres.NewOutboxRelay(db, broker)
+	relay := newRelay(t, db, broker)
 
 	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
@@ -130,7 +130,7 @@ func TestSecondRelayPassDoesNotRepublishSentMessages(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
+	relay := newRelay(t, db, broker)
 	service := shop.NewOrderService(db)
 	for _, total := range []int64{2500, 4000} {
 		if _, err := service.PlaceOrder(ctx, total); err != nil {
@@ -235,7 +235,7 @@ func TestRowCommittedAfterAHigherIDIsSentLateNotLost(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	flagBroker, markBroker := &recorder{}, &recorder{}
-	relay := postgres.NewOutboxRelay(db, flagBroker)
+	relay := newRelay(t, db, flagBroker)
 	wrong := &highWaterMarkRelay{db: db, broker: markBroker}
 	passBoth := func() {
 		t.Helper()
@@ -331,7 +331,7 @@ func drainWithFourRelays(t *testing.T, name string, rows int) {
 			})
 			return publish(shared, m)
 		})
-		relay := postgres.NewOutboxRelay(open(t, name, fmt.Sprintf("relay-%d", i)), broker)
+		relay := newRelay(t, open(t, name, fmt.Sprintf("relay-%d", i)), broker)
 		wg.Go(func() {
 			for {
 				n, err := relay.PublishPending(ctx)
@@ -391,12 +391,12 @@ func TestRelayThatDiesAfterPublishingSendsAgainAndConsumerAppliesOnce(t *testing
 		}
 		return nil
 	})
-	if n, err := postgres.NewOutboxRelay(open(t, name, "dying-relay"), dying).PublishPending(ctx); n != 0 || err == nil {
+	if n, err := newRelay(t, open(t, name, "dying-relay"), dying).PublishPending(ctx); n != 0 || err == nil {
 		t.Fatalf("the dying relay's pass = %d, %v; want 0 marked and an error", n, err)
 	}
 	wantSent(t, db, false, false, false)
 
-	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 3 || err != nil {
+	if n, err := newRelay(t, db, broker).PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("the next relay's pass = %d, %v; want 3, <nil>", n, err)
 	}
 	if got := broker.IDs(); !slices.Equal(got, []int64{1, 2, 3, 1, 2, 3}) {
@@ -475,7 +475,7 @@ func TestRelayPublishesAnyRowInIDOrder(t *testing.T) {
 	}
 	place(t, db, 300)
 	broker := &recorder{}
-	if _, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); err != nil {
+	if _, err := newRelay(t, db, broker).PublishPending(ctx); err != nil {
 		t.Fatal(err)
 	}
 	wantPublished(t, broker,
@@ -490,8 +490,7 @@ func TestPassPublishesAtMostBatchSize(t *testing.T) {
 	db := newDatabase(t)
 	place(t, db, 1, 2, 3, 4, 5)
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.BatchSize = 2
+	relay := newRelay(t, db, broker, postgres.RelayConfig{BatchSize: 2})
 	var got []int
 	for range 4 {
 		n, err := relay.PublishPending(ctx)
@@ -519,8 +518,7 @@ func TestMessageRefusedForEverBlocksEveryLaterMessage(t *testing.T) {
 		}
 		return publish(broker, m)
 	})
-	relay := postgres.NewOutboxRelay(db, refuse2)
-	relay.PerAggregate, relay.ParkAfter = false, 0 // the article's relay
+	relay := newRelay(t, db, refuse2, postgres.RelayConfig{WholeTable: true, NeverPark: true}) // the article's relay
 	for pass := 1; pass <= 3; pass++ {
 		n, err := relay.PublishPending(ctx)
 		if want := map[bool]int{true: 1, false: 0}[pass == 1]; n != want || !errors.Is(err, errRefused) ||
@@ -860,7 +858,7 @@ func TestInsertOutboxInATeamsOwnTransaction(t *testing.T) {
 		}
 	}
 	broker := &recorder{}
-	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 1 || err != nil {
+	if n, err := newRelay(t, db, broker).PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("pass = %d, %v; want 1", n, err)
 	}
 	if m := broker.Published()[0]; m.Type != "CustomerRegistered" || m.Payload != `{"customerId":7}` {
@@ -960,4 +958,29 @@ func TestApplyOnceOnATeamsOwnTable(t *testing.T) {
 // publish hands m to b.
 func publish(b *recorder, m postgres.Message) error {
 	return b.Publish(context.Background(), m)
+}
+
+// newRelay is the relay cfg describes (none: the defaults) on the table
+// outbox of db; a configuration NewRelay refuses fails tb.
+func newRelay(tb testing.TB, db *sql.DB, broker postgres.MessageBroker, cfg ...postgres.RelayConfig) *postgres.OutboxRelay {
+	tb.Helper()
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return newRelayOn(tb, ob, broker, cfg...)
+}
+
+// newRelayOn is newRelay on the Outbox ob.
+func newRelayOn[T any](tb testing.TB, ob *postgres.Outbox[T], broker postgres.MessageBroker, cfg ...postgres.RelayConfig) *postgres.OutboxRelay {
+	tb.Helper()
+	var c postgres.RelayConfig
+	if len(cfg) > 0 {
+		c = cfg[0]
+	}
+	r, err := ob.NewRelay(broker, c)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return r
 }

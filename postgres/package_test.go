@@ -18,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
 
@@ -166,16 +167,19 @@ func (fakeDriver) Open(string) (driver.Conn, error) {
 	return nil, errors.New("fake driver: no connection")
 }
 
-// A relay configured so that it cannot run is refused before it claims
-// anything, with an error wrapping ErrInvalidConfig that names the setting:
-// another driver than pgx's, no broker, a budget or batch of zero, a
-// negative ParkAfter, a pool of one connection (a pass needs two: its
-// transaction and the flush of the server's log) and, for Run, a pool of
-// two (it listens on a third). NewOutboxRelay's own settings pass, and no
-// connection is made to tell. (Caught: a panic on another driver; a pool
-// of one whose every flushing pass failed at its budget, "flush the
-// server's log …: context deadline exceeded".)
-func TestRelayConfigurationIsValidatedBeforeAnyClaim(t *testing.T) {
+// A relay that cannot run as configured is refused when it is made, with
+// an error wrapping ErrInvalidConfig that names the setting, and nothing is
+// claimed: another driver than pgx's, no broker, a negative budget, batch,
+// ParkAfter, poll interval or backoff, a batch over MaxBatchSize,
+// ParkAfter with NeverPark, an empty standby name, a pool of two for a
+// relay that listens (Run takes a third), and a pool of one even for a
+// polling relay (a pass needs two: its transaction and the flush of the
+// server's log). The zero RelayConfig is the defaults, each filled in; no
+// connection is made to tell. A relay no NewRelay made refuses to pass or
+// run. (Caught: a panic on another driver; a pool of one whose every
+// flushing pass failed at its budget, "flush the server's log …: context
+// deadline exceeded"; configuration read from fields at the first pass.)
+func TestRelayConfigurationIsCheckedWhenTheRelayIsMade(t *testing.T) {
 	ctx := context.Background()
 	other, err := sql.Open("outbox-fake", "")
 	if err != nil {
@@ -193,56 +197,54 @@ func TestRelayConfigurationIsValidatedBeforeAnyClaim(t *testing.T) {
 	}
 	broker := &recorder{}
 	for _, c := range []struct {
-		name  string
-		relay func() *postgres.OutboxRelay
-		run   bool   // Run alone refuses it
-		says  string // the error names this
+		name   string
+		db     *sql.DB
+		broker postgres.MessageBroker
+		cfg    postgres.RelayConfig
+		says   string // the error names this
 	}{
-		{"another driver", func() *postgres.OutboxRelay { return postgres.NewOutboxRelay(other, broker) }, false, "postgres_test.fakeDriver"},
-		{"no broker", func() *postgres.OutboxRelay { return postgres.NewOutboxRelay(pool(0), nil) }, false, "no broker"},
-		{"a budget of zero", func() *postgres.OutboxRelay {
-			r := postgres.NewOutboxRelay(pool(0), broker)
-			r.PassTimeout = 0
-			return r
-		}, false, "PassTimeout is 0s"},
-		{"a batch of zero", func() *postgres.OutboxRelay {
-			r := postgres.NewOutboxRelay(pool(0), broker)
-			r.BatchSize = 0
-			return r
-		}, false, "BatchSize is 0"},
-		{"a negative ParkAfter", func() *postgres.OutboxRelay {
-			r := postgres.NewOutboxRelay(pool(0), broker)
-			r.ParkAfter = -1
-			return r
-		}, false, "ParkAfter is -1"},
-		{"a pool of one", func() *postgres.OutboxRelay { return postgres.NewOutboxRelay(pool(1), broker) }, false, "allows 1 open connections"},
-		{"a pool of two, for Run", func() *postgres.OutboxRelay { return postgres.NewOutboxRelay(pool(2), broker) }, true, "needs 3"},
-		{"no poll interval, for Run", func() *postgres.OutboxRelay {
-			r := postgres.NewOutboxRelay(pool(0), broker)
-			r.PollInterval = 0
-			return r
-		}, true, "PollInterval is 0s"},
+		{"another driver", other, broker, postgres.RelayConfig{}, "postgres_test.fakeDriver"},
+		{"no broker", pool(0), nil, postgres.RelayConfig{}, "no broker"},
+		{"a negative budget", pool(0), broker, postgres.RelayConfig{PassTimeout: -time.Second}, "RelayConfig.PassTimeout -1s"},
+		{"a negative batch", pool(0), broker, postgres.RelayConfig{BatchSize: -1}, "RelayConfig.BatchSize -1"},
+		{"a batch too large", pool(0), broker, postgres.RelayConfig{BatchSize: postgres.MaxBatchSize + 1}, "RelayConfig.BatchSize 10001"},
+		{"a negative ParkAfter", pool(0), broker, postgres.RelayConfig{ParkAfter: -1}, "RelayConfig.ParkAfter -1"},
+		{"ParkAfter with NeverPark", pool(0), broker, postgres.RelayConfig{ParkAfter: 2, NeverPark: true}, "RelayConfig.ParkAfter 2 with NeverPark"},
+		{"an empty standby", pool(0), broker, postgres.RelayConfig{Standbys: []string{"a", ""}}, "RelayConfig.Standbys"},
+		{"a negative poll interval", pool(0), broker, postgres.RelayConfig{PollInterval: -time.Second}, "RelayConfig.PollInterval -1s"},
+		{"a negative backoff", pool(0), broker, postgres.RelayConfig{MaxBackoff: -time.Second}, "RelayConfig.MaxBackoff -1s"},
+		{"a pool of two for Run", pool(2), broker, postgres.RelayConfig{}, "needs 3"},
+		{"a pool of one, polling", pool(1), broker, postgres.RelayConfig{PollOnly: true}, "allows 1 open connections"},
 	} {
-		if !c.run {
-			n, err := c.relay().PublishPending(ctx)
-			if n != 0 || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), c.says) {
-				t.Errorf("%s: PublishPending = %d, %v; want ErrInvalidConfig saying %q", c.name, n, err, c.says)
-			}
-		}
-		err := c.relay().Run(ctx)
-		if !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), c.says) {
-			t.Errorf("%s: Run = %v; want ErrInvalidConfig saying %q", c.name, err, c.says)
+		r, err := postgres.NewOutboxRelay(c.db, c.broker, c.cfg)
+		if r != nil || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), c.says) {
+			t.Errorf("%s: NewOutboxRelay = %v, %v; want ErrInvalidConfig saying %q", c.name, r, err, c.says)
 		}
 		t.Logf("%s: %v", c.name, err)
 	}
-	for _, max := range []int{0, 3} {
-		if err := postgres.NewOutboxRelay(pool(max), broker).Validate(); err != nil {
-			t.Errorf("NewOutboxRelay's own settings on a pool of %d: %v", max, err)
+	for _, c := range []struct {
+		max int
+		cfg postgres.RelayConfig
+	}{{0, postgres.RelayConfig{}}, {3, postgres.RelayConfig{}}, {2, postgres.RelayConfig{PollOnly: true}}} {
+		r, err := postgres.NewOutboxRelay(pool(c.max), broker, c.cfg)
+		if err != nil {
+			t.Errorf("%+v on a pool of %d: %v", c.cfg, c.max, err)
+			continue
+		}
+		got := r.Config()
+		if got.BatchSize != postgres.DefaultBatchSize || got.PassTimeout != postgres.DefaultPassTimeout || got.ParkAfter != postgres.DefaultParkAfter ||
+			got.PollInterval != postgres.DefaultPollInterval || got.MaxBackoff != postgres.DefaultMaxBackoff || got.WholeTable || got.NeverPark {
+			t.Errorf("the zero RelayConfig became %+v; want every default", got)
 		}
 	}
-	polling := postgres.NewOutboxRelay(pool(2), broker)
-	polling.PollOnly = true
-	if err := polling.Validate(); err != nil {
-		t.Errorf("a polling relay on a pool of two: %v", err)
+	if got := newRelay(t, pool(0), broker, postgres.RelayConfig{NeverPark: true}).Config(); got.ParkAfter != 0 {
+		t.Errorf("NeverPark: ParkAfter %d, want 0", got.ParkAfter)
+	}
+	var zero postgres.OutboxRelay
+	if n, err := zero.PublishPending(ctx); n != 0 || !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("a zero OutboxRelay's pass = %d, %v; want ErrInvalidConfig", n, err)
+	}
+	if err := zero.Run(ctx); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("a zero OutboxRelay's Run = %v; want ErrInvalidConfig", err)
 	}
 }

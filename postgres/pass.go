@@ -33,13 +33,13 @@ type passResult struct {
 
 // pass is PublishPending, reporting more.
 func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
-	batch, budget := r.BatchSize, r.PassTimeout
+	batch, budget := r.cfg.BatchSize, r.cfg.PassTimeout
 	tel, start := r.telemetry(), time.Now()
 	var span trace.Span // started once the claim found rows: an empty pass makes no trace
 	defer func() { tel.endPass(ctx, span, start, res, err) }()
-	if r.OnPass != nil {
+	if r.cfg.OnPass != nil {
 		defer func() {
-			r.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Parked: len(res.parked),
+			r.cfg.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Parked: len(res.parked),
 				Flushed: res.flushed, Err: err})
 		}()
 	}
@@ -61,7 +61,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	defer tx.rollback() // after a commit this does nothing; otherwise it frees the claim
 
 	query := r.outbox.sql.claimRows
-	if r.PerAggregate {
+	if !r.cfg.WholeTable {
 		query = r.outbox.sql.claimRuns
 	}
 	// Until the claim is done nothing is published, so a stop may cut it
@@ -70,8 +70,8 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	claimCtx, cancelClaim := context.WithCancel(txCtx)
 	defer cancelClaim()
 	defer context.AfterFunc(ctx, cancelClaim)()
-	msgs, wal, head, err := claim(claimCtx, tx, query, batch, millis(budget), millis(2*budget), r.PerAggregate)
-	if err == nil && r.PerAggregate && head.passedOver(msgs) {
+	msgs, wal, head, err := claim(claimCtx, tx, query, batch, millis(budget), millis(2*budget), !r.cfg.WholeTable)
+	if err == nil && !r.cfg.WholeTable && head.passedOver(msgs) {
 		// Rows of an aggregate may have been claimed without its first:
 		// those stay as they are, claimed by this pass and left unsent.
 		msgs, err = r.runsOnly(claimCtx, tx, msgs)
@@ -99,7 +99,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		}
 	}
 	// The standbys get only what the primary flushed: first the flush.
-	if len(msgs) > 0 && len(r.Standbys) > 0 {
+	if len(msgs) > 0 && len(r.cfg.Standbys) > 0 {
 		if err := r.waitForStandbys(pubCtx, tx, wal.inserted); err != nil {
 			if ctx.Err() != nil {
 				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
@@ -111,7 +111,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	sent := make([]int64, 0, len(msgs))
 	var failed []failure
 	var stop error      // why publishing stopped before the end of the batch, if it matters
-	var refused []error // with PerAggregate, the refusals the pass went on after
+	var refused []error // with order per aggregate, the refusals the pass went on after
 	checked := time.Now()
 	for pending := msgs; len(pending) > 0; {
 		if pubCtx.Err() != nil {
@@ -148,17 +148,17 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		// once: a parent's Err is set before its children are cancelled.
 		inTime := pubCtx.Err() == nil
 		f := failure{id: msg.ID, key: msg.Key, err: err, rejected: inTime && errors.Is(err, ErrRejected)}
-		f.park = f.rejected && r.ParkAfter > 0 && msg.rejections+1 >= r.ParkAfter
+		f.park = f.rejected && r.cfg.ParkAfter > 0 && msg.rejections+1 >= r.cfg.ParkAfter
 		failed = append(failed, f)
 		if inTime { // the broker's own failure, not the end of the pass
 			if f.park {
 				res.parked = append(res.parked, msg.ID)
-				if r.PerAggregate { // parked, it still holds back its aggregate
+				if !r.cfg.WholeTable { // parked, it still holds back its aggregate
 					pending = without(pending, msg.Aggregate)
 				}
 				continue // set aside: the rows after it go on
 			}
-			if r.PerAggregate && !errors.Is(err, ErrBrokerUnavailable) {
+			if !r.cfg.WholeTable && !errors.Is(err, ErrBrokerUnavailable) {
 				// It holds back its aggregate alone: the pass goes on
 				// with the other aggregates' rows.
 				refused = append(refused, fmt.Errorf("publish message %d: %w", msg.ID, err))
@@ -224,7 +224,7 @@ func why(txCtx context.Context, err error) string {
 }
 
 // ErrStandbyBehind is returned, wrapped, by [OutboxRelay.PublishPending]
-// when a pass's standbys (OutboxRelay.Standbys) had not flushed the log
+// when a pass's standbys (RelayConfig.Standbys) had not flushed the log
 // past its rows' commits within its budget: it published nothing, and the
 // rows wait for a later pass.
 var ErrStandbyBehind = errors.New("postgres: a standby the relay waits for is behind")
@@ -244,11 +244,11 @@ const standbysFlushed = `SELECT count(DISTINCT application_name) = cardinality($
        pg_has_role('pg_read_all_stats', 'USAGE')
 FROM pg_stat_replication WHERE application_name = ANY($2::text[]) AND flush_lsn >= $1::pg_lsn`
 
-// waitForStandbys waits until every standby of r.Standbys has flushed the
+// waitForStandbys waits until every standby of r.cfg.Standbys has flushed the
 // log up to lsn, looking again after 1 ms, then twice as long each time up
 // to 50 ms, until ctx ends.
 func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx txn, lsn string) error {
-	names := slices.Compact(slices.Sorted(slices.Values(r.Standbys)))
+	names := slices.Compact(slices.Sorted(slices.Values(r.cfg.Standbys)))
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		var caught, readable bool
 		err := tx.queryRow(ctx, standbysFlushed, lsn, names).Scan(&caught, &readable)
@@ -340,22 +340,22 @@ func cannotPass(err error) bool {
 // accepted and, if it did not accept them all, the error of the first it did
 // not accept.
 //
-// A pass with PerAggregate holds only runs of each aggregate from its
+// A pass with order per aggregate holds only runs of each aggregate from its
 // first unsent row, and the next row of an aggregate is claimed only once
 // the rows before it are marked: so a batch that holds no aggregate twice
 // breaks no order a consumer relies on, whatever the broker stores after a
 // message it refused. Over the whole table it would: so without
-// PerAggregate the relay sends a batch only to a [SequencePublisher].
+// order per aggregate the relay sends a batch only to a [SequencePublisher].
 func (r *OutboxRelay) publish(ctx context.Context, msgs []claimed) (int, error) {
 	_, batches := r.broker.(BatchPublisher)
-	if _, sequences := r.broker.(SequencePublisher); !sequences && !(batches && r.PerAggregate) {
+	if _, sequences := r.broker.(SequencePublisher); !sequences && !(batches && !r.cfg.WholeTable) {
 		return sendOne(ctx, r.telemetry(), r.broker, msgs[0].Message) // one at a time: nothing to copy
 	}
 	batch := make([]Message, len(msgs))
 	for i, m := range msgs {
 		batch[i] = m.Message
 	}
-	return send(ctx, r.telemetry(), r.broker, batch, r.PerAggregate)
+	return send(ctx, r.telemetry(), r.broker, batch, !r.cfg.WholeTable)
 }
 
 // send publishes msgs from the first, each in a send span: through a

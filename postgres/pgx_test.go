@@ -64,7 +64,7 @@ func TestWriteInAPgxTransaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 1 || err != nil {
+	if n, err := newRelay(t, db, broker).PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("pass = %d, %v; want the row", n, err)
 	}
 	m := broker.Published()[0]
@@ -132,7 +132,7 @@ func TestRelayOnAPgxPool(t *testing.T) {
 	}
 	write(3)
 	broker := &recorder{}
-	relay := ob.NewRelay(broker)
+	relay := newRelayOn(t, ob, broker)
 	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("pass = %d, %v; want 3", n, err)
 	}
@@ -141,9 +141,11 @@ func TestRelayOnAPgxPool(t *testing.T) {
 		t.Errorf("%d rows unsent after the pass, want 0", n)
 	}
 
-	relay.PollInterval = time.Hour // only a notification wakes it
 	var passes atomic.Int32
-	relay.OnPass = func(postgres.PassReport) { passes.Add(1) }
+	relay = newRelayOn(t, ob, broker, postgres.RelayConfig{
+		PollInterval: time.Hour, // only a notification wakes it
+		OnPass:       func(postgres.PassReport) { passes.Add(1) },
+	})
 	stop := runRelay(t, relay)
 	// Run passes once as it starts and once as it listens: after both, only
 	// a notification can publish the next row within the hour.
@@ -158,10 +160,9 @@ func TestRelayOnAPgxPool(t *testing.T) {
 	}
 
 	write(1) // id 5, refused for ever
-	refusing := ob.NewRelay(brokerFunc(func(context.Context, postgres.Message) error {
+	refusing := newRelayOn(t, ob, brokerFunc(func(context.Context, postgres.Message) error {
 		return fmt.Errorf("too large: %w", postgres.ErrRejected)
-	}))
-	refusing.ParkAfter = 1
+	}), postgres.RelayConfig{ParkAfter: 1})
 	if n, err := refusing.PublishPending(ctx); n != 0 || err != nil {
 		t.Fatalf("pass with a refusing broker = %d, %v; want 0, <nil> and the row parked", n, err)
 	}
@@ -182,11 +183,8 @@ func TestRelayOnAPgxPool(t *testing.T) {
 		t.Errorf("the log flushed to %s before the flush and %s after it (%v): want it moved", before, after, err)
 	}
 
-	small := pgxOutbox(t, newPool(t, name, 2)).NewRelay(broker)
-	runCtx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	if err := small.Run(runCtx); !errors.Is(err, postgres.ErrInvalidConfig) {
-		t.Errorf("Run on a pool of 2 = %v, want ErrInvalidConfig", err)
+	if small, err := pgxOutbox(t, newPool(t, name, 2)).NewRelay(broker, postgres.RelayConfig{}); small != nil || !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("NewRelay on a pool of 2 = %v, %v; want ErrInvalidConfig (Run needs 3)", small, err)
 	}
 	if ob, err := postgres.Open(nil, postgres.Config{}); ob != nil || !errors.Is(err, postgres.ErrInvalidConfig) {
 		t.Errorf("Open with no pool = %v, %v; want ErrInvalidConfig", ob, err)

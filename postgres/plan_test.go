@@ -23,7 +23,7 @@ func TestMarkFindsItsRowsByIndexAfterTheTableGrew(t *testing.T) {
 	// The pool hands out the connection returned last, so every pass runs on
 	// the same one, and its prepared statements are the ones measured.
 	db.SetMaxOpenConns(2)
-	relay := postgres.NewOutboxRelay(db, discard{})
+	relay := newRelay(t, db, discard{}, postgres.RelayConfig{PollOnly: true}) // passes alone, on two connections
 	insert := func(n int) {
 		t.Helper()
 		if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
@@ -77,8 +77,7 @@ func TestClaimIsPlannedOncePerConnection(t *testing.T) {
 		t.Run(fmt.Sprintf("PerAggregate=%v", perAggregate), func(t *testing.T) {
 			db := newDatabase(t)
 			db.SetMaxOpenConns(2) // a pass may flush the server's log on a second one
-			relay := postgres.NewOutboxRelay(db, discard{})
-			relay.PerAggregate = perAggregate
+			relay := newRelay(t, db, discard{}, postgres.RelayConfig{WholeTable: !perAggregate, PollOnly: true})
 			for i := range 20 {
 				insertRun(t, db, "hot", 10*i+1, 10)
 				if n, err := relay.PublishPending(ctx); n != 10 || err != nil {

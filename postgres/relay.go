@@ -14,12 +14,12 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// DefaultBatchSize is how many rows a relay pass claims, as
-// [NewOutboxRelay] sets [OutboxRelay.BatchSize].
+// DefaultBatchSize is how many rows a relay pass claims when
+// [RelayConfig.BatchSize] is zero.
 const DefaultBatchSize = 100
 
-// DefaultPassTimeout is a relay pass's time budget, as [NewOutboxRelay]
-// sets [OutboxRelay.PassTimeout].
+// DefaultPassTimeout is a relay pass's time budget when
+// [RelayConfig.PassTimeout] is zero.
 const DefaultPassTimeout = 5 * time.Second
 
 // ClaimCheckInterval is how often, at most, a relay pass asks the server
@@ -93,7 +93,7 @@ const FailingAfter = 5
 //
 // What several relays give up is one global order: each publishes its own
 // batch in id order, but batches of different relays interleave
-// (PerAggregate keeps the order of each aggregate instead). Nor is id
+// (order per aggregate, the default, keeps each aggregate's). Nor is id
 // order commit order on PostgreSQL: the trap test,
 // TestRowCommittedAfterAHigherIDIsSentLateNotLost, shows a row sent late, not
 // lost. Delivery is at least once: a relay that dies after publishing and
@@ -102,68 +102,91 @@ const FailingAfter = 5
 //
 // An OutboxRelay is safe for concurrent use by multiple goroutines, and any
 // number of relays may run over one database: overlapping passes claim
-// disjoint rows. Create one with [NewOutboxRelay]: the zero value has no
-// database and no broker.
+// disjoint rows. Make one with [Outbox.NewRelay], which checks its
+// [RelayConfig]; it is fixed from then on. The zero OutboxRelay has no
+// database and no broker, and its passes fail with [ErrInvalidConfig].
 type OutboxRelay struct {
 	db     pool // nil if none was given
 	broker MessageBroker
 	outbox *tables
+	cfg    RelayConfig // with the defaults filled in
 
-	// BatchSize is the most rows one pass claims and publishes,
-	// DefaultBatchSize unless set; it must be positive.
+	// wait is how Run waits, listenWait how its listener waits before it
+	// listens again, and mark the statement that marks: seams for the tests
+	// and benchmarks; nil and "" are sleep and markSent.
+	wait, listenWait func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool
+	mark             string
+
+	telemetryOnce sync.Once
+	tel           *relayTelemetry
+}
+
+// RelayConfig configures an [OutboxRelay]: [Outbox.NewRelay] checks it,
+// refuses a bad value with an error that names it, and keeps a copy, so
+// that nothing changes a relay once made. The zero RelayConfig is the relay
+// as a team should run it: order per aggregate, a batch at once where the
+// broker allows it, a message the broker refused DefaultParkAfter times
+// set aside, and the Default constants' budget, batch and intervals. Zero
+// means the default in every field.
+//
+// The article's relay, the whole table in id order stopping at the first
+// refusal and never setting a message aside, is RelayConfig{WholeTable:
+// true, NeverPark: true}.
+type RelayConfig struct {
+	// BatchSize is the most rows one pass claims and publishes: 0 means
+	// DefaultBatchSize, and at most MaxBatchSize.
 	BatchSize int
 
-	// PassTimeout is a pass's time budget for publishing,
-	// DefaultPassTimeout unless set; it must be positive. The pass's statements, its mark and its commit get
-	// as long again, so a pass ends at most twice PassTimeout after it
+	// PassTimeout is a pass's time budget for publishing: 0 means
+	// DefaultPassTimeout. The pass's statements, its mark and its commit
+	// get as long again, so a pass ends at most twice PassTimeout after it
 	// began; a stop before the claim returns (one waiting for a lock) ends
-	// the pass at once. Set it before the first pass, longer than the
-	// broker's slowest publish of a batch.
+	// the pass at once. Make it longer than the broker's slowest publish
+	// of a batch.
 	PassTimeout time.Duration
 
 	// ParkAfter is how many rejections (broker errors wrapping ErrRejected)
-	// set a row aside, parked: it is no longer published and no longer holds
-	// back the rows after it, which go on in the same pass. Zero keeps the
-	// article's relay: a message the broker refuses for ever
-	// blocks every message after it, and the order of all of them is kept.
-	// Parking gives up that message's place in the order: if it is put back
-	// (Unpark), it is published after messages that were written after it.
-	// Errors that do not wrap ErrRejected, a broker that is down among them,
-	// never park a row. ReadLag counts the parked rows; ListParked lists
-	// them. NewOutboxRelay sets DefaultParkAfter.
+	// set a row aside, parked: 0 means DefaultParkAfter. A parked row is no
+	// longer published and no longer holds back the rows after it, which go
+	// on in the same pass; put back (Unpark), it is published after
+	// messages that were written after it. Errors that do not wrap
+	// ErrRejected, a broker that is down among them, never park a row.
+	// ReadLag counts the parked rows; ListParked lists them.
 	ParkAfter int
 
-	// PerAggregate makes the relay keep order per aggregate instead of over
-	// the whole table (see [Message.Aggregate]). A pass then publishes an
-	// aggregate's rows only as a run from its first unsent row, so a
-	// message being retried, or held by another relay, is never overtaken
-	// by a later one of its aggregate, however many relays run; a hot
-	// aggregate's backlog goes a batch a pass, like the whole table's. It
-	// hands a [BatchPublisher] the rows of its batch that hold no aggregate
-	// twice at once, and a [SequencePublisher] the whole batch when an
-	// aggregate is in it twice. A message the
-	// broker refuses holds back its aggregate alone: the pass goes on with
-	// the other aggregates' rows (it stops only when the broker is
-	// unavailable), and reports the refusals in its error; later passes
-	// leave that aggregate's later rows unclaimed until it is published. A parked row,
-	// too, holds back the rest of its aggregate until Unpark.
+	// NeverPark keeps the article's relay on rejections: a message the
+	// broker refuses for ever blocks every message after it (of its
+	// aggregate, or of the table with WholeTable), and their order is kept.
+	// ParkAfter must then be 0.
+	NeverPark bool
+
+	// WholeTable makes the relay keep the article's order, the whole table
+	// in id order, instead of order per aggregate (see
+	// [Message.Aggregate]). That is right for one relay, and for events
+	// whose order between aggregates matters too: a pass stops at the
+	// first refusal, and publishes one message at a time (a batch a pass to
+	// a [SequencePublisher]).
 	//
-	// NewOutboxRelay sets it. Without it the relay keeps the article's
-	// order: the whole table in id
-	// order for one relay, stopping at the first refusal, and publishing
-	// one message at a time (a batch a pass to a [SequencePublisher]). That is right for one relay, and for events
-	// whose order between aggregates matters too.
+	// Without it, a pass publishes an aggregate's rows only as a run from
+	// its first unsent row, so a message being retried, or held by another
+	// relay, is never overtaken by a later one of its aggregate, however
+	// many relays run; a hot aggregate's backlog goes a batch a pass, like
+	// the whole table's. It hands a [BatchPublisher] the rows of its batch
+	// that hold no aggregate twice at once, and a [SequencePublisher] the
+	// whole batch when an aggregate is in it twice. A message the broker
+	// refuses holds back its aggregate alone: the pass goes on with the
+	// other aggregates' rows (it stops only when the broker is
+	// unavailable), and reports the refusals in its error; later passes
+	// leave that aggregate's later rows unclaimed until it is published. A
+	// parked row, too, holds back the rest of its aggregate until Unpark.
 	// With several relays, whose batches interleave, or when one stuck
-	// message must not stop every other, PerAggregate is the one that keeps
-	// an order a consumer can rely on. Its price: a claim that reads a
-	// batch's index entries twice (to tell whether it passed over a row),
-	// and a statement more, which looks up each claimed aggregate's run,
-	// when it passed over a row another relay holds; and a row of an
-	// aggregate that another relay's pass holds waits for a pass after that
-	// one's (BenchmarkDeliverOrdered,
-	// BenchmarkHotAggregate and peerbench's BenchmarkDrain measure it;
-	// REFERENCE.md quotes them).
-	PerAggregate bool
+	// message must not stop every other, order per aggregate is the one
+	// that keeps an order a consumer can rely on. Its price: a claim that
+	// reads a batch's index entries twice (to tell whether it passed over a
+	// row), a statement more when it passed over a row another relay holds,
+	// and a row of an aggregate that another relay's pass holds waits for a
+	// pass after that one's (REFERENCE.md measures it).
+	WholeTable bool
 
 	// Standbys names the standby servers (their application_name, as the
 	// primary's pg_stat_replication shows it) that a pass waits for: it
@@ -183,27 +206,30 @@ type OutboxRelay struct {
 	// positions; without it a pass fails with [ErrStandbysUnreadable].
 	Standbys []string
 
-	// PollInterval, MaxBackoff, PollOnly and Logger configure Run: how long
-	// it waits for a notification before it passes anyway and the longest
-	// it waits after failed passes (DefaultPollInterval and
-	// DefaultMaxBackoff unless set; positive), whether it only polls, and
-	// where it logs failed passes and parked messages (nil: nowhere).
+	// PollInterval is how long Run waits for a notification before it
+	// passes anyway (0: DefaultPollInterval), MaxBackoff the longest it
+	// waits after failed passes (0: DefaultMaxBackoff). PollOnly makes Run
+	// poll without listening, behind a pooler that cannot keep LISTEN
+	// (PgBouncer in transaction mode); the pool then needs two connections
+	// instead of three.
 	PollInterval time.Duration
 	MaxBackoff   time.Duration
 	PollOnly     bool
-	Logger       *slog.Logger
+
+	// Logger is where Run logs failed passes and parked messages (nil:
+	// nowhere).
+	Logger *slog.Logger
 
 	// TracerProvider and MeterProvider are where the relay reports (nil:
 	// otel's global ones, no-ops until the application sets them). Each
 	// pass that claimed rows is a span, "outbox relay pass" (an empty one
 	// makes none), and each publish a producer span,
 	// "send <type>", in the trace of the transaction that wrote the row
-	// (InsertOutbox stored it), linked to the pass; the broker gets the
+	// (Write stored it), linked to the pass; the broker gets the
 	// publish's trace context in Message.TraceContext. The meter records
 	// outbox.relay.pass.duration (seconds; its count is the passes) and
 	// messaging.client.sent.messages (with error.type unavailable, rejected
-	// or budget for the failed ones). They are read at the first pass:
-	// set them before.
+	// or budget for the failed ones).
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
 
@@ -211,124 +237,105 @@ type OutboxRelay struct {
 	// goroutine, with what it did: for a live view of the relay. It must
 	// return quickly.
 	OnPass func(PassReport)
-
-	// wait is how Run waits, listenWait how its listener waits before it
-	// listens again, and mark the statement that marks: seams for the tests
-	// and benchmarks; nil and "" are sleep and markSent.
-	wait, listenWait func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool
-	mark             string
-
-	telemetryOnce sync.Once
-	tel           *relayTelemetry
 }
 
-// DefaultParkAfter is [OutboxRelay.ParkAfter] as [NewOutboxRelay] sets
-// it: a message the broker refused five times is set aside, so that it
-// does not hold back the rest for ever.
+// MaxBatchSize is the largest RelayConfig.BatchSize: a pass holds its
+// claim, and an open transaction, over no more rows than that.
+const MaxBatchSize = 10_000
+
+// DefaultParkAfter is RelayConfig.ParkAfter when it is zero: a message the
+// broker refused five times is set aside, so that it does not hold back the
+// rest for ever.
 const DefaultParkAfter = 5
 
 // ErrInvalidConfig is wrapped by the error of [Open] and [OpenDB] for a
-// [Config] they refuse, and of [OutboxRelay.Validate], and so of
-// PublishPending and Run, for a relay they cannot run as configured: the
-// error says which setting and why. Nothing is written, claimed or
-// published.
+// [Config] they refuse, and of [Outbox.NewRelay] for a [RelayConfig] it
+// refuses: the error says which setting and why. Nothing is written,
+// claimed or published.
 var ErrInvalidConfig = errors.New("postgres: invalid configuration")
 
-// NewOutboxRelay returns an OutboxRelay that publishes the outbox rows of db
-// to broker, configured as a team should run it, each setting in its field
-// where it can be read and changed before the first pass:
-//   - PerAggregate: order per aggregate, a batch at once through a
-//     [BatchPublisher] (no aggregate twice in it) or a [SequencePublisher]
-//     (the whole claim), a refusal holding back its aggregate alone (rows
-//     with no aggregate are in no order, and go in batches);
-//   - ParkAfter: [DefaultParkAfter], so a message the broker can never take
-//     is set aside instead of blocking the rest for ever;
-//   - BatchSize, PassTimeout, PollInterval and MaxBackoff: their Default
-//     constants.
-//
-// The article's relay, the whole table in id order stopping at the first
-// refusal and never setting a message aside, is the choice of
-// PerAggregate = false and ParkAfter = 0.
-//
-// A pass takes one connection of db's pool for its transaction and, while
-// it makes the server flush its log, a second one; Run holds one more for
-// listening. db must be opened with pgx's stdlib driver
-// (github.com/jackc/pgx/v5/stdlib, by stdlib.OpenDB or sql.Open("pgx", …)):
-// the mark sends the accepted ids as a []int64, which pgx alone turns into
-// a PostgreSQL array, and Run listens on pgx's own connection.
-// [OutboxRelay.Validate] checks all of it, and PublishPending and Run call
-// it first. [Outbox.NewRelay] is the same relay on an Outbox's database,
-// pgx's own pool too.
-func NewOutboxRelay(db *sql.DB, broker MessageBroker) *OutboxRelay {
-	return sqlOutbox(db, 0).NewRelay(broker)
-}
-
-// NewRelay is [NewOutboxRelay] on o's database and table: a relay of o's
-// rows, which listens on o's channel. On an Outbox made by [Open], its
-// passes run in pgx transactions without database/sql between them and the
-// server; a pass takes one connection of the pool for its transaction and,
-// while it makes the server flush its log, a second one; Run takes one
-// more for good (Hijack) to listen on. [OutboxRelay.Validate] checks that
-// the pool allows as much.
-func (o *Outbox[T]) NewRelay(broker MessageBroker) *OutboxRelay {
-	r := &OutboxRelay{broker: broker,
-		BatchSize: DefaultBatchSize, PassTimeout: DefaultPassTimeout, ParkAfter: DefaultParkAfter, PerAggregate: true,
-		PollInterval: DefaultPollInterval, MaxBackoff: DefaultMaxBackoff}
-	if o != nil {
-		r.db, r.outbox = o.db, o.t
+// NewOutboxRelay is [Outbox.NewRelay] on the table outbox of db.
+func NewOutboxRelay(db *sql.DB, broker MessageBroker, cfg RelayConfig) (*OutboxRelay, error) {
+	if db == nil {
+		return nil, fmt.Errorf("%w: no database", ErrInvalidConfig)
 	}
-	return r
+	return sqlOutbox(db, 0).NewRelay(broker, cfg)
 }
 
-// Validate reports, with an error wrapping [ErrInvalidConfig] that names
-// the setting, a relay that cannot run as configured: no database or no
-// broker, a database/sql driver other than pgx's, a BatchSize, PassTimeout,
-// PollInterval or MaxBackoff of zero or less, a negative ParkAfter, or a
-// pool whose MaxOpenConns is below what a pass needs (two connections) or,
-// unless PollOnly, what Run needs (three). PublishPending and Run call it
-// before they claim anything.
-func (r *OutboxRelay) Validate() error {
-	return r.validate(false)
-}
-
-// validate is Validate; run says whether Run asks, which needs one
-// connection more for listening.
-func (r *OutboxRelay) validate(run bool) error {
+// NewRelay returns an OutboxRelay that publishes o's rows to broker, as cfg
+// says, and listens on o's channel. It checks cfg and the database, and
+// refuses, with an error wrapping [ErrInvalidConfig] that names the
+// setting, no broker, a negative value, a BatchSize over MaxBatchSize, a
+// ParkAfter with NeverPark, an empty name among the Standbys, and a pool
+// too small: a pass takes one connection for its transaction and, while it
+// makes the server flush its log, a second one; Run takes one more for good
+// to listen on, unless PollOnly (MaxOpenConns, or MaxConns, of at least 3,
+// or 2). On an Outbox made by [Open], its passes run in pgx transactions
+// without database/sql between them and the server.
+func (o *Outbox[T]) NewRelay(broker MessageBroker, cfg RelayConfig) (*OutboxRelay, error) {
+	if err := o.usable(); err != nil {
+		return nil, err
+	}
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: %s", ErrInvalidConfig, fmt.Sprintf(format, args...))
 	}
 	switch {
-	case r.db == nil:
-		return bad("no database")
-	case r.broker == nil:
-		return bad("no broker")
-	case r.BatchSize <= 0:
-		return bad("BatchSize is %d: a pass claims at least one row (DefaultBatchSize is %d)", r.BatchSize, DefaultBatchSize)
-	case r.PassTimeout <= 0:
-		return bad("PassTimeout is %v: a pass needs a budget (DefaultPassTimeout is %v)", r.PassTimeout, DefaultPassTimeout)
-	case r.ParkAfter < 0:
-		return bad("ParkAfter is %d: 0 never parks, n parks after n rejections", r.ParkAfter)
-	case slices.Contains(r.Standbys, ""):
-		return bad("Standbys holds an empty name")
-	case run && r.PollInterval <= 0:
-		return bad("PollInterval is %v (DefaultPollInterval is %v)", r.PollInterval, DefaultPollInterval)
-	case run && r.MaxBackoff <= 0:
-		return bad("MaxBackoff is %v (DefaultMaxBackoff is %v)", r.MaxBackoff, DefaultMaxBackoff)
+	case broker == nil:
+		return nil, bad("no broker")
+	case cfg.BatchSize < 0 || cfg.BatchSize > MaxBatchSize:
+		return nil, bad("RelayConfig.BatchSize %d: want 1 to %d, or 0 for %d", cfg.BatchSize, MaxBatchSize, DefaultBatchSize)
+	case cfg.PassTimeout < 0:
+		return nil, bad("RelayConfig.PassTimeout %v: a pass needs a budget (0 for %v)", cfg.PassTimeout, DefaultPassTimeout)
+	case cfg.ParkAfter < 0:
+		return nil, bad("RelayConfig.ParkAfter %d: n parks after n rejections (0 for %d; NeverPark never parks)", cfg.ParkAfter, DefaultParkAfter)
+	case cfg.ParkAfter > 0 && cfg.NeverPark:
+		return nil, bad("RelayConfig.ParkAfter %d with NeverPark: choose one", cfg.ParkAfter)
+	case slices.Contains(cfg.Standbys, ""):
+		return nil, bad("RelayConfig.Standbys holds an empty name")
+	case cfg.PollInterval < 0:
+		return nil, bad("RelayConfig.PollInterval %v (0 for %v)", cfg.PollInterval, DefaultPollInterval)
+	case cfg.MaxBackoff < 0:
+		return nil, bad("RelayConfig.MaxBackoff %v (0 for %v)", cfg.MaxBackoff, DefaultMaxBackoff)
 	}
-	if err := r.db.check(); err != nil {
-		return bad("%v", err)
+	if err := o.db.check(); err != nil {
+		return nil, bad("%v", err)
 	}
-	need, what := 2, "a pass (its transaction, and the flush of the server's log)"
-	if run && !r.PollOnly {
-		need, what = 3, "Run (a pass's two, and one to listen on)"
+	need, what := 3, "Run (a pass's transaction, the flush of the server's log, and one to listen on)"
+	if cfg.PollOnly {
+		need, what = 2, "a pass (its transaction, and the flush of the server's log)"
 	}
-	if max := r.db.maxConns(); max > 0 && max < need {
-		return bad("the pool allows %d open connections, and %s needs %d at once: SetMaxOpenConns(%d), or MaxConns, or more", max, what, need, need)
+	if max := o.db.maxConns(); max > 0 && max < need {
+		return nil, bad("the pool allows %d open connections, and %s needs %d at once: SetMaxOpenConns(%d), or MaxConns, or more (or RelayConfig.PollOnly, which needs 2)",
+			max, what, need, need)
+	}
+	cfg.BatchSize = orDefault(cfg.BatchSize, DefaultBatchSize)
+	cfg.PassTimeout = orDefault(cfg.PassTimeout, DefaultPassTimeout)
+	if !cfg.NeverPark {
+		cfg.ParkAfter = orDefault(cfg.ParkAfter, DefaultParkAfter)
+	}
+	cfg.PollInterval = orDefault(cfg.PollInterval, DefaultPollInterval)
+	cfg.MaxBackoff = orDefault(cfg.MaxBackoff, DefaultMaxBackoff)
+	cfg.Standbys = slices.Clone(cfg.Standbys)
+	return &OutboxRelay{db: o.db, broker: broker, outbox: o.t, cfg: cfg}, nil
+}
+
+// Config is r's configuration, with the defaults filled in.
+func (r *OutboxRelay) Config() RelayConfig {
+	c := r.cfg
+	c.Standbys = slices.Clone(c.Standbys)
+	return c
+}
+
+// usable reports a relay that NewRelay did not make.
+func (r *OutboxRelay) usable() error {
+	if r == nil || r.db == nil || r.broker == nil || r.outbox == nil {
+		return fmt.Errorf("%w: an OutboxRelay made by no Outbox's NewRelay", ErrInvalidConfig)
 	}
 	return nil
 }
 
-// PublishPending makes one pass: it claims up to BatchSize unsent rows,
+// PublishPending makes one pass: it claims up to RelayConfig.BatchSize
+// unsent rows,
 // waits until the server has made their commits durable, publishes them in
 // id order, marks the ones the broker accepted sent in one statement,
 // commits, and returns how many messages it marked sent. That count is the
@@ -347,14 +354,14 @@ func (r *OutboxRelay) validate(run bool) error {
 // instead, and the pass goes on with the rows after it.
 //
 // Through a [SequencePublisher], which stores nothing after a message it did
-// not store, the pass publishes its whole batch in one call, with
-// PerAggregate or without, and what follows the first message the broker did
-// not accept in the same way as above, in a call of its own. With
-// PerAggregate, through a [BatchPublisher], it publishes in one call as many
-// rows as hold no aggregate twice (all of them, or else the broker is no
-// SequencePublisher). Otherwise it publishes one message at a
-// time, waiting for each ack: a batch's messages after a refused one may be
-// stored all the same, ahead of it, which would break the table's order.
+// not store, the pass publishes its whole batch in one call, with with order
+// per aggregate or WholeTable, and what follows the first message the broker
+// did not accept in the same way as above, in a call of its own. With order per
+// aggregate, through a [BatchPublisher], it publishes in one call as many rows
+// as hold no aggregate twice (all of them, or else the broker is no
+// SequencePublisher). Otherwise it publishes one message at a time, waiting for
+// each ack: a batch's messages after a refused one may be stored all the same,
+// ahead of it, which would break the table's order.
 //
 // A pass stops publishing when its budget (PassTimeout) runs out or ctx
 // ends, and then still marks and commits what the broker accepted, under a
@@ -379,14 +386,14 @@ func (r *OutboxRelay) validate(run bool) error {
 // error from the commit may wrap [ErrCommitUnknown]: the marks may or may
 // not have been kept, and the count is 0 either way.
 func (r *OutboxRelay) PublishPending(ctx context.Context) (int, error) {
-	if err := r.validate(false); err != nil {
+	if err := r.usable(); err != nil {
 		return 0, err
 	}
 	res, err := r.pass(ctx)
 	return res.marked, err
 }
 
-// PassReport is what one relay pass did, as [OutboxRelay.OnPass] is told:
+// PassReport is what one relay pass did, as [RelayConfig.OnPass] is told:
 // the rows it claimed, the messages the broker accepted, those it marked
 // sent and committed (its progress), the rows it parked, whether it made
 // the server flush its log before it published (Flushed: see

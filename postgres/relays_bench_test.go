@@ -25,7 +25,7 @@ import (
 // its index of unsent rows; for relay=poll, its passes with rows while the
 // producers ran and the share of them that made the server flush its log
 // (PassReport.Flushed). relay=log runs as the relay process deploys it,
-// marking what it delivered (MarkIn); relay=log-unmarked marks nothing, to
+// marking what it delivered; relay=log-unmarked marks nothing, to
 // show what the marks cost. Each relay has delivered one order
 // before the producers start, so that the figures are of a relay running,
 // not of one connecting: the orders committed while it connects wait for
@@ -88,25 +88,24 @@ func measureRelay(b *testing.B, kind string) {
 	done := make(chan error, 1)
 	switch kind {
 	case "poll":
-		relay := postgres.NewOutboxRelay(open(b, name, "relay"), broker)
-		relay.PollInterval = time.Second
-		relay.OnPass = func(r postgres.PassReport) {
+		relay := newRelay(b, open(b, name, "relay"), broker, postgres.RelayConfig{PollInterval: time.Second, OnPass: func(r postgres.PassReport) {
 			if r.Claimed > 0 && measuring.Load() {
 				passes.Add(1)
 				if r.Flushed {
 					flushes.Add(1)
 				}
 			}
-		}
+		}})
 		go func() { done <- relay.Run(runCtx) }()
 	case "log", "log-unmarked":
 		if err := postgres.CreateLogSlot(ctx, db, name); err != nil {
 			b.Fatal(err)
 		}
-		relay := postgres.NewLogRelay(logConnString(name), broker)
-		relay.Slot = name
-		if kind == "log" {
-			relay.MarkIn = open(b, name, "relay")
+		// log marks in a database handle of its own; log-unmarked marks nothing.
+		ob := sqlOutbox(b, open(b, name, "relay"), postgres.Config{})
+		relay, err := ob.NewLogRelay(logConnString(name), broker, postgres.LogRelayConfig{Slot: name, Unmarked: kind == "log-unmarked"})
+		if err != nil {
+			b.Fatal(err)
 		}
 		go func() { done <- relay.Run(runCtx) }()
 	}

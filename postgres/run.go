@@ -17,12 +17,12 @@ import (
 const NotifyChannel = "outbox"
 
 // DefaultPollInterval is how long [OutboxRelay.Run] waits for a
-// notification before it passes anyway, as [NewOutboxRelay] sets
-// PollInterval.
+// notification before it passes anyway when [RelayConfig.PollInterval] is
+// zero.
 const DefaultPollInterval = time.Second
 
 // DefaultMaxBackoff is the longest [OutboxRelay.Run] waits after failed
-// passes, as [NewOutboxRelay] sets MaxBackoff.
+// passes when [RelayConfig.MaxBackoff] is zero.
 const DefaultMaxBackoff = 30 * time.Second
 
 // minBackoff is the wait after the first failed pass; it doubles with each
@@ -59,7 +59,7 @@ const minBackoff = 100 * time.Millisecond
 // marked something starts the count again. So a mark that fails pass after
 // pass (a lock held on the table, a trigger that fails) republishes the
 // claimed messages once a backoff, not in a loop; consumers drop the
-// copies. With PerAggregate, a pass that marked anything passes again at
+// copies. With order per aggregate, a pass that marked anything passes again at
 // once despite its refusals, which hold back only their aggregates, and
 // logs each refusal at level Error.
 //
@@ -67,16 +67,14 @@ const minBackoff = 100 * time.Millisecond
 // pgx's stdlib driver for it. With PollOnly set it does not listen and only
 // polls, for a connection pooler that cannot keep a LISTEN, such as
 // PgBouncer in transaction mode. Any number of Runs, in one process or many,
-// may share a database. Run first checks the relay's configuration
-// ([OutboxRelay.Validate], with the listener's connection counted) and
-// returns its error, wrapping [ErrInvalidConfig], at once. Do not change
-// the relay's fields while Run runs.
+// may share a database. A relay that no Outbox's NewRelay made is refused
+// at once, with an error wrapping [ErrInvalidConfig].
 func (r *OutboxRelay) Run(ctx context.Context) error {
-	if err := r.validate(true); err != nil {
+	if err := r.usable(); err != nil {
 		return err
 	}
-	poll, maxBackoff := r.PollInterval, r.MaxBackoff
-	log := r.Logger
+	poll, maxBackoff := r.cfg.PollInterval, r.cfg.MaxBackoff
+	log := r.cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -94,7 +92,7 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 	defer listener.Wait()
 	listenCtx, stopListening := context.WithCancel(ctx)
 	defer stopListening()
-	if !r.PollOnly {
+	if !r.cfg.PollOnly {
 		listener.Go(func() { r.listen(listenCtx, wake, maxBackoff, listenWait, log) })
 	}
 
@@ -118,7 +116,7 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 			failures = 0
 		}
 		switch {
-		case err != nil && !(r.PerAggregate && res.marked > 0):
+		case err != nil && !(!r.cfg.WholeTable && res.marked > 0):
 			failures++
 			d := backoff(failures, maxBackoff, rand.Float64)
 			log.Error("outbox: relay pass failed", "err", err,
@@ -127,7 +125,7 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 				return ctx.Err()
 			}
 		case err != nil:
-			// With PerAggregate, the broker refused messages that hold back
+			// With order per aggregate, the broker refused messages that hold back
 			// their aggregates alone: the others go on at once.
 			log.Error("outbox: broker refused messages; each holds back its aggregate", "err", err,
 				"published", res.published, "marked", res.marked)

@@ -58,8 +58,7 @@ func TestRunDrainsFullBatchesWithoutWaiting(t *testing.T) {
 	db := newDatabase(t)
 	insertPending(t, db, 250)
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PollInterval, relay.PollOnly = time.Hour, true
+	relay := newRelay(t, db, broker, postgres.RelayConfig{PollInterval: time.Hour, PollOnly: true})
 	stop := runRelay(t, relay)
 	waitUntil(t, "250 rows published", func() bool { return len(broker.Published()) == 250 })
 	if err := stop(); !errors.Is(err, context.Canceled) {
@@ -78,8 +77,7 @@ func TestRunWakesOnCommitAndListensAgainAfterItsConnectionDies(t *testing.T) {
 	name := newDatabaseName(t)
 	db := open(t, name, "")
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(open(t, name, "looper"), broker)
-	relay.PollInterval = time.Hour
+	relay := newRelay(t, open(t, name, "looper"), broker, postgres.RelayConfig{PollInterval: time.Hour})
 	runRelay(t, relay)
 
 	listener := func() int64 {
@@ -128,9 +126,7 @@ func TestRunBacksOffWithJitterAndStartsAgainAfterASuccess(t *testing.T) {
 		}
 		return inner.Publish(ctx, m)
 	})
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PollInterval, relay.PollOnly = time.Hour, true
-	relay.PerAggregate = false // the article's relay: one message at a time, over the whole table
+	relay := newRelay(t, db, broker, postgres.RelayConfig{PollInterval: time.Hour, PollOnly: true, WholeTable: true}) // the article's relay: one message at a time, over the whole table
 
 	type wait struct {
 		d         time.Duration
@@ -208,8 +204,7 @@ func TestRunReturnsAfterMarkingWhatTheBrokerAccepted(t *testing.T) {
 		}
 		return nil
 	})
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PollOnly = true
+	relay := newRelay(t, db, broker, postgres.RelayConfig{PollOnly: true})
 	if err := relay.Run(ctx); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Run = %v, want context.Canceled", err)
 	}
@@ -233,7 +228,7 @@ func TestStopSeenBeforeThePassBudgetHearsOfItEndsThePass(t *testing.T) {
 		}
 		return nil
 	})
-	n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx)
+	n, err := newRelay(t, db, broker).PublishPending(ctx)
 	if n != 1 || !errors.Is(err, context.Canceled) {
 		t.Fatalf("pass = %d, %v; want 1, context.Canceled", n, err)
 	}
@@ -279,8 +274,7 @@ func TestStopWhileTheClaimWaitsForALockEndsThePass(t *testing.T) {
 		t.Fatal(err)
 	}
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(db, broker)
-	relay.PassTimeout = time.Hour
+	relay := newRelay(t, db, broker, postgres.RelayConfig{PassTimeout: time.Hour})
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- relay.Run(runCtx) }()

@@ -47,8 +47,7 @@ func TestHungBrokerCannotHoldAPassBeyondItsBudget(t *testing.T) {
 		}
 		return publish(broker, m)
 	})
-	relay := postgres.NewOutboxRelay(open(t, name, "hung-relay"), hangAt2)
-	relay.PassTimeout = time.Second
+	relay := newRelay(t, open(t, name, "hung-relay"), hangAt2, postgres.RelayConfig{PassTimeout: time.Second})
 
 	type result struct {
 		n   int
@@ -63,7 +62,7 @@ func TestHungBrokerCannotHoldAPassBeyondItsBudget(t *testing.T) {
 	select {
 	case res = <-done:
 	case <-time.After(generous):
-		t.Fatalf("the pass did not return in %v with a budget of %v", generous, relay.PassTimeout)
+		t.Fatalf("the pass did not return in %v with a budget of %v", generous, relay.Config().PassTimeout)
 	}
 	if res.n != 1 || !errors.Is(res.err, context.DeadlineExceeded) {
 		t.Fatalf("pass with a hung broker = %d, %v; want 1 and context.DeadlineExceeded", res.n, res.err)
@@ -80,7 +79,7 @@ func TestHungBrokerCannotHoldAPassBeyondItsBudget(t *testing.T) {
 		t.Errorf("the relay's session after the pass: state %q, backend_xid %v, backend_xmin %v; want idle with neither (vacuum free)", state, xid, xmin)
 	}
 
-	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 2 || err != nil {
+	if n, err := newRelay(t, db, broker).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("another relay's pass right after = %d, %v; want 2, <nil>", n, err)
 	}
 	wantIDs(t, broker, 1, 2, 3)
@@ -104,7 +103,7 @@ func TestServerIdleTimeoutDoesNotLivelockTheRelay(t *testing.T) {
 	insertPending(t, db, rows)
 
 	broker := &recorder{}
-	relay := postgres.NewOutboxRelay(open(t, name, "relay"), slowBroker(broker, 10*time.Millisecond))
+	relay := newRelay(t, open(t, name, "relay"), slowBroker(broker, 10*time.Millisecond))
 	for pass := 1; pass <= 5; pass++ {
 		n, err := relay.PublishPending(ctx)
 		if err != nil {
@@ -176,13 +175,13 @@ func TestShutdownMidPassMarksWhatTheBrokerAccepted(t *testing.T) {
 				return err
 			})
 
-			n, err := postgres.NewOutboxRelay(db, cancelAt3).PublishPending(ctx)
+			n, err := newRelay(t, db, cancelAt3).PublishPending(ctx)
 			if want := map[bool]int{false: 3, true: 2}[tc.inFlight]; n != want || !errors.Is(err, context.Canceled) {
 				t.Fatalf("cancelled pass = %d, %v; want %d, context.Canceled", n, err, want)
 			}
 			wantSent(t, db, tc.marked...)
 
-			relay := postgres.NewOutboxRelay(db, broker)
+			relay := newRelay(t, db, broker)
 			for {
 				n, err := relay.PublishPending(context.Background())
 				if err != nil {
@@ -217,15 +216,14 @@ func TestVanishedRelayFreesItsRowsAtThePassLimit(t *testing.T) {
 		once.Do(func() { p.freeze(); close(frozen) })
 		return nil // the vanished host's broker: whatever it did is gone with it
 	})
-	relay := postgres.NewOutboxRelay(p.open(t, name, "vanished-relay"), cutOff)
-	relay.PassTimeout = time.Second
+	relay := newRelay(t, p.open(t, name, "vanished-relay"), cutOff, postgres.RelayConfig{PassTimeout: time.Second})
 	vanished := make(chan error, 1)
 	go func() { _, err := relay.PublishPending(ctx); vanished <- err }()
 	<-frozen
 	frozenAt := time.Now()
 
 	broker := &recorder{}
-	rescuer := postgres.NewOutboxRelay(db, broker)
+	rescuer := newRelay(t, db, broker)
 	for deadline := time.Now().Add(generous); len(broker.Published()) < 3; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("the vanished relay's rows were not free after %v; published %v", generous, broker.IDs())
@@ -235,7 +233,7 @@ func TestVanishedRelayFreesItsRowsAtThePassLimit(t *testing.T) {
 		}
 	}
 	t.Logf("the vanished relay's rows were claimed again %v after its connection froze (pass budget %v)",
-		time.Since(frozenAt).Round(100*time.Millisecond), relay.PassTimeout)
+		time.Since(frozenAt).Round(100*time.Millisecond), relay.Config().PassTimeout)
 	// Each once, in whatever order: a claim that runs while the dead
 	// session's locks are being released can skip row 1 and take 2 and 3,
 	// and row 1 goes on the next pass.
@@ -283,7 +281,7 @@ func TestRelayThatLostItsSessionStopsAtItsNextCheck(t *testing.T) {
 		}
 		return nil
 	})
-	n, err := postgres.NewOutboxRelay(open(t, name, "slow-relay"), killing).PublishPending(ctx)
+	n, err := newRelay(t, open(t, name, "slow-relay"), killing).PublishPending(ctx)
 	if !errors.Is(err, postgres.ErrClaimLost) {
 		t.Fatalf("pass = %d, %v; want ErrClaimLost", n, err)
 	}
@@ -318,11 +316,11 @@ func TestRowCommittedDuringAPassStaysUnsent(t *testing.T) {
 		}
 		return publish(broker, m)
 	})
-	if n, err := postgres.NewOutboxRelay(db, commitA).PublishPending(ctx); n != 2 || err != nil {
+	if n, err := newRelay(t, db, commitA).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("pass = %d, %v; want 2 (rows 1 and 3), <nil>", n, err)
 	}
 	wantSent(t, db, true, false, true)
-	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 1 || err != nil {
+	if n, err := newRelay(t, db, broker).PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("next pass = %d, %v; want 1, <nil>", n, err)
 	}
 	wantIDs(t, broker, 1, 3, 2)
@@ -348,7 +346,7 @@ func TestRelayPublishesInIDOrderWhateverTheHeapOrder(t *testing.T) {
 		t.Fatalf("the first row in the heap is %d (%v), want 11 for the test to mean anything", first, err)
 	}
 	broker := &recorder{}
-	if _, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); err != nil {
+	if _, err := newRelay(t, db, broker).PublishPending(ctx); err != nil {
 		t.Fatal(err)
 	}
 	var want []int64
@@ -373,7 +371,7 @@ func TestSentAtIsAfterTheBrokerAccepted(t *testing.T) {
 		accepted[m.ID] = at
 		return err
 	})
-	if _, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); err != nil {
+	if _, err := newRelay(t, db, broker).PublishPending(ctx); err != nil {
 		t.Fatal(err)
 	}
 	for id, at := range accepted {
@@ -401,7 +399,7 @@ func TestFailedMarkKeepsTheBrokersError(t *testing.T) {
 		}
 		return nil
 	})
-	n, err := postgres.NewOutboxRelay(open(t, name, "dying-relay"), refuse2AndDie).PublishPending(ctx)
+	n, err := newRelay(t, open(t, name, "dying-relay"), refuse2AndDie).PublishPending(ctx)
 	if n != 0 || !errors.Is(err, errRefused) || err == errRefused {
 		t.Fatalf("pass = %d, %v; want 0 marked and an error that holds both the refusal and the failed mark", n, err)
 	}

@@ -141,7 +141,9 @@ type relayTelemetry struct {
 }
 
 func (r *OutboxRelay) telemetry() *relayTelemetry {
-	r.telemetryOnce.Do(func() { r.tel = newRelayTelemetry(r.TracerProvider, r.MeterProvider, r.outbox.table, "polling") })
+	r.telemetryOnce.Do(func() {
+		r.tel = newRelayTelemetry(r.cfg.TracerProvider, r.cfg.MeterProvider, r.outbox.table, "polling")
+	})
 	return r.tel
 }
 
@@ -280,12 +282,12 @@ func ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error
 }
 
 // ObserveLag reports [Outbox.ReadLag]'s figures as four observable gauges of
-// the meter provider mp (nil means otel's global one), each read by one
-// query per collection: outbox.oldest_unsent.age in seconds, the one to
-// alert on, and outbox.unsent, outbox.parked and outbox.failing in
-// messages, each with the attribute outbox.table. Unregister the returned
-// Registration to stop. A collection whose query fails reports nothing, and the error goes to otel's error
-// handler. The attribute outbox.table sets two outboxes' gauges apart.
+// the meter provider mp (nil means otel's global one), each read by one query
+// per collection: outbox.oldest_unsent.age in seconds, the one to alert on, and
+// outbox.unsent, outbox.parked and outbox.failing in messages, each with the
+// attribute outbox.table. Unregister the returned Registration to stop. A
+// collection whose query fails reports nothing, and the error goes to otel's
+// error handler. The attribute outbox.table sets two outboxes' gauges apart.
 func (o *Outbox[T]) ObserveLag(mp metric.MeterProvider) (metric.Registration, error) {
 	if err := o.usable(); err != nil {
 		return nil, err

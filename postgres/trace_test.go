@@ -54,7 +54,7 @@ func TestTraceContextGoesFromTheTransactionToTheBroker(t *testing.T) {
 		t.Errorf("traceparent = %v, want the first order's and NULL", stored)
 	}
 	broker := &recorder{}
-	if n, err := postgres.NewOutboxRelay(db, broker).PublishPending(ctx); n != 2 || err != nil {
+	if n, err := newRelay(t, db, broker).PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("pass = %d, %v; want 2", n, err)
 	}
 	got := broker.Published()

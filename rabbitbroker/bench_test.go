@@ -34,8 +34,7 @@ func BenchmarkDrain(b *testing.B) {
 			if mode == "each" {
 				broker = publishOnly{broker}
 			}
-			relay := postgres.NewOutboxRelay(db, broker)
-			relay.PerAggregate = true
+			relay := newRelay(b, db, broker)
 			b.ResetTimer()
 			for done := 0; done < b.N; {
 				chunk := min(1000, b.N-done)
@@ -90,8 +89,7 @@ func latency(b *testing.B, rate, workers int) {
 	db := newDatabase(b)
 	db.SetMaxIdleConns(clients + 4)
 	top := declare(b, node.URL(), 0)
-	relay := postgres.NewOutboxRelay(db, newPublisher(b, node.URL(), top, 0))
-	relay.PerAggregate = true
+	relay := newRelay(b, db, newPublisher(b, node.URL(), top, 0))
 	goRun(b, relay.Run)
 	l := &latencies{committed: map[int64]time.Time{}, delivered: map[int64]time.Time{}, applied: map[int64]time.Time{}, w: shop.NewWarehouse(db)}
 	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, l)

@@ -25,8 +25,7 @@ func TestEveryOrderReservedOnceEndToEnd(t *testing.T) {
 	db := newDatabase(t)
 	top := declare(t, node.URL(), 0)
 	for range 3 {
-		relay := postgres.NewOutboxRelay(db, newPublisher(t, node.URL(), top, 0))
-		relay.PerAggregate, relay.BatchSize, relay.PollInterval = true, 20, 50*time.Millisecond
+		relay := newRelay(t, db, newPublisher(t, node.URL(), top, 0), postgres.RelayConfig{BatchSize: 20, PollInterval: 50 * time.Millisecond})
 		goRun(t, relay.Run)
 	}
 	consumers := []*rabbitbroker.Consumer{
@@ -76,7 +75,7 @@ func TestLostConfirmIsSentAgainAndTheCopyDropped(t *testing.T) {
 	db := newDatabase(t)
 	top := declare(t, node.URL(), 0)
 	proxy := newConfirmBreaker(t, strings.TrimPrefix(strings.TrimSuffix(node.URL(), "/"), "amqp://guest:guest@"))
-	relay := postgres.NewOutboxRelay(db, newPublisher(t, proxy.url(), top, 0))
+	relay := newRelay(t, db, newPublisher(t, proxy.url(), top, 0))
 	if _, err := shop.NewOrderService(db).PlaceOrder(ctx, 2500); err != nil {
 		t.Fatal(err)
 	}
@@ -172,8 +171,7 @@ func TestUnroutableMayPassAndOversizedIsARejection(t *testing.T) {
 		if _, err := db.Exec(`UPDATE outbox SET payload = json_build_object('orderId', 1, 'totalCents', 100, 'note', repeat('x', $1::int)) WHERE id = 1`, maxMessageSize); err != nil {
 			t.Fatal(err)
 		}
-		relay := postgres.NewOutboxRelay(db, newPublisher(t, node.URL(), top, 0))
-		relay.ParkAfter = 1
+		relay := newRelay(t, db, newPublisher(t, node.URL(), top, 0), postgres.RelayConfig{ParkAfter: 1})
 		if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
 			t.Fatalf("pass = %d, %v; want 1 (row 1 parked, row 2 sent), <nil>", n, err)
 		}

@@ -109,8 +109,7 @@ func TestNodeRestartedMidDrainLosesNothing(t *testing.T) {
 	db := newDatabase(t)
 	top := declare(t, own.URL(), 0)
 	for range 2 {
-		relay := postgres.NewOutboxRelay(db, newPublisher(t, own.URL(), top, 0))
-		relay.PerAggregate, relay.BatchSize, relay.PollInterval = true, 10, 50*time.Millisecond
+		relay := newRelay(t, db, newPublisher(t, own.URL(), top, 0), postgres.RelayConfig{BatchSize: 10, PollInterval: 50 * time.Millisecond})
 		goRun(t, relay.Run)
 	}
 	c := rabbitbroker.NewConsumer(dialer(own.URL()), top.Queue, shop.NewWarehouse(db))
@@ -178,8 +177,7 @@ func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T
 	}
 	t.Cleanup(func() { setDown(false) })
 	top := declare(t, node.URL(), 3)
-	relay := postgres.NewOutboxRelay(db, newPublisher(t, node.URL(), top, 0))
-	relay.PerAggregate, relay.PollInterval = true, 20*time.Millisecond
+	relay := newRelay(t, db, newPublisher(t, node.URL(), top, 0), postgres.RelayConfig{PollInterval: 20 * time.Millisecond})
 	goRun(t, relay.Run)
 	h := &counting{handler: shoptest.NewOrdered(shop.NewWarehouse(wdb))}
 	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)

@@ -51,8 +51,11 @@ func ExampleNewPublisher() {
 	dial := func() (*amqp.Connection, error) { return amqp.Dial(os.Getenv("AMQP_URL")) }
 	pub := rabbitbroker.NewPublisher(dial, rabbitbroker.DefaultTopology.Exchange, 0) // 0: the server's default max_message_size
 	defer pub.Close()
-	relay := postgres.NewOutboxRelay(db, pub)
-	relay.PerAggregate = true // batches of different aggregates, each aggregate in order
+	// As it comes: batches of different aggregates, each aggregate in order.
+	relay, err := postgres.NewOutboxRelay(db, pub, postgres.RelayConfig{})
+	if err != nil {
+		log.Fatal(err)
+	}
 	if err := relay.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
 	}

@@ -54,10 +54,7 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, ready func(queu
 	startRelay := func() (stop func()) {
 		pub := rabbitbroker.NewPublisher(dial, top.Exchange, 0)
 		t.Cleanup(func() { pub.Close() })
-		relay := postgres.NewOutboxRelay(db, pub)
-		relay.PerAggregate, relay.BatchSize, relay.PollInterval = true, 10, 20*time.Millisecond
-		relay.PassTimeout = 5 * time.Second
-		relay.Logger = logger
+		relay := newRelay(t, db, pub, postgres.RelayConfig{BatchSize: 10, PollInterval: 20 * time.Millisecond, PassTimeout: 5 * time.Second, Logger: logger})
 		return goRun(t, relay.Run)
 	}
 	var stops []func()

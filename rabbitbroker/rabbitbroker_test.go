@@ -177,3 +177,18 @@ func startNode(t testing.TB) *rabbittest.Node {
 	t.Cleanup(func() { n.Remove() })
 	return n
 }
+
+// newRelay is the relay cfg describes (none: the defaults) on the table
+// outbox of db; a configuration NewOutboxRelay refuses fails tb.
+func newRelay(tb testing.TB, db *sql.DB, broker postgres.MessageBroker, cfg ...postgres.RelayConfig) *postgres.OutboxRelay {
+	tb.Helper()
+	var c postgres.RelayConfig
+	if len(cfg) > 0 {
+		c = cfg[0]
+	}
+	r, err := postgres.NewOutboxRelay(db, broker, c)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return r
+}

@@ -159,13 +159,18 @@ func drainOurs(b *testing.B, name string, db *sql.DB, kind string, orders int) f
 	var pass func() (int, error)
 	switch kind {
 	case "relay", "relay-table":
-		relay := postgres.NewOutboxRelay(db, broker)
-		relay.PerAggregate = kind == "relay"
+		relay, err := postgres.NewOutboxRelay(db, broker, postgres.RelayConfig{WholeTable: kind == "relay-table"})
+		if err != nil {
+			b.Fatal(err)
+		}
 		pass = func() (int, error) { return relay.PublishPending(ctx) }
 	case "relay-pgx":
 		p := newPool(b, name, nil)
 		defer p.Close()
-		relay := openOutbox(b, p).NewRelay(broker)
+		relay, err := openOutbox(b, p).NewRelay(broker, postgres.RelayConfig{})
+		if err != nil {
+			b.Fatal(err)
+		}
 		pass = func() (int, error) { return relay.PublishPending(ctx) }
 	case "bare-relay", "bare-table", "bare-pgx":
 		cfg := pgtest.Config.Copy()
@@ -248,8 +253,10 @@ func relaysClaim(b *testing.B, name string, perAggregate bool) string {
 	var t claimTracer
 	p := newPool(b, name, &t)
 	defer p.Close()
-	relay := openOutbox(b, p).NewRelay(&counted{})
-	relay.PerAggregate = perAggregate
+	relay, err := openOutbox(b, p).NewRelay(&counted{}, postgres.RelayConfig{WholeTable: !perAggregate})
+	if err != nil {
+		b.Fatal(err)
+	}
 	if n, err := relay.PublishPending(context.Background()); n != 0 || err != nil {
 		b.Fatalf("the pass that shows the claim: %d, %v; want 0, <nil> (an empty outbox)", n, err)
 	}

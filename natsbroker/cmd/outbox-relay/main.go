@@ -33,7 +33,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -319,17 +318,21 @@ func relay(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx
 	publisher := names.NewPublisher(js)
 	done := make(chan error, 1)
 	if c.mode == "log" {
-		r := outbox.NewLogRelay(c.database, publisher)
 		// Made from the Outbox, it marks what it delivered (so marked rows
 		// are not lag, and are cleaned up) and parks what the broker refuses.
-		r.Logger, r.MeterProvider, r.Slot = log, meters, cmp.Or(c.slot, outbox.Slot())
+		r, err := outbox.NewLogRelay(c.database, publisher, postgres.LogRelayConfig{Logger: log, MeterProvider: meters, Slot: c.slot})
+		if err != nil {
+			return err
+		}
 		go func() { done <- runLog(ctx, r, log) }()
 		if c.sweepEvery > 0 {
 			go sweep(ctx, c.sweepEvery, outbox, publisher, log)
 		}
 	} else {
-		r := outbox.NewRelay(publisher)
-		r.Logger, r.MeterProvider, r.Standbys = log, meters, c.standbys
+		r, err := outbox.NewRelay(publisher, postgres.RelayConfig{Logger: log, MeterProvider: meters, Standbys: c.standbys})
+		if err != nil {
+			return err
+		}
 		go func() { done <- r.Run(ctx) }()
 	}
 	if c.retention > 0 || c.processedRetention > 0 {
@@ -362,7 +365,7 @@ func runLog(ctx context.Context, r *postgres.LogRelay, log *slog.Logger) error {
 			}
 			continue
 		}
-		log.Info("outbox-relay: slot recovered", "slot", r.Slot, "published", n)
+		log.Info("outbox-relay: slot recovered", "slot", r.Config().Slot, "published", n)
 	}
 }
 
@@ -376,8 +379,12 @@ func runLog(ctx context.Context, r *postgres.LogRelay, log *slog.Logger) error {
 // allows: consumers drop the copy by its key.
 func sweep(ctx context.Context, every time.Duration, outbox *postgres.Outbox[postgres.SQLTx],
 	publisher postgres.MessageBroker, log *slog.Logger) {
-	relay := outbox.NewRelay(publisher)
-	relay.Logger = log
+	// PollOnly: the sweep only passes, on the pool's connections.
+	relay, err := outbox.NewRelay(publisher, postgres.RelayConfig{Logger: log, PollOnly: true})
+	if err != nil {
+		log.Error("outbox-relay: sweep: no relay", "err", err)
+		return
+	}
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
@@ -404,7 +411,7 @@ func sweep(ctx context.Context, every time.Duration, outbox *postgres.Outbox[pos
 				log.Warn("outbox-relay: sweep: a polling pass failed", "err", err, "published", total)
 				break
 			}
-			if n < relay.BatchSize {
+			if n < relay.Config().BatchSize {
 				break
 			}
 		}

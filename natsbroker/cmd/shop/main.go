@@ -276,17 +276,34 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 	}
 	defer lag.Unregister()
 
-	// NewOutboxRelay's settings are a team's: order per aggregate, each
-	// pass's batch through PublishBatch, a message refused five times parked.
-	relay := postgres.NewOutboxRelay(dbs.relay, publisher)
-	relay.MaxBackoff = 2 * time.Second // a demo: back quickly after /broker/up
-	relay.Logger = logger
-	relay.MeterProvider = m.provider
+	// The zero RelayConfig's settings are a team's: order per aggregate,
+	// each pass's batch through PublishBatch, a message refused five times
+	// parked.
+	var view *live // made below; the relay tells it of each pass once it runs
+	relay, err := postgres.NewOutboxRelay(dbs.relay, publisher, postgres.RelayConfig{
+		MaxBackoff:    2 * time.Second, // a demo: back quickly after /broker/up
+		Logger:        logger,
+		MeterProvider: m.provider,
+		OnPass:        func(r postgres.PassReport) { view.onPass(r) },
+	})
+	if err != nil {
+		return err
+	}
 	var runs interface{ Run(context.Context) error } = relay
-	logRelay := postgres.NewLogRelayConfig(&dbs.cfg.Config, publisher)
 	if s.relay == "log" { // -relay log: the other relay, reading the server's log
-		logRelay.MarkIn, logRelay.ParkAfter = dbs.relay, postgres.DefaultParkAfter
-		logRelay.MaxBackoff, logRelay.Logger, logRelay.MeterProvider = 2*time.Second, logger, m.provider
+		relayOutbox, err := postgres.OpenDB(dbs.relay, postgres.Config{})
+		if err != nil {
+			return err
+		}
+		// It marks what it delivered in dbs.relay, and parks what the
+		// broker refuses, as the polling relay does.
+		logRelay, err := relayOutbox.NewLogRelayConfig(&dbs.cfg.Config, publisher, postgres.LogRelayConfig{
+			MaxBackoff: 2 * time.Second, Logger: logger, MeterProvider: m.provider,
+			OnPass: func(r postgres.PassReport) { view.onPass(r) },
+		})
+		if err != nil {
+			return err
+		}
 		runs = logRelay
 	}
 	counted := &countingHandler{handler: shop.NewWarehouse(dbs.warehouse)}
@@ -297,10 +314,9 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 	errs := make(chan error, 3)
 	orders := shop.NewOrderService(db)
 	runner := &relayRunner{relay: runs, ctx: ctx, errs: errs}
-	view := &live{db: db, orders: orders, broker: broker, lossy: lossy, warehouse: counted, relay: runner,
+	view = &live{db: db, orders: orders, broker: broker, lossy: lossy, warehouse: counted, relay: runner,
 		meters: m.provider, stopped: ctx.Done()}
 	view.state = &snapshot[state]{period: statePeriod, read: view.read, now: time.Now}
-	relay.OnPass, logRelay.OnPass = view.onPass, view.onPass
 	routes := http.NewServeMux()
 	routes.Handle("GET /metrics", m.handler)
 	view.routes(routes)

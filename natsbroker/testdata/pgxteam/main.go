@@ -74,7 +74,11 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	n, err := ob.NewRelay(natsbroker.NewPublisher(js)).PublishPending(ctx)
+	relay, err := ob.NewRelay(natsbroker.NewPublisher(js), postgres.RelayConfig{})
+	if err != nil {
+		return err
+	}
+	n, err := relay.PublishPending(ctx)
 	if err != nil {
 		return err
 	}
