@@ -85,7 +85,7 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 		goRun(t, natsbroker.NewConsumer(cons, seen[n.Stream()]).Run)
 	}
 
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		for _, typ := range []string{"InvoiceIssued", "invoice.paid"} {
 			if _, err := billingOutbox.Write(ctx, tx, postgres.Event{Type: typ, Payload: map[string]int{"invoice": 1}}); err != nil {
 				return err

@@ -81,7 +81,7 @@ func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply fu
 		}
 		span.End()
 	}()
-	err = Transaction(ctx, db, func(tx *sql.Tx) error {
+	err = Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		fresh, err := applyOnceIn(ctx, sqlTxn{tx}, msg, last)
 		if err != nil || !fresh {
 			return err // !fresh: a duplicate, and nothing was written

@@ -23,7 +23,7 @@ func TestRawJSONPayloadIsStoredAsGiven(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	given := []string{`{"customerId": 7,  "tags":["a"]}`, `[1, 2.50, "x"]`}
-	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		if _, err := postgres.InsertOutbox(ctx, tx, "CustomerRegistered", []byte(given[0])); err != nil {
 			return err
 		}
@@ -43,7 +43,7 @@ func TestRawJSONPayloadIsStoredAsGiven(t *testing.T) {
 		}
 	}
 
-	err = postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	err = postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		if _, err := postgres.InsertOutbox(ctx, tx, "CustomerRegistered", json.RawMessage(`{"customerId": 8}`)); err != nil {
 			return err
 		}
@@ -68,7 +68,7 @@ func TestSeqBelowOneIsRefusedAtInsertAndAtApply(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	for _, seq := range []int64{0, -1} {
-		err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 			if _, err := postgres.InsertOutbox(ctx, tx, "AccountOpened", map[string]int{"account": 1}); err != nil {
 				return err
 			}

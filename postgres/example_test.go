@@ -204,7 +204,7 @@ func ExampleInsertOutbox() {
 		log.Fatal(err)
 	}
 	ctx := context.Background()
-	err = postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	err = postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		var id int64
 		if err := tx.QueryRowContext(ctx, `INSERT INTO customers (name) VALUES ($1) RETURNING id`, "Ada").Scan(&id); err != nil {
 			return err

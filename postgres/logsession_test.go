@@ -74,7 +74,7 @@ func TestLogRelayDeliversATransactionLongerThanTheServersTimeout(t *testing.T) {
 	}
 	broker := &recorder{}
 	relay := logRelayOn(t, db, srv.ConnString(), "outbox", slowBroker(broker, 100*time.Millisecond), unmarked)
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		for i := range 30 {
 			if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": i + 1}); err != nil {
 				return err
@@ -84,7 +84,7 @@ func TestLogRelayDeliversATransactionLongerThanTheServersTimeout(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		_, err := postgres.InsertOutbox(ctx, tx, "PickingDone", map[string]int{"items": 30})
 		return err
 	}); err != nil {
@@ -334,7 +334,7 @@ func TestLogRelayParksWhatTheBrokerCanNeverTake(t *testing.T) {
 	relay := logRelayOn(t, db, logConnString(name), name, refuse2, postgres.LogRelayConfig{ParkAfter: 2})
 	insert := func(n int) {
 		t.Helper()
-		if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 			for range n {
 				if _, err := postgres.InsertOutbox(ctx, tx, "ItemPicked", map[string]int{"item": 1}); err != nil {
 					return err
@@ -429,15 +429,15 @@ func TestLogRelayPublishesATransactionInBatches(t *testing.T) {
 		return nil
 	}}
 	relay := logRelayOn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{ParkAfter: 1})
-	insert := func(rows func(tx *sql.Tx) error) {
+	insert := func(rows func(ctx context.Context, tx *sql.Tx) error) {
 		t.Helper()
 		if err := postgres.Transaction(ctx, db, rows); err != nil {
 			t.Fatal(err)
 		}
 	}
-	insert(func(tx *sql.Tx) error { return insertItems(ctx, tx, 150) }) // rows 1-150
-	insert(func(tx *sql.Tx) error { return insertABAC(ctx, tx) })       // rows 151-154
-	insert(func(tx *sql.Tx) error { return insertItems(ctx, tx, 3) })   // rows 155-157: the broker refuses 156
+	insert(func(ctx context.Context, tx *sql.Tx) error { return insertItems(ctx, tx, 150) }) // rows 1-150
+	insert(func(ctx context.Context, tx *sql.Tx) error { return insertABAC(ctx, tx) })       // rows 151-154
+	insert(func(ctx context.Context, tx *sql.Tx) error { return insertItems(ctx, tx, 3) })   // rows 155-157: the broker refuses 156
 	runLog(t, relay)
 	waitUntil(t, "every row marked but 156, parked", func() bool {
 		return count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL`) == 0
@@ -613,10 +613,10 @@ func TestLogRelaySendsASequencePublisherWholeTransactions(t *testing.T) {
 	db := open(t, name, "")
 	broker := &batchRecorder{}
 	relay := logRelayOn(t, db, logConnString(name), name, sequenceRecorder{broker}, postgres.LogRelayConfig{})
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { return insertItems(ctx, tx, 150) }); err != nil {
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error { return insertItems(ctx, tx, 150) }); err != nil {
 		t.Fatal(err) // rows 1-150
 	}
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error { return insertABAC(ctx, tx) }); err != nil {
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error { return insertABAC(ctx, tx) }); err != nil {
 		t.Fatal(err) // rows 151-154
 	}
 	stop := runLog(t, relay)

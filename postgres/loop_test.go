@@ -381,7 +381,7 @@ func TestServerErrorAtCommitIsARollbackNotAnUnknownOutcome(t *testing.T) {
 	if _, err := db.Exec(`CREATE TABLE deferred_unique (k integer UNIQUE DEFERRABLE INITIALLY DEFERRED)`); err != nil {
 		t.Fatal(err)
 	}
-	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		_, err := tx.ExecContext(ctx, `INSERT INTO deferred_unique VALUES (1), (1)`) // checked at COMMIT
 		return err
 	})
@@ -406,7 +406,7 @@ func TestCommitTheServerTurnedIntoARollbackIsNotAnUnknownOutcome(t *testing.T) {
 	if _, err := db.Exec(`CREATE TABLE aborted (k integer)`); err != nil {
 		t.Fatal(err)
 	}
-	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO aborted VALUES (1)`); err != nil {
 			return err
 		}

@@ -390,7 +390,7 @@ func TestTwoProducersWithTheSameIDsThroughOneWarehouse(t *testing.T) {
 	for shopNo := range 2 {
 		producer := newDatabase(t)
 		for order := int64(1); order <= 2; order++ {
-			if err := postgres.Transaction(ctx, producer, func(tx *sql.Tx) error {
+			if err := postgres.Transaction(ctx, producer, func(ctx context.Context, tx *sql.Tx) error {
 				_, err := postgres.InsertOutbox(ctx, tx, shop.OrderPlaced,
 					shop.Order{ID: 10*int64(shopNo+1) + order, TotalCents: 100})
 				return err

@@ -59,7 +59,7 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 	}
 
 	// One transaction writes to both: each row lands in its own table.
-	err = postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	err = postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		for seq, typ := range []string{"InvoiceIssued", "InvoicePaid", "InvoiceVoided"} {
 			if _, err := billing.Write(ctx, tx, postgres.Event{Type: typ, Payload: map[string]int{"invoice": 1}, Aggregate: "invoice/1", Seq: int64(seq + 1)}); err != nil {
 				return err
@@ -121,7 +121,7 @@ func TestTwoOutboxesInOneDatabase(t *testing.T) {
 		}
 		return n == 1
 	})
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		_, err := billing.Write(ctx, tx, postgres.Event{Type: "InvoiceIssued", Payload: map[string]int{"invoice": 2}})
 		return err
 	}); err != nil {

@@ -367,7 +367,7 @@ func insertEvents(t *testing.T, db *sql.DB, aggregates ...string) {
 	for _, aggregate := range aggregates {
 		seqs[aggregate]++
 		seq := seqs[aggregate]
-		if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 			_, err := postgres.InsertOutboxFor(ctx, tx, aggregate, seq, "Changed", map[string]int64{"seq": seq})
 			return err
 		}); err != nil {

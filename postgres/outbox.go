@@ -68,10 +68,10 @@ import (
 // retry safe, as the example shop's idempotency key does.
 var ErrCommitUnknown = errors.New("postgres: commit outcome unknown")
 
-// Transaction runs fn in a READ COMMITTED transaction on db and commits it if
-// fn returns nil. The isolation level is asked for explicitly, so a
-// database whose default is stricter does not turn this module's waits
-// into serialization failures.
+// Transaction runs fn in a READ COMMITTED transaction on db and commits it
+// if fn returns nil; fn gets ctx, for its statements. The isolation level is
+// asked for explicitly, so a database whose default is stricter does not
+// turn this module's waits into serialization failures.
 //
 // If fn returns an error, or panics, the transaction is rolled back and the
 // error is returned unchanged (the panic goes on). If the commit fails with
@@ -79,13 +79,13 @@ var ErrCommitUnknown = errors.New("postgres: commit outcome unknown")
 // statement had failed and fn went on: [pgx.ErrTxCommitRollback]), nothing
 // fn wrote is kept; any other commit error wraps [ErrCommitUnknown], and
 // then what fn wrote may be kept or not.
-func Transaction(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
+func Transaction(ctx context.Context, db *sql.DB, fn func(ctx context.Context, tx *sql.Tx) error) error {
 	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return err
 	}
 	defer tx.Rollback() // after a commit this does nothing; otherwise it undoes fn's writes
-	if err := fn(tx); err != nil {
+	if err := fn(ctx, tx); err != nil {
 		return err
 	}
 	return commit(tx)

@@ -89,7 +89,7 @@ func TestErrorInsideTransactionRollsBackOrderAndMessage(t *testing.T) {
 	db := newDatabase(t)
 	db.SetMaxOpenConns(1)
 
-	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		var id int64
 		if err := tx.QueryRowContext(ctx, `INSERT INTO orders (total_cents) VALUES (1000) RETURNING id`).Scan(&id); err != nil {
 			return err
@@ -105,7 +105,7 @@ func TestErrorInsideTransactionRollsBackOrderAndMessage(t *testing.T) {
 
 	func() {
 		defer func() { _ = recover() }()
-		_ = postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+		_ = postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 			if _, err := tx.ExecContext(ctx, `INSERT INTO orders (total_cents) VALUES (1000)`); err != nil {
 				return err
 			}
@@ -467,7 +467,7 @@ func TestRelayPublishesAnyRowInIDOrder(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	place(t, db, 100)
-	if err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		_, err := postgres.InsertOutbox(ctx, tx, "CustomerRegistered", map[string]string{"email": "a@example.com"})
 		return err
 	}); err != nil {

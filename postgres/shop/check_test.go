@@ -25,7 +25,7 @@ func TestInsertOrderTurnsTheTablesCheckIntoErrInvalidTotal(t *testing.T) {
 	if err := Migrate(ctx, db); err != nil {
 		t.Fatal(err)
 	}
-	err := postgres.Transaction(ctx, db, func(tx *sql.Tx) error {
+	err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		_, _, err := insertOrder(ctx, tx, sql.NullString{}, 0)
 		return err
 	})

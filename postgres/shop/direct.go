@@ -42,7 +42,7 @@ func (s *DirectOrderService) PlaceOrder(ctx context.Context, totalCents int64) (
 		return 0, err
 	}
 	var order Order
-	err := postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
+	err := postgres.Transaction(ctx, s.db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
 		order, _, err = insertOrder(ctx, tx, sql.NullString{}, totalCents)
 		return err

@@ -126,7 +126,7 @@ func (s *OrderService) place(ctx context.Context, key sql.NullString, totalCents
 	}
 	ctx, end := startSpan(ctx, "PlaceOrder")
 	defer func() { end(err) }()
-	err = postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
+	err = postgres.Transaction(ctx, s.db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
 		id, err = placeIn(ctx, tx, key, totalCents)
 		return err
@@ -189,7 +189,7 @@ func placeIn(ctx context.Context, tx postgres.Executor, key sql.NullString, tota
 func (s *OrderService) CancelOrder(ctx context.Context, orderID int64) (err error) {
 	ctx, end := startSpan(ctx, "CancelOrder")
 	defer func() { end(err) }()
-	return postgres.Transaction(ctx, s.db, func(tx *sql.Tx) error {
+	return postgres.Transaction(ctx, s.db, func(ctx context.Context, tx *sql.Tx) error {
 		order := Order{ID: orderID}
 		var seq int64
 		err := tx.QueryRowContext(ctx, `UPDATE orders SET cancelled_at = clock_timestamp(), events = events + 1

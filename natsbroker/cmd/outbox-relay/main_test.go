@@ -212,7 +212,7 @@ func TestRelayProcessStopsOnSIGTERMAndStartsAgainLosingNothing(t *testing.T) {
 				return
 			default:
 			}
-			err := postgres.Transaction(ctx, e.db, func(tx *sql.Tx) error {
+			err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
 				_, err := postgres.InsertOutboxFor(ctx, tx, fmt.Sprintf("order/%d", written.Load()+1), 1, "OrderPlaced",
 					map[string]int64{"orderId": written.Load() + 1})
 				return err
@@ -352,7 +352,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	if code, out := e.runOnce("migrate"); code != 0 {
 		t.Fatalf("migrate exited %d:\n%s", code, out)
 	}
-	if err := postgres.Transaction(ctx, e.db, func(tx *sql.Tx) error {
+	if err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
 		_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"orderId": 99})
 		return err
 	}); err != nil {
@@ -370,7 +370,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	p := e.start("run", "-mode", "log", "-http", addr, "-retention", "1ms", "-cleanup-every", "100ms", "-sweep-every", "200ms")
 	waitFor(t, "/readyz to answer 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
 	for i := range 20 {
-		if err := postgres.Transaction(ctx, e.db, func(tx *sql.Tx) error {
+		if err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
 			_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"orderId": i + 1})
 			return err
 		}); err != nil {
@@ -399,7 +399,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 		return !errors.Is(postgres.DropLogSlot(ctx, e.db, "outbox"), postgres.ErrSlotActive)
 	})
 	for i := range 5 {
-		if err := postgres.Transaction(ctx, e.db, func(tx *sql.Tx) error {
+		if err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
 			_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"orderId": 21 + i})
 			return err
 		}); err != nil {
