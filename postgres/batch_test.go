@@ -197,7 +197,7 @@ func (b *eitherBroker) PublishBatch(_ context.Context, msgs []postgres.Message) 
 	return len(msgs), nil
 }
 
-// The relay as NewOutboxRelay makes it is the one a team should run: a
+// The relay of the zero RelayConfig is the one a team should run: a
 // BatchPublisher gets each pass's rows in one batch, and a message the
 // broker can never take is set aside after DefaultParkAfter rejections,
 // the rows after it delivered, instead of blocking the table for ever.

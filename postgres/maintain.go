@@ -14,9 +14,9 @@ import (
 // behind, a cleanup of the rows it sent, and a way to look at the messages
 // it parked and put them back.
 
-// DefaultCleanupBatch is how many rows [DeleteSent] and
-// [ForgetProcessed] delete in one transaction when their
-// batchSize is zero or less.
+// DefaultCleanupBatch is how many rows [Outbox.DeleteSent] and
+// [Outbox.ForgetProcessed] delete in one transaction when
+// [Config.CleanupBatch] is zero.
 const DefaultCleanupBatch = 1000
 
 // DefaultListLimit is how many parked messages [ListParked] returns when its

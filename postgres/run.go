@@ -12,8 +12,8 @@ import (
 
 // NotifyChannel is the channel that migrations/0001_outbox.sql's trigger
 // notifies when a transaction that inserted outbox rows commits, and that
-// [OutboxRelay.Run] listens on: [DefaultOutbox]'s (another [Outbox]'s is
-// its Channel).
+// [OutboxRelay.Run] listens on: the table outbox's ([DefaultTable]; an
+// [Outbox] of another table has its own, [Outbox.Channel]).
 const NotifyChannel = "outbox"
 
 // DefaultPollInterval is how long [OutboxRelay.Run] waits for a
