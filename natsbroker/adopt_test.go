@@ -51,7 +51,11 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	relay, err := postgres.NewOutboxRelay(db, natsbroker.NewPublisher(js), postgres.RelayConfig{})
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	relay, err := ob.NewRelay(natsbroker.NewPublisher(js), postgres.RelayConfig{})
 	if err != nil {
 		log.Fatal(err)
 	}

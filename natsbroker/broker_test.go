@@ -384,7 +384,7 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	if n, err := relay.PublishPending(ctx); n != 2 || err != nil {
 		t.Fatalf("pass = %d, %v; want 2, <nil> (row 1 parked, rows 2 and 3 sent)", n, err)
 	}
-	parked, err := postgres.ListParked(ctx, db, 0)
+	parked, err := tableOutbox(db).ListParked(ctx, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

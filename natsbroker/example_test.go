@@ -44,7 +44,11 @@ func ExamplePublisher() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	if err := postgres.CheckSchema(ctx, db); err != nil {
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := ob.CheckSchema(ctx); err != nil {
 		log.Fatal(err)
 	}
 	// The stream as the migration step provisioned it, on a cluster of
@@ -58,7 +62,7 @@ func ExamplePublisher() {
 	}
 
 	publisher := natsbroker.NewPublisher(js)
-	relay, err := postgres.NewOutboxRelay(db, publisher, postgres.RelayConfig{})
+	relay, err := ob.NewRelay(publisher, postgres.RelayConfig{})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -107,11 +107,11 @@ func newPipeline(b *testing.B, url, relay string, consumers int) *pipeline {
 			b.Fatal(err)
 		}
 		ctx := context.Background()
-		if err := postgres.CreateLogSlot(ctx, db, name); err != nil {
+		if err := tableOutbox(db).CreateLogSlot(ctx, name); err != nil {
 			b.Fatal(err)
 		}
 		b.Cleanup(func() { // after the relay's stop: cleanups run last first
-			if err := postgres.DropLogSlot(ctx, db, name); err != nil {
+			if err := tableOutbox(db).DropLogSlot(ctx, name); err != nil {
 				b.Error(err)
 			}
 		})

@@ -91,7 +91,7 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 				return err
 			}
 		}
-		_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"order": 1})
+		_, err := tableOutbox(db).Write(ctx, tx, postgres.Event{Type: "OrderPlaced", Payload: map[string]int{"order": 1}})
 		return err
 	}); err != nil {
 		t.Fatal(err)

@@ -33,7 +33,7 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 func newDatabase(t testing.TB) *sql.DB {
 	t.Helper()
 	db := pgtest.Open(t, pgtest.NewBlankDatabase(t), "")
-	if err := errors.Join(postgres.Migrate(context.Background(), db), shop.Migrate(context.Background(), db)); err != nil {
+	if err := errors.Join(tableOutbox(db).Migrate(context.Background()), shop.Migrate(context.Background(), db)); err != nil {
 		t.Fatal(err)
 	}
 	return db
@@ -279,7 +279,7 @@ func newRelay(tb testing.TB, db *sql.DB, broker postgres.MessageBroker, cfg ...p
 	if len(cfg) > 0 {
 		c = cfg[0]
 	}
-	r, err := postgres.NewOutboxRelay(db, broker, c)
+	r, err := tableOutbox(db).NewRelay(broker, c)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -295,4 +295,14 @@ func must(tb testing.TB) func(*postgres.OutboxRelay, error) *postgres.OutboxRela
 		}
 		return r
 	}
+}
+
+// tableOutbox is the table outbox of db. pgtest opens db with pgx's stdlib
+// driver, on which OpenDB of the zero Config cannot fail.
+func tableOutbox(db *sql.DB) *postgres.Outbox[postgres.SQLTx] {
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		panic(err)
+	}
+	return ob
 }

@@ -12,7 +12,7 @@ import (
 type Message struct {
 	ID      int64  // the row's id: unique in one database, in the order rows were inserted
 	Type    string // the event type, such as "UserRegistered"; see [ErrInvalidEventType]
-	Payload string // the event as JSON, byte for byte as InsertOutbox encoded it
+	Payload string // the event as JSON, byte for byte as Outbox.Write encoded it
 
 	// Key names the message where consumers meet: a UUID the row was given at
 	// insert, unique across producers, and kept by every copy a re-send makes.

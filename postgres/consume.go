@@ -2,7 +2,6 @@ package postgres
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"time"
@@ -12,7 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// ErrOutOfOrder is returned, wrapped, by [ApplyOnce] for a message that
+// ErrOutOfOrder is returned, wrapped, by [Outbox.ApplyOnce] for a message that
 // arrives before its predecessor in its aggregate: it is not applied, and
 // applies once the predecessor has been.
 var ErrOutOfOrder = errors.New("postgres: message arrived before its predecessor")
@@ -31,19 +30,20 @@ var ErrMalformedMessage = errors.New("postgres: message payload cannot be read")
 // long it takes.
 var ErrPermanent = errors.New("postgres: message can never be applied")
 
-// ErrNoMessageKey is returned by [ApplyOnce] for a message whose Key is
+// ErrNoMessageKey is returned by [Outbox.ApplyOnce] for a message whose Key is
 // empty, such as one published without an outbox: with no key there is no
 // way to tell a duplicate from a new message.
 var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates cannot be dropped")
 
 // ApplyOnce is the consumer's side of the outbox: it runs apply for msg
-// in a READ COMMITTED transaction on db, unless a message with msg's key was
-// applied before, and reports whether apply ran and committed. Delivery is
-// at least once, so every consumer needs it; apply writes the message's
-// effect in tx, and the effect and the key's record in processed_messages
-// commit together or not at all, durably whatever the session's
-// synchronous_commit (the consumer acks the message after it). apply gets
-// ctx with ApplyOnce's span, so that its statements join the trace.
+// in a READ COMMITTED transaction of its own on o's database (a pgx.Tx or a
+// *sql.Tx, as o was opened), unless a message with msg's key was applied
+// before, and reports whether apply ran and committed. Delivery is at least
+// once, so every consumer needs it; apply writes the message's effect in tx,
+// and the effect and the key's record in processed_messages commit together
+// or not at all, durably whatever the session's synchronous_commit (the
+// consumer acks the message after it). apply gets ctx with ApplyOnce's
+// span, so that its statements join the trace.
 //
 // The key, not the id, because a consumer that hears two producers, or one
 // whose sequence was reset, sees the same id on different messages. A
@@ -55,22 +55,32 @@ var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates ca
 // below it was applied before (a copy that came after its key was
 // forgotten, or a replay of the stream) and is a duplicate, whatever its
 // key says. last says that msg is its aggregate's last event, so that
-// [ForgetProcessed] may later forget the aggregate's position.
+// [Outbox.ForgetProcessed] may later forget the aggregate's position.
 //
 // ApplyOnce is a span, "apply <type>", of otel's global tracer provider, in
 // the trace ctx carries: a consumer starts ctx from the message's
 // TraceContext ([ContextWithTrace]) so that it joins the producer's trace.
 //
 // An error from apply rolls everything back and is returned unchanged: wrap
-// [ErrMalformedMessage] for a payload that can never apply. Two deliveries
-// of one message at the same time apply it once: the second waits for the
-// first's transaction and comes back as a duplicate, not as an error. The
-// tables are the outbox migrations' ([Migrate]); in a real system they live
-// in the consumer's database. [Outbox.ApplyOnceIn] does the same in a
-// transaction the caller already has.
-func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply func(ctx context.Context, tx *sql.Tx) error) (applied bool, err error) {
+// [ErrMalformedMessage] for a payload that can never apply, [ErrPermanent]
+// for a message that never will for a reason of the handler's own. A
+// commit whose outcome is unknown wraps [ErrCommitUnknown]: delivered again,
+// the message is applied or found a duplicate. Two deliveries of one
+// message at the same time apply it once: the second waits for the first's
+// transaction and comes back as a duplicate, not as an error. The tables
+// are the outbox migrations' ([Outbox.Migrate]), shared by every outbox of
+// the database; in a real system they live in the consumer's database.
+// [Outbox.ApplyOnceIn] does the same in a transaction the caller already
+// has.
+func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply func(ctx context.Context, tx T) error) (applied bool, err error) {
+	if err := o.usable(); err != nil {
+		return false, err
+	}
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
+	}
+	if apply == nil {
+		return false, errors.New("postgres: ApplyOnce needs an apply function")
 	}
 	ctx, span := tracer().Start(ctx, "apply "+msg.Type, trace.WithAttributes(
 		attribute.String("messaging.message.id", msg.Key), attribute.Int64("outbox.id", msg.ID)))
@@ -81,24 +91,26 @@ func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply fu
 		}
 		span.End()
 	}()
-	err = Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
-		fresh, err := applyOnceIn(ctx, sqlTxn{tx}, msg, last)
-		if err != nil || !fresh {
-			return err // !fresh: a duplicate, and nothing was written
-		}
-		if err := apply(ctx, tx); err != nil {
-			return err
-		}
-		applied = true
-		return nil
-	})
+	tx, err := o.begin(ctx)
 	if err != nil {
 		return false, err
 	}
-	return applied, nil
+	t := o.tx(tx)
+	defer t.rollback() // after a commit this does nothing; otherwise it undoes apply's writes
+	fresh, err := applyOnceIn(ctx, t, msg, last)
+	if err != nil || !fresh {
+		return false, err // !fresh: a duplicate, and nothing was written
+	}
+	if err := apply(ctx, tx); err != nil {
+		return false, err
+	}
+	if err := t.commit(ctx); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
-// ApplyOnceIn is [ApplyOnce] in the caller's transaction tx, a pgx.Tx or
+// ApplyOnceIn is [Outbox.ApplyOnce] in the caller's transaction tx, a pgx.Tx or
 // a *sql.Tx as o was opened: it records msg as applied in tx and reports
 // fresh, or reports a duplicate (false) and writes nothing. The caller
 // writes the message's effect in tx only if fresh, and commits; the record
@@ -186,16 +198,7 @@ func lockPosition(ctx context.Context, tx stmts, msg Message) (int64, error) {
 	return seq, nil
 }
 
-// ForgetProcessed is [Outbox.ForgetProcessed] on db, batchSize rows a
-// transaction (zero or less means [DefaultCleanupBatch]).
-func ForgetProcessed(ctx context.Context, db *sql.DB, retention time.Duration, batchSize int) (int64, error) {
-	if batchSize < 0 {
-		batchSize = 0
-	}
-	return sqlOutbox(db, batchSize).ForgetProcessed(ctx, retention)
-}
-
-// ForgetProcessed deletes the keys of messages that [ApplyOnce] applied
+// ForgetProcessed deletes the keys of messages that [Outbox.ApplyOnce] applied
 // longer than retention ago, and the positions of the aggregates whose last
 // event it applied longer than retention ago, at most [Config.CleanupBatch]
 // rows a transaction, and returns how many keys and

@@ -221,11 +221,33 @@ func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.
 			t.Errorf("seq %d = %v, %v; want applied", m.Seq, fresh, err)
 		}
 	}
-	if n := count(t, check, `SELECT count(*) FROM processed_messages`); n != 3 {
-		t.Errorf("%d keys recorded, want 3", n)
+
+	// Or in a transaction of ob's own around the caller's effect: an effect
+	// that fails records nothing and is tried again; a duplicate does not
+	// call it.
+	calls := 0
+	failed := errors.New("the effect failed")
+	mail := postgres.Message{ID: 4, Key: "producer-a/4", Type: "Welcomed", Payload: "{}"}
+	if applied, err := ob.ApplyOnce(ctx, mail, false, func(context.Context, T) error { calls++; return failed }); applied || !errors.Is(err, failed) {
+		t.Errorf("ApplyOnce, its effect failing = %v, %v; want not applied, the effect's error", applied, err)
 	}
-	if n, err := ob.ForgetProcessed(ctx, 0); n != 3 || err != nil {
-		t.Errorf("ForgetProcessed = %d, %v; want the 3 keys (the open aggregate's position kept)", n, err)
+	for i, want := range []bool{true, false} {
+		applied, err := ob.ApplyOnce(ctx, mail, false, func(context.Context, T) error { calls++; return nil })
+		if applied != want || err != nil {
+			t.Errorf("ApplyOnce, delivery %d = %v, %v; want applied %v", i+1, applied, err, want)
+		}
+	}
+	if calls != 2 {
+		t.Errorf("the effect ran %d times, want 2 (the failure and the first delivery after it)", calls)
+	}
+	if _, err := ob.ApplyOnce(ctx, postgres.Message{Key: "producer-a/5"}, false, nil); err == nil {
+		t.Error("ApplyOnce with no apply function: no error")
+	}
+	if n := count(t, check, `SELECT count(*) FROM processed_messages`); n != 4 {
+		t.Errorf("%d keys recorded, want 4", n)
+	}
+	if n, err := ob.ForgetProcessed(ctx, 0); n != 4 || err != nil {
+		t.Errorf("ForgetProcessed = %d, %v; want the 4 keys (the open aggregate's position kept)", n, err)
 	}
 	if n := count(t, check, `SELECT count(*) FROM aggregate_positions`); n != 1 {
 		t.Errorf("%d positions, want the open aggregate's", n)
@@ -349,6 +371,8 @@ func f(ctx context.Context, ob *postgres.Outbox[postgres.PgxTx], sob *postgres.O
 		`sob.Write(ctx, stx, e)`,
 		`sob.Write(ctx, wrappedTx{stx}, e)`,
 		`sob.ApplyOnceIn(ctx, stx, m, false)`,
+		`ob.ApplyOnce(ctx, m, false, func(ctx context.Context, tx postgres.PgxTx) error { return nil })`,
+		`sob.ApplyOnce(ctx, m, false, func(ctx context.Context, tx postgres.SQLTx) error { return nil })`,
 	}
 	bad := []string{
 		`ob.Write(ctx, pool, e)`,
@@ -384,6 +408,13 @@ func f(ctx context.Context, ob *postgres.Outbox[postgres.PgxTx], sob *postgres.O
 	if !ok || !strings.Contains(block, "ob.Write(ctx, tx,") {
 		t.Fatalf("README.md has no block of Write after its step 2:\n%s", block)
 	}
+	// And its block of a consumer, step 5.
+	_, consumer, _ := strings.Cut(string(readme), "**5. A consumer that drops duplicates")
+	_, consumer, _ = strings.Cut(consumer, "```go\n")
+	consumer, _, ok = strings.Cut(consumer, "```")
+	if !ok || !strings.Contains(consumer, "ob.ApplyOnce(ctx, msg,") {
+		t.Fatalf("README.md has no block of ApplyOnce after its step 5:\n%s", consumer)
+	}
 	if err := os.MkdirAll(filepath.Join(dir, "readme"), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -398,7 +429,12 @@ import (
 )
 
 func register(ctx context.Context, pool *pgxpool.Pool, id int64, name string) error {
-` + block + "}\n"
+` + block + `}
+
+func welcome(ctx context.Context, ob *postgres.Outbox[postgres.PgxTx], msg postgres.Message, customerID int64) (bool, error) {
+` + consumer + `	return applied, err
+}
+`
 	if err := os.WriteFile(filepath.Join(dir, "readme", "readme.go"), []byte(src), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -437,7 +473,7 @@ func register(ctx context.Context, pool *pgxpool.Pool, id int64, name string) er
 		}
 	}
 	if strings.Contains(string(out), "readme/") {
-		t.Error("the README's block of a write in a pgx transaction does not build")
+		t.Error("the README's blocks of a write in a pgx transaction and of a consumer do not build")
 	}
 	for i, call := range bad {
 		pkg := fmt.Sprintf("bad%d/", i)

@@ -17,7 +17,7 @@ import (
 
 // DefaultSlot and DefaultPublication are the Slot and Publication of the
 // table outbox (an [Outbox] of another table has its own, named after it):
-// the replication slot that [CreateLogSlot] makes when given no name, and
+// the replication slot that [Outbox.CreateLogSlot] makes when given no name, and
 // the publication of the outbox's inserts that migration 4 creates.
 const (
 	DefaultSlot        = "outbox"
@@ -25,7 +25,7 @@ const (
 )
 
 // ErrNoSlot is returned, wrapped, by [LogRelay.Run] when its replication
-// slot does not exist: create it with [CreateLogSlot] before the producers
+// slot does not exist: create it with [Outbox.CreateLogSlot] before the producers
 // write rows it must see.
 var ErrNoSlot = errors.New("postgres: the log relay's replication slot does not exist")
 
@@ -38,8 +38,8 @@ var ErrNoSlot = errors.New("postgres: the log relay's replication slot does not 
 // twice, by key), and the log relay takes over again.
 var ErrSlotLost = errors.New("postgres: the log relay's replication slot was invalidated")
 
-// ErrSlotOfAnotherDatabase is returned, wrapped, by [CreateLogSlot],
-// [DropLogSlot], [Outbox.RecoverLogSlot] and [LogRelay.Run] for a slot
+// ErrSlotOfAnotherDatabase is returned, wrapped, by [Outbox.CreateLogSlot],
+// [Outbox.DropLogSlot], [Outbox.RecoverLogSlot] and [LogRelay.Run] for a slot
 // whose name is taken by a slot of another database on the same server:
 // slot names are the server's, not a database's, so two services whose
 // outbox tables share a name on one server must give their slots names of

@@ -11,12 +11,36 @@ import (
 	"time"
 )
 
-// CreateLogSlot creates the replication slot slot (DefaultSlot if empty)
-// of the database db is open on, with the pgoutput plugin, unless it exists.
-// Create it as a provisioning step, before the producers write the rows the
-// log relay must publish: the slot sees only what commits after it exists.
-// It needs wal_level = logical, and says so.
-func CreateLogSlot(ctx context.Context, db *sql.DB, slot string) error {
+// CreateLogSlot creates the replication slot slot (o's Slot if empty) of
+// o's database, with the pgoutput plugin, unless it exists. Create it as a
+// provisioning step, before the producers write the rows the log relay must
+// publish: the slot sees only what commits after it exists. It needs
+// wal_level = logical, and says so. A slot of that name that belongs to
+// another database on the server is refused with
+// [ErrSlotOfAnotherDatabase].
+func (o *Outbox[T]) CreateLogSlot(ctx context.Context, slot string) error {
+	if err := o.usable(); err != nil {
+		return err
+	}
+	return createLogSlot(ctx, o.sqldb, cmp.Or(slot, o.Slot()))
+}
+
+// DropLogSlot drops the replication slot slot (o's Slot if empty) of o's
+// database, if it exists: a slot that no relay reads any more holds the
+// server's log for ever, until the disk fills or max_slot_wal_keep_size
+// invalidates it. A slot a relay is reading is refused with
+// [ErrSlotActive], and kept; so is a slot of that name that belongs to
+// another database on the server, with [ErrSlotOfAnotherDatabase].
+func (o *Outbox[T]) DropLogSlot(ctx context.Context, slot string) error {
+	if err := o.usable(); err != nil {
+		return err
+	}
+	return dropLogSlot(ctx, o.sqldb, cmp.Or(slot, o.Slot()))
+}
+
+// createLogSlot is [Outbox.CreateLogSlot] on db, DefaultSlot if slot is
+// empty.
+func createLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 	if slot == "" {
 		slot = DefaultSlot
 	}
@@ -29,24 +53,6 @@ func CreateLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 		return fmt.Errorf("create replication slot %s (it needs wal_level = logical): %w", slot, err)
 	}
 	return nil
-}
-
-// CreateLogSlot is [CreateLogSlot] on o's database, of the slot named
-// slot, or o's Slot if slot is empty.
-func (o *Outbox[T]) CreateLogSlot(ctx context.Context, slot string) error {
-	if err := o.usable(); err != nil {
-		return err
-	}
-	return CreateLogSlot(ctx, o.sqldb, cmp.Or(slot, o.Slot()))
-}
-
-// DropLogSlot is [DropLogSlot] on o's database, of the slot named slot, or
-// o's Slot if slot is empty.
-func (o *Outbox[T]) DropLogSlot(ctx context.Context, slot string) error {
-	if err := o.usable(); err != nil {
-		return err
-	}
-	return DropLogSlot(ctx, o.sqldb, cmp.Or(slot, o.Slot()))
 }
 
 // slotOfThisDatabase is nil when the slot named slot does not exist or
@@ -68,18 +74,13 @@ func slotOfThisDatabase(ctx context.Context, db *sql.DB, slot string) error {
 	return nil
 }
 
-// ErrSlotActive is returned, wrapped, by [DropLogSlot] for a slot that a
+// ErrSlotActive is returned, wrapped, by [Outbox.DropLogSlot] for a slot that a
 // log relay is reading: stop it first.
 var ErrSlotActive = errors.New("postgres: the replication slot is in use")
 
-// DropLogSlot drops the replication slot slot (DefaultSlot if empty) of the
-// database db is open on, if it exists: a slot that no relay reads any more
-// holds the server's log for ever, until the disk fills or
-// max_slot_wal_keep_size invalidates it. A slot a relay is reading is
-// refused with [ErrSlotActive], and kept; so is a slot of that name that
-// belongs to another database on the server, with
-// [ErrSlotOfAnotherDatabase].
-func DropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
+// dropLogSlot is [Outbox.DropLogSlot] on db, DefaultSlot if slot is
+// empty.
+func dropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 	if slot == "" {
 		slot = DefaultSlot
 	}
@@ -147,17 +148,17 @@ func (o *tables) recoverLogSlot(ctx context.Context, db *sql.DB, slot string, br
 	// A relay that has just returned ErrSlotLost or ErrNoSlot closed its
 	// connection, but the server's walsender lets go of the slot a moment
 	// later: wait for that, a while.
-	err := DropLogSlot(ctx, db, slot)
+	err := dropLogSlot(ctx, db, slot)
 	for deadline := time.Now().Add(slotReleaseWait); errors.Is(err, ErrSlotActive) && time.Now().Before(deadline); {
 		if !pause(ctx, 50*time.Millisecond) {
 			return 0, ctx.Err()
 		}
-		err = DropLogSlot(ctx, db, slot)
+		err = dropLogSlot(ctx, db, slot)
 	}
 	if err != nil {
 		return 0, err
 	}
-	if err := CreateLogSlot(ctx, db, slot); err != nil {
+	if err := createLogSlot(ctx, db, slot); err != nil {
 		return 0, err
 	}
 	// PollOnly: it only passes, and needs no connection to listen on.

@@ -525,22 +525,23 @@ func TestRowThatKeepsFailingIsLoggedOnceAndCounted(t *testing.T) {
 	}
 }
 
-// InsertOutbox refuses, before any statement, a type that no broker could
+// Write refuses, before any statement, a type that no broker could
 // route (a space, a wildcard, an empty word, too long), and the caller's
 // transaction goes on: the valid row after it commits alone. (Caught: a
 // type with a space inserted, and held in the outbox for ever.)
-func TestInsertOutboxRefusesATypeNoBrokerCanRoute(t *testing.T) {
+func TestWriteRefusesATypeNoBrokerCanRoute(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
+	ob := sqlOutbox(t, db, postgres.Config{})
 	tx := begin(t, db)
 	for _, typ := range []string{"Order Placed", "", "order..placed", ".placed", "placed.", "order.*", "order.>", "Ordér", strings.Repeat("x", postgres.MaxEventTypeLen+1)} {
-		if _, err := postgres.InsertOutbox(ctx, tx, typ, map[string]int64{"orderId": 1}); !errors.Is(err, postgres.ErrInvalidEventType) {
-			t.Errorf("InsertOutbox(%q) = %v, want ErrInvalidEventType", typ, err)
+		if _, err := ob.Write(ctx, tx, postgres.Event{Type: typ, Payload: map[string]int64{"orderId": 1}}); !errors.Is(err, postgres.ErrInvalidEventType) {
+			t.Errorf("Write(%q) = %v, want ErrInvalidEventType", typ, err)
 		}
 	}
 	for _, typ := range []string{"OrderPlaced", "order.placed", "Order_Placed-v2"} {
-		if _, err := postgres.InsertOutbox(ctx, tx, typ, map[string]int64{"orderId": 1}); err != nil {
-			t.Errorf("InsertOutbox(%q) = %v, want nil", typ, err)
+		if _, err := ob.Write(ctx, tx, postgres.Event{Type: typ, Payload: map[string]int64{"orderId": 1}}); err != nil {
+			t.Errorf("Write(%q) = %v, want nil", typ, err)
 		}
 	}
 	if err := tx.Commit(); err != nil {

@@ -19,14 +19,14 @@ import (
 // [Config.CleanupBatch] is zero.
 const DefaultCleanupBatch = 1000
 
-// DefaultListLimit is how many parked messages [ListParked] returns when its
+// DefaultListLimit is how many parked messages [Outbox.ListParked] returns when its
 // limit is zero or less.
 const DefaultListLimit = 100
 
-// ErrNotParked is returned by [Unpark] for an id that names no parked row.
+// ErrNotParked is returned by [Outbox.Unpark] for an id that names no parked row.
 var ErrNotParked = errors.New("postgres: no parked outbox row with that id")
 
-// Lag is how far the relays are behind, as [ReadLag] measures it.
+// Lag is how far the relays are behind, as [Outbox.ReadLag] measures it.
 type Lag struct {
 	// Unsent is how many rows wait to be published (not sent, not parked).
 	Unsent int64
@@ -51,11 +51,6 @@ SELECT count(*),
        count(*) FILTER (WHERE attempts >= $1)
 FROM outbox
 WHERE sent_at IS NULL AND parked_at IS NULL`
-
-// ReadLag is [Outbox.ReadLag] of the table outbox of db.
-func ReadLag(ctx context.Context, db *sql.DB) (Lag, error) {
-	return sqlOutbox(db, 0).ReadLag(ctx)
-}
 
 // ReadLag measures the outbox in one query, for a gauge.
 //
@@ -171,11 +166,6 @@ type ParkedMessage struct {
 	ParkedAt   time.Time // when the relay set it aside
 }
 
-// ListParked is [Outbox.ListParked] of the table outbox of db.
-func ListParked(ctx context.Context, db *sql.DB, limit int) ([]ParkedMessage, error) {
-	return sqlOutbox(db, 0).ListParked(ctx, limit)
-}
-
 // listParked returns up to $1 parked rows, lowest id first.
 const listParked = `
 SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
@@ -206,11 +196,6 @@ func (o *Outbox[T]) ListParked(ctx context.Context, limit int) ([]ParkedMessage,
 		return nil, fmt.Errorf("list parked outbox rows: %w", err)
 	}
 	return parked, nil
-}
-
-// Unpark is [Outbox.Unpark] in the table outbox of db.
-func Unpark(ctx context.Context, db *sql.DB, id int64) error {
-	return sqlOutbox(db, 0).Unpark(ctx, id)
 }
 
 // unpark puts the parked row $1 back.

@@ -27,17 +27,17 @@ var migrationFiles embed.FS
 // of another table, in <table>_migrations); the name carries the module's
 // prefix so as not to meet a team's own schema_migrations.
 // SchemaVersion is the number of the outbox's last migration: the version
-// [CheckSchema] wants the database at.
+// [Outbox.CheckSchema] wants the database at.
 var SchemaVersion = defaultTables.migrations.Version()
 
 // MigrationLockTimeout is how long a migration's statement waits for a lock
-// before [Migrate] gives up with an error. DDL waits behind every open
+// before [Outbox.Migrate] gives up with an error. DDL waits behind every open
 // transaction that touched its table, and every statement on the table
 // waits behind the DDL, so a long wait would stall the service's own
 // writes; a short one fails the migration instead, to be run again.
 const MigrationLockTimeout = 2 * time.Second
 
-// MigrationLockWait is how long [Migrate] waits for another migrator of
+// MigrationLockWait is how long [Outbox.Migrate] waits for another migrator of
 // the outbox (another process running Migrate on the same database) before
 // it gives up with an error wrapping [ErrMigratorBusy].
 const MigrationLockWait = time.Minute
@@ -45,18 +45,13 @@ const MigrationLockWait = time.Minute
 // migrationLockWait is MigrationLockWait, a variable that a test shortens.
 var migrationLockWait = MigrationLockWait
 
-// ErrMigratorBusy is wrapped by [Migrate]'s error when another migrator
+// ErrMigratorBusy is wrapped by [Outbox.Migrate]'s error when another migrator
 // held the migration lock longer than [MigrationLockWait].
 var ErrMigratorBusy = errors.New("postgres: another migrator holds the migration lock")
 
-// ErrSchemaVersion is wrapped by [CheckSchema]'s error when the database's
+// ErrSchemaVersion is wrapped by [Outbox.CheckSchema]'s error when the database's
 // schema is not at [SchemaVersion].
 var ErrSchemaVersion = errors.New("postgres: database schema is not at this package's version")
-
-// Migrate is [Outbox.Migrate] on the table outbox of db.
-func Migrate(ctx context.Context, db *sql.DB) error {
-	return sqlOutbox(db, 0).Migrate(ctx)
-}
 
 // Migrate brings o's tables to [SchemaVersion]: it applies, in order, each
 // migration that <table>_migrations (outbox_migrations for the table outbox)
@@ -71,7 +66,7 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 //
 // It creates the outbox table, its indexes and its NOTIFY trigger, for a
 // producer, and processed_messages and aggregate_positions, for a consumer
-// ([ApplyOnce]); a service that is only one of the two leaves the other's
+// ([Outbox.ApplyOnce]); a service that is only one of the two leaves the other's
 // tables empty. It touches no other table: a team's own tables have
 // migrations of their own.
 //
@@ -83,11 +78,6 @@ func (o *Outbox[T]) Migrate(ctx context.Context) error {
 		return err
 	}
 	return o.t.migrations.apply(ctx, o.db)
-}
-
-// CheckSchema is [Outbox.CheckSchema] on the table outbox of db.
-func CheckSchema(ctx context.Context, db *sql.DB) error {
-	return sqlOutbox(db, 0).CheckSchema(ctx)
 }
 
 // CheckSchema reports, with an error wrapping [ErrSchemaVersion], a database
@@ -105,7 +95,7 @@ func (o *Outbox[T]) CheckSchema(ctx context.Context) error {
 
 // A MigrationSet is the numbered SQL migrations of one component, files
 // NNNN_name.sql whose numbers run from 1 without a gap, recorded in a table
-// of their own: the outbox's ([Migrate]), or a team's own tables', as the
+// of their own: the outbox's ([Outbox.Migrate]), or a team's own tables', as the
 // example shop's are. Its methods are safe for concurrent use.
 type MigrationSet struct {
 	table      string

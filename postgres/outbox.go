@@ -30,19 +30,22 @@
 // which reads the server's log. Package pgtest, below this one, gives tests
 // a real server.
 //
-// The package's functions of the same names ([InsertOutbox], [Migrate],
-// [ReadLag], [ApplyOnce], …) are the same on the table outbox of a *sql.DB,
-// for the lesson's example to read in a few lines.
+// Every operation on an outbox table is a method of its Outbox, and no
+// event is written but by [Outbox.Write] in the caller's transaction. The
+// package's other functions write no event: [Transaction] (a READ
+// COMMITTED transaction on a *sql.DB, its commit's unknown outcome said),
+// [ContextWithTrace], [NewConsumerTelemetry] for a consumer's spans, and
+// [NewMigrationSet] for a team's own numbered migrations.
 //
 // What a real database adds, and the in-memory one of the lesson cannot
 // show, is in the doc comments of [OutboxRelay], [Transaction] and
-// [ApplyOnce]: ids are handed out when rows are inserted, not when
+// [Outbox.ApplyOnce]: ids are handed out when rows are inserted, not when
 // transactions commit; several relays must claim rows, and a claim held by a
 // connection must be bounded in time; a commit can fail with its outcome
 // unknown ([ErrCommitUnknown]); a consumer must drop duplicates, by a key
 // unique across producers ([Message.Key]); order holds per aggregate only if
 // producers, relays and consumers each keep it ([Event.Aggregate],
-// the relay's order per aggregate, [ApplyOnce]).
+// the relay's order per aggregate, [Outbox.ApplyOnce]).
 package postgres
 
 import (
@@ -153,8 +156,9 @@ const maxCleanupBatch = 100_000
 type Outbox[T any] struct {
 	t            *tables
 	db           pool
-	sqldb        *sql.DB // db as database/sql, for the log relay's marks and recovery
-	tx           func(T) txn
+	sqldb        *sql.DB                          // db as database/sql, for the log relay's marks and recovery
+	tx           func(T) txn                      // the caller's transaction, as the statements take it
+	begin        func(context.Context) (T, error) // a READ COMMITTED transaction of the Outbox's own
 	cleanupBatch int
 }
 
@@ -195,6 +199,9 @@ func Open(p *pgxpool.Pool, cfg Config) (*Outbox[PgxTx], error) {
 	if err != nil {
 		return nil, err
 	}
+	o.begin = func(ctx context.Context) (PgxTx, error) {
+		return p.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	}
 	o.sqldb = stdlib.OpenDBFromPool(p)
 	return o, nil
 }
@@ -218,6 +225,7 @@ func OpenDB(db *sql.DB, cfg Config) (*Outbox[SQLTx], error) {
 	if err != nil {
 		return nil, err
 	}
+	o.begin = sqlBegin(db)
 	o.sqldb = db
 	return o, nil
 }
@@ -244,7 +252,18 @@ func sqlOutbox(db *sql.DB, cleanupBatch int) *Outbox[SQLTx] {
 		p = sqlPool{db}
 	}
 	return &Outbox[SQLTx]{t: defaultTables, db: p, sqldb: db, tx: func(tx SQLTx) txn { return sqlTxn{tx} },
-		cleanupBatch: orDefault(cleanupBatch, DefaultCleanupBatch)}
+		begin: sqlBegin(db), cleanupBatch: orDefault(cleanupBatch, DefaultCleanupBatch)}
+}
+
+// sqlBegin begins READ COMMITTED transactions on db.
+func sqlBegin(db *sql.DB) func(context.Context) (SQLTx, error) {
+	return func(ctx context.Context) (SQLTx, error) {
+		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+		if err != nil {
+			return nil, err // not a nil *sql.Tx in a non-nil SQLTx
+		}
+		return tx, nil
+	}
 }
 
 // errNotOpened is the error of an Outbox's methods on one not made by
@@ -315,17 +334,6 @@ func (o *Outbox[T]) Write(ctx context.Context, tx T, e Event) (int64, error) {
 	return o.t.insert(ctx, o.tx(tx), e)
 }
 
-// Executor is what [InsertOutbox] and [InsertOutboxFor] need of the
-// caller's database/sql transaction: the one method of it they use, which
-// *sql.Tx, sqlc's generated DBTX and the transaction types of libraries
-// built on database/sql have. Give it the transaction that writes the
-// change: a *sql.DB has the method too, and would write the row in a
-// transaction of its own, which is the dual write again; [Outbox.Write]
-// takes a [SQLTx], which a *sql.DB is not.
-type Executor interface {
-	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}
-
 // ErrInvalidEventType is returned, wrapped, by [Outbox.Write] for an event type
 // that a broker could not route: one that is not words of letters, digits, '_'
 // and '-' joined by single dots ("UserRegistered", "user.registered"), or is
@@ -345,33 +353,9 @@ var ErrInvalidPayload = errors.New("postgres: payload is not valid JSON")
 
 // ErrInvalidSeq is returned, wrapped, by [Outbox.Write] for a seq below 1 with
 // an aggregate, or any seq without one: an aggregate's events are numbered from
-// 1, and a consumer ([ApplyOnce]) refuses any other as malformed. Nothing is
+// 1, and a consumer ([Outbox.ApplyOnce]) refuses any other as malformed. Nothing is
 // written.
 var ErrInvalidSeq = errors.New("postgres: an aggregate's seq starts at 1")
-
-// InsertOutbox is [Outbox.Write] of an event with no aggregate, on the
-// table outbox, in a database/sql transaction: any [Executor].
-func InsertOutbox(ctx context.Context, tx Executor, eventType string, payload any) (int64, error) {
-	return defaultTables.insert(ctx, executor{tx}, Event{Type: eventType, Payload: payload})
-}
-
-// InsertOutboxFor is [InsertOutbox] of an event of aggregate, its seq-th
-// (1 for the first): [Outbox.Write] of Event{Type: eventType, Payload:
-// payload, Aggregate: aggregate, Seq: seq}, with the same rule on the
-// aggregate's row lock.
-func InsertOutboxFor(ctx context.Context, tx Executor, aggregate string, seq int64, eventType string, payload any) (int64, error) {
-	if aggregate == "" {
-		return 0, fmt.Errorf("%w: seq %d of no aggregate", ErrInvalidSeq, seq)
-	}
-	return defaultTables.insert(ctx, executor{tx}, Event{Type: eventType, Payload: payload, Aggregate: aggregate, Seq: seq})
-}
-
-// executor is an Executor as a rowQuerier.
-type executor struct{ tx Executor }
-
-func (e executor) queryRow(ctx context.Context, query string, args ...any) rowScanner {
-	return e.tx.QueryRowContext(ctx, query, args...)
-}
 
 // rowQuerier runs a statement that returns one row: all that writing an
 // event needs.

@@ -808,9 +808,12 @@ func wantSent(t *testing.T, db *sql.DB, want ...bool) {
 	}
 }
 
-// teamTx is a team's own transaction type, as sqlc's generated Queries or a
-// repository layer wrap one: not a *sql.Tx, but an Executor.
+// teamTx is a team's own transaction type, as a repository layer wraps
+// one: not a *sql.Tx, but a postgres.SQLTx.
 type teamTx struct{ tx *sql.Tx }
+
+func (q teamTx) Commit() error   { return q.tx.Commit() }
+func (q teamTx) Rollback() error { return q.tx.Rollback() }
 
 func (q teamTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
 	return q.tx.ExecContext(ctx, query, args...)
@@ -827,9 +830,10 @@ func (q teamTx) QueryRowContext(ctx context.Context, query string, args ...any) 
 // A team's own transaction, through its own type, writes the outbox row
 // beside its change: rolled back, neither is there; committed, both are,
 // and the relay publishes the row.
-func TestInsertOutboxInATeamsOwnTransaction(t *testing.T) {
+func TestWriteInATeamsOwnTransaction(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
+	ob := sqlOutbox(t, db, postgres.Config{})
 	if _, err := db.Exec(`CREATE TABLE customers (id bigint PRIMARY KEY, name text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
@@ -839,7 +843,7 @@ func TestInsertOutboxInATeamsOwnTransaction(t *testing.T) {
 		if _, err := q.ExecContext(ctx, `INSERT INTO customers VALUES (7, 'Ada')`); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := postgres.InsertOutbox(ctx, q, "CustomerRegistered", map[string]any{"customerId": 7}); err != nil {
+		if _, err := ob.Write(ctx, q, postgres.Event{Type: "CustomerRegistered", Payload: map[string]any{"customerId": 7}}); err != nil {
 			t.Fatal(err)
 		}
 		if commit {

@@ -2,7 +2,6 @@ package postgres
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -39,7 +38,7 @@ var ErrClaimLost = errors.New("postgres: relay pass lost its claim")
 // FailingAfter is how many failed publishes, for any reason, make an unsent
 // row failing: a message that holds up the outbox, or its aggregate, pass
 // after pass. [OutboxRelay.Run] logs it once, at level Warn, with its id,
-// key and last error, when its attempts reach FailingAfter; [ReadLag]
+// key and last error, when its attempts reach FailingAfter; [Outbox.ReadLag]
 // counts the failing rows in Lag.Failing.
 const FailingAfter = 5
 
@@ -253,14 +252,6 @@ const DefaultParkAfter = 5
 // refuses: the error says which setting and why. Nothing is written,
 // claimed or published.
 var ErrInvalidConfig = errors.New("postgres: invalid configuration")
-
-// NewOutboxRelay is [Outbox.NewRelay] on the table outbox of db.
-func NewOutboxRelay(db *sql.DB, broker MessageBroker, cfg RelayConfig) (*OutboxRelay, error) {
-	if db == nil {
-		return nil, fmt.Errorf("%w: no database", ErrInvalidConfig)
-	}
-	return sqlOutbox(db, 0).NewRelay(broker, cfg)
-}
 
 // NewRelay returns an OutboxRelay that publishes o's rows to broker, as cfg
 // says, and listens on o's channel. It checks cfg and the database, and

@@ -2,7 +2,6 @@ package postgres
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"time"
@@ -18,7 +17,7 @@ import (
 // The outbox reports through the OpenTelemetry API only, as a library
 // should: the application chooses the SDK and its exporters, and without
 // them every call here is a no-op. The trace of a request goes through the
-// table: InsertOutbox stores the W3C trace context of its ctx with the row
+// table: Outbox.Write stores the W3C trace context of its ctx with the row
 // (the trace_context column), the relay's publish of the row is a span in
 // that trace, and the broker carries the publish's context to the consumer.
 
@@ -30,7 +29,7 @@ const InstrumentationName = "example.com/patterns/enterprise/outbox/postgres"
 // written by one service is read the same way by a relay of another.
 var w3c = propagation.TraceContext{}
 
-// storedTraceContext is the trace context of ctx's span as InsertOutbox
+// storedTraceContext is the trace context of ctx's span as Outbox.Write
 // writes it to the row: its traceparent and tracestate headers, or nothing
 // when ctx carries no span.
 func storedTraceContext(ctx context.Context) (traceparent, tracestate string) {
@@ -274,11 +273,6 @@ func (t *relayTelemetry) endPass(ctx context.Context, span trace.Span, start tim
 		span.SetStatus(codes.Error, err.Error())
 	}
 	span.End()
-}
-
-// ObserveLag is [Outbox.ObserveLag] of the table outbox of db.
-func ObserveLag(db *sql.DB, mp metric.MeterProvider) (metric.Registration, error) {
-	return sqlOutbox(db, 0).ObserveLag(mp)
 }
 
 // ObserveLag reports [Outbox.ReadLag]'s figures as four observable gauges of

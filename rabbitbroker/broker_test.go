@@ -175,7 +175,7 @@ func TestUnroutableMayPassAndOversizedIsARejection(t *testing.T) {
 		if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
 			t.Fatalf("pass = %d, %v; want 1 (row 1 parked, row 2 sent), <nil>", n, err)
 		}
-		parked, err := postgres.ListParked(ctx, db, 0)
+		parked, err := tableOutbox(db).ListParked(ctx, 0)
 		if err != nil || len(parked) != 1 || parked[0].ID != 1 {
 			t.Errorf("parked = %+v, %v; want row 1", parked, err)
 		}

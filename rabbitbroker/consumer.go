@@ -21,7 +21,7 @@ import (
 
 // Handler applies a message and reports whether it did (false: a copy it
 // had applied before, dropped by its key). The example's shop.Warehouse is
-// one, through [postgres.ApplyOnce].
+// one, through [postgres.Outbox.ApplyOnce].
 type Handler interface {
 	Handle(ctx context.Context, msg postgres.Message) (applied bool, err error)
 }

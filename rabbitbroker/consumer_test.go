@@ -160,7 +160,7 @@ func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T
 	db := newDatabase(t)
 	warehouseName := pgtest.NewBlankDatabase(t)
 	wdb := pgtest.Open(t, warehouseName, "")
-	if err := errors.Join(postgres.Migrate(ctx, wdb), shop.Migrate(ctx, wdb)); err != nil {
+	if err := errors.Join(tableOutbox(wdb).Migrate(ctx), shop.Migrate(ctx, wdb)); err != nil {
 		t.Fatal(err)
 	}
 	admin := pgtest.Open(t, pgtest.Config.Database, "")

@@ -52,7 +52,11 @@ func ExampleNewPublisher() {
 	pub := rabbitbroker.NewPublisher(dial, rabbitbroker.DefaultTopology.Exchange, 0) // 0: the server's default max_message_size
 	defer pub.Close()
 	// As it comes: batches of different aggregates, each aggregate in order.
-	relay, err := postgres.NewOutboxRelay(db, pub, postgres.RelayConfig{})
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	relay, err := ob.NewRelay(pub, postgres.RelayConfig{})
 	if err != nil {
 		log.Fatal(err)
 	}

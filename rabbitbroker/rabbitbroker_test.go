@@ -50,7 +50,7 @@ func run(m *testing.M) int {
 func newDatabase(t testing.TB) *sql.DB {
 	t.Helper()
 	db := pgtest.Open(t, pgtest.NewBlankDatabase(t), "")
-	if err := errors.Join(postgres.Migrate(context.Background(), db), shop.Migrate(context.Background(), db)); err != nil {
+	if err := errors.Join(tableOutbox(db).Migrate(context.Background()), shop.Migrate(context.Background(), db)); err != nil {
 		t.Fatal(err)
 	}
 	return db
@@ -186,9 +186,19 @@ func newRelay(tb testing.TB, db *sql.DB, broker postgres.MessageBroker, cfg ...p
 	if len(cfg) > 0 {
 		c = cfg[0]
 	}
-	r, err := postgres.NewOutboxRelay(db, broker, c)
+	r, err := tableOutbox(db).NewRelay(broker, c)
 	if err != nil {
 		tb.Fatal(err)
 	}
 	return r
+}
+
+// tableOutbox is the table outbox of db. pgtest opens db with pgx's stdlib
+// driver, on which OpenDB of the zero Config cannot fail.
+func tableOutbox(db *sql.DB) *postgres.Outbox[postgres.SQLTx] {
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		panic(err)
+	}
+	return ob
 }

@@ -6,7 +6,7 @@
 // RabbitMQ keeps no record of the messages it took: every copy a relay
 // publishes again (after a lost confirm, a shutdown, a broker that came
 // back) reaches the consumer, which must drop it by its key, as
-// [postgres.ApplyOnce] does. See the README for what a confirm promises.
+// [postgres.Outbox.ApplyOnce] does. See the README for what a confirm promises.
 package rabbitbroker
 
 import (

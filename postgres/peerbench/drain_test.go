@@ -138,7 +138,11 @@ func (c *counted) Publish(ctx context.Context, _ postgres.Message) error {
 // them with kind, returning its rate.
 func drainOurs(b *testing.B, name string, db *sql.DB, kind string, orders int) float64 {
 	ctx := context.Background()
-	if err := postgres.Migrate(ctx, db); err != nil {
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
 		b.Fatal(err)
 	}
 	if err := shop.Migrate(ctx, db); err != nil {
@@ -159,7 +163,7 @@ func drainOurs(b *testing.B, name string, db *sql.DB, kind string, orders int) f
 	var pass func() (int, error)
 	switch kind {
 	case "relay", "relay-table":
-		relay, err := postgres.NewOutboxRelay(db, broker, postgres.RelayConfig{WholeTable: kind == "relay-table"})
+		relay, err := ob.NewRelay(broker, postgres.RelayConfig{WholeTable: kind == "relay-table"})
 		if err != nil {
 			b.Fatal(err)
 		}

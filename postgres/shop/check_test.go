@@ -39,3 +39,25 @@ func TestInsertOrderTurnsTheTablesCheckIntoErrInvalidTotal(t *testing.T) {
 }
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// A shop or warehouse made with no database answers each call with an
+// error wrapping postgres.ErrInvalidConfig, not a panic, and writes
+// nothing. (Caught: the outbox opened in each call, or never checked.)
+func TestNoDatabaseIsAnErrorNotAPanic(t *testing.T) {
+	ctx := context.Background()
+	orders := NewOrderService(nil)
+	if _, err := orders.PlaceOrder(ctx, 100); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("PlaceOrder on no database = %v, want ErrInvalidConfig", err)
+	}
+	if err := orders.CancelOrder(ctx, 1); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("CancelOrder on no database = %v, want ErrInvalidConfig", err)
+	}
+	w := NewWarehouse(nil)
+	msg := postgres.Message{ID: 1, Key: "k", Type: OrderPlaced, Payload: `{"id":1,"totalCents":100}`}
+	if applied, err := w.Handle(ctx, msg); applied || !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("Handle on no database = %v, %v; want ErrInvalidConfig", applied, err)
+	}
+	if _, err := w.ForgetProcessed(ctx, 0, 0); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("ForgetProcessed on no database = %v, want ErrInvalidConfig", err)
+	}
+}

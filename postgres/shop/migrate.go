@@ -26,7 +26,7 @@ var migrations = func() *postgres.MigrationSet {
 var SchemaVersion = migrations.Version()
 
 // Migrate brings the example's tables (orders, reservations) in db to
-// [SchemaVersion], as [postgres.Migrate] does the outbox's: each migration
+// [SchemaVersion], as [postgres.Outbox.Migrate] does the outbox's: each migration
 // once, in order, in a transaction of its own with its record in
 // shop_migrations, each statement waiting at most
 // [postgres.MigrationLockTimeout] for a lock. Run both, before the services
@@ -35,7 +35,7 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 	return migrations.Apply(ctx, db)
 }
 
-// CheckSchema is [postgres.CheckSchema] for the example's tables: an error
+// CheckSchema is [postgres.Outbox.CheckSchema] for the example's tables: an error
 // wrapping [postgres.ErrSchemaVersion] if they are not at [SchemaVersion].
 func CheckSchema(ctx context.Context, db *sql.DB) error {
 	return migrations.Check(ctx, db)

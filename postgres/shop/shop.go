@@ -2,8 +2,8 @@
 // (example.com/patterns/enterprise/outbox/postgres): the root teaching
 // package's shop and warehouse on a real PostgreSQL. [OrderService] writes
 // an order and its OrderPlaced event in one transaction, with
-// postgres.InsertOutboxFor; [Warehouse] applies each event once, with
-// postgres.ApplyOnce; [DirectOrderService] shows the dual write beside them.
+// postgres.Outbox.Write; [Warehouse] applies each event once, with
+// postgres.Outbox.ApplyOnce; [DirectOrderService] shows the dual write beside them.
 // Its [Order], [OrderPlaced] and [ErrInvalidTotal] are the root teaching
 // package's, the same JSON and the same rule, declared again here so that
 // the outbox's module needs nothing of the lesson (the shop program's tests
@@ -11,7 +11,7 @@
 //
 // A team does not import this package: it reads it as the pattern applied
 // to one pair of tables, and writes its own on its own tables. [Migrate]
-// creates the example's tables, apart from the outbox's (postgres.Migrate).
+// creates the example's tables, apart from the outbox's (postgres.Outbox.Migrate).
 package shop
 
 import (
@@ -68,12 +68,19 @@ func OrderAggregate(orderID int64) string { return "order/" + strconv.FormatInt(
 // An OrderService is safe for concurrent use by multiple goroutines. Create
 // one with [NewOrderService]: the zero value has no database.
 type OrderService struct {
-	db *sql.DB
+	db     *sql.DB
+	outbox *postgres.Outbox[postgres.SQLTx] // the table outbox of db
+	err    error                            // why db has no outbox
 }
 
-// NewOrderService returns an OrderService that saves orders in db.
+// NewOrderService returns an OrderService that saves orders in db and their
+// events in db's table outbox. db must be opened with pgx's stdlib driver
+// ([postgres.OpenDB]); on any other, or a nil db, every method returns the
+// error wrapping [postgres.ErrInvalidConfig] that says so, and writes
+// nothing.
 func NewOrderService(db *sql.DB) *OrderService {
-	return &OrderService{db: db}
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	return &OrderService{db: db, outbox: ob, err: err}
 }
 
 // ErrInvalidIdempotencyKey is returned, wrapped, by
@@ -124,11 +131,14 @@ func (s *OrderService) place(ctx context.Context, key sql.NullString, totalCents
 	if err := checkTotal(totalCents); err != nil {
 		return 0, err
 	}
+	if s.err != nil {
+		return 0, s.err
+	}
 	ctx, end := startSpan(ctx, "PlaceOrder")
 	defer func() { end(err) }()
 	err = postgres.Transaction(ctx, s.db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
-		id, err = placeIn(ctx, tx, key, totalCents)
+		id, err = s.placeIn(ctx, tx, key, totalCents)
 		return err
 	})
 	if err != nil {
@@ -149,28 +159,32 @@ func startSpan(ctx context.Context, name string) (context.Context, func(err erro
 	}
 }
 
-// PlaceOrderIn is PlaceOrder inside the caller's transaction tx, any
-// [postgres.Executor] (a *sql.Tx, sqlc's DBTX): it writes the order and its
+// PlaceOrderIn is PlaceOrder inside the caller's transaction tx, a
+// [postgres.SQLTx] (a *sql.Tx, or what embeds one; never a *sql.DB): it writes the order and its
 // OrderPlaced row in tx and returns the order's id, and both are kept only
 // if tx commits. It refuses a total of zero or less as PlaceOrder does,
 // before any statement. Committing is the caller's, and so is an unknown
 // outcome of that commit.
-func (s *OrderService) PlaceOrderIn(ctx context.Context, tx postgres.Executor, totalCents int64) (int64, error) {
+func (s *OrderService) PlaceOrderIn(ctx context.Context, tx postgres.SQLTx, totalCents int64) (int64, error) {
 	if err := checkTotal(totalCents); err != nil {
 		return 0, err
 	}
-	return placeIn(ctx, tx, sql.NullString{}, totalCents)
+	if s.err != nil {
+		return 0, s.err
+	}
+	return s.placeIn(ctx, tx, sql.NullString{}, totalCents)
 }
 
 // placeIn writes the order and, if it is new, its event, in tx.
-func placeIn(ctx context.Context, tx postgres.Executor, key sql.NullString, totalCents int64) (int64, error) {
+func (s *OrderService) placeIn(ctx context.Context, tx postgres.SQLTx, key sql.NullString, totalCents int64) (int64, error) {
 	order, placed, err := insertOrder(ctx, tx, key, totalCents)
 	if err != nil || !placed {
 		return order.ID, err // !placed: the key's order exists, and so does its event
 	}
 	// The order's row is new, so no one else sees it, let alone locks it,
 	// before this commits: its first event needs no lock.
-	if _, err := postgres.InsertOutboxFor(ctx, tx, OrderAggregate(order.ID), 1, OrderPlaced, order); err != nil {
+	event := postgres.Event{Type: OrderPlaced, Payload: order, Aggregate: OrderAggregate(order.ID), Seq: 1}
+	if _, err := s.outbox.Write(ctx, tx, event); err != nil {
 		return 0, err
 	}
 	return order.ID, nil
@@ -187,6 +201,9 @@ func placeIn(ctx context.Context, tx postgres.Executor, key sql.NullString, tota
 // written. An error wrapping [postgres.ErrCommitUnknown] leaves it unknown whether the
 // order was cancelled; a retry then says ErrOrderCancelled if it was.
 func (s *OrderService) CancelOrder(ctx context.Context, orderID int64) (err error) {
+	if s.err != nil {
+		return s.err
+	}
 	ctx, end := startSpan(ctx, "CancelOrder")
 	defer func() { end(err) }()
 	return postgres.Transaction(ctx, s.db, func(ctx context.Context, tx *sql.Tx) error {
@@ -209,7 +226,7 @@ func (s *OrderService) CancelOrder(ctx context.Context, orderID int64) (err erro
 		if err != nil {
 			return fmt.Errorf("cancel order %d: %w", orderID, err)
 		}
-		_, err = postgres.InsertOutboxFor(ctx, tx, OrderAggregate(orderID), seq, OrderCancelled, order)
+		_, err = s.outbox.Write(ctx, tx, postgres.Event{Type: OrderCancelled, Payload: order, Aggregate: OrderAggregate(orderID), Seq: seq})
 		return err
 	})
 }
@@ -228,7 +245,7 @@ func checkTotal(totalCents int64) error {
 // returns that order with placed false, or ErrIdempotencyKeyReused if its
 // total differs. The orders table's CHECK, for a caller that skipped
 // checkTotal, comes back as ErrInvalidTotal.
-func insertOrder(ctx context.Context, tx postgres.Executor, key sql.NullString, totalCents int64) (order Order, placed bool, err error) {
+func insertOrder(ctx context.Context, tx postgres.SQLTx, key sql.NullString, totalCents int64) (order Order, placed bool, err error) {
 	order = Order{TotalCents: totalCents}
 	// ON CONFLICT waits for a transaction that holds the same key to end;
 	// under READ COMMITTED the SELECT after it then sees that order.

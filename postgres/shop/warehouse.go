@@ -15,7 +15,7 @@ import (
 // cancelled. If a cancellation were applied before its order, the order's
 // stock would stay reserved for good, so the warehouse applies an order's
 // messages in their Seq order only, and delivery is at least once, so it
-// applies each message once: [postgres.ApplyOnce] does both, in the
+// applies each message once: [postgres.Outbox.ApplyOnce] does both, in the
 // transaction that writes the reservation.
 //
 // In a real system the warehouse keeps its tables in its own database; here
@@ -26,18 +26,24 @@ import (
 // coming back as a duplicate, not as an error. Create one with
 // [NewWarehouse]: the zero value has no database.
 type Warehouse struct {
-	db *sql.DB
+	db     *sql.DB
+	outbox *postgres.Outbox[postgres.SQLTx] // db's consumer records, through its table outbox
+	err    error                            // why db has none
 }
 
-// NewWarehouse returns a Warehouse that keeps its reservations in db.
+// NewWarehouse returns a Warehouse that keeps its reservations in db. db
+// must be opened with pgx's stdlib driver ([postgres.OpenDB]); on any other,
+// or a nil db, every method returns the error wrapping
+// [postgres.ErrInvalidConfig] that says so, and changes nothing.
 func NewWarehouse(db *sql.DB) *Warehouse {
-	return &Warehouse{db: db}
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	return &Warehouse{db: db, outbox: ob, err: err}
 }
 
 // Handle applies msg unless it was applied before, and reports whether it
 // did: OrderPlaced reserves the order's stock, OrderCancelled releases it,
 // and a message of another type is recorded and has no effect. It refuses,
-// changing nothing, what [postgres.ApplyOnce] refuses (a message with no
+// changing nothing, what [postgres.Outbox.ApplyOnce] refuses (a message with no
 // key, one that arrives before its predecessor) and a payload that is not
 // an order, with an error wrapping [postgres.ErrMalformedMessage] and the
 // decoding error.
@@ -45,7 +51,10 @@ func (w *Warehouse) Handle(ctx context.Context, msg postgres.Message) (applied b
 	// OrderCancelled is an order's last event: CancelOrder refuses an order
 	// that is cancelled already. Its position may then be forgotten.
 	last := msg.Type == OrderCancelled
-	return postgres.ApplyOnce(ctx, w.db, msg, last, func(ctx context.Context, tx *sql.Tx) error {
+	if w.err != nil {
+		return false, w.err
+	}
+	return w.outbox.ApplyOnce(ctx, msg, last, func(ctx context.Context, tx postgres.SQLTx) error {
 		if msg.Type != OrderPlaced && msg.Type != OrderCancelled {
 			return nil
 		}
@@ -64,8 +73,13 @@ func (w *Warehouse) Handle(ctx context.Context, msg postgres.Message) (applied b
 	})
 }
 
-// ForgetProcessed is [postgres.ForgetProcessed] on the warehouse's
-// database: it forgets the keys and closed positions older than retention.
+// ForgetProcessed is [postgres.Outbox.ForgetProcessed] on the warehouse's
+// database: it forgets the keys and closed positions older than retention,
+// batchSize rows a transaction (0 for [postgres.DefaultCleanupBatch]).
 func (w *Warehouse) ForgetProcessed(ctx context.Context, retention time.Duration, batchSize int) (int64, error) {
-	return postgres.ForgetProcessed(ctx, w.db, retention, batchSize)
+	ob, err := postgres.OpenDB(w.db, postgres.Config{CleanupBatch: batchSize})
+	if err != nil {
+		return 0, err
+	}
+	return ob.ForgetProcessed(ctx, retention)
 }

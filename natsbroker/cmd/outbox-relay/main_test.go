@@ -43,6 +43,7 @@ type env struct {
 	binary   string
 	database string // the connection string of the test's database
 	db       *sql.DB
+	outbox   *postgres.Outbox[postgres.SQLTx] // the table outbox of db
 	natsURL  string
 	js       jetstream.JetStream
 }
@@ -57,6 +58,11 @@ func newEnv(t *testing.T) *env {
 	cfg := pgtest.Config
 	e.database = fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, cfg.User, name)
 	e.db = pgtest.Open(t, name, "")
+	ob, err := postgres.OpenDB(e.db, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.outbox = ob
 	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoSigs: true})
 	if err != nil {
 		t.Fatal(err)
@@ -213,8 +219,8 @@ func TestRelayProcessStopsOnSIGTERMAndStartsAgainLosingNothing(t *testing.T) {
 			default:
 			}
 			err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
-				_, err := postgres.InsertOutboxFor(ctx, tx, fmt.Sprintf("order/%d", written.Load()+1), 1, "OrderPlaced",
-					map[string]int64{"orderId": written.Load() + 1})
+				_, err := e.outbox.Write(ctx, tx, postgres.Event{Type: "OrderPlaced",
+					Payload: map[string]int64{"orderId": written.Load() + 1}, Aggregate: fmt.Sprintf("order/%d", written.Load()+1), Seq: 1})
 				return err
 			})
 			if err != nil {
@@ -353,7 +359,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 		t.Fatalf("migrate exited %d:\n%s", code, out)
 	}
 	if err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
-		_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"orderId": 99})
+		_, err := e.outbox.Write(ctx, tx, postgres.Event{Type: "OrderPlaced", Payload: map[string]int{"orderId": 99}})
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -363,7 +369,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	}
 	t.Cleanup(func() { // after the relays' processes are gone: their sessions end a moment later
 		waitFor(t, "the slot dropped", func() bool {
-			return !errors.Is(postgres.DropLogSlot(context.Background(), e.db, "outbox"), postgres.ErrSlotActive)
+			return !errors.Is(e.outbox.DropLogSlot(context.Background(), "outbox"), postgres.ErrSlotActive)
 		})
 	})
 	addr := freeAddr(t)
@@ -371,7 +377,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	waitFor(t, "/readyz to answer 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
 	for i := range 20 {
 		if err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
-			_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"orderId": i + 1})
+			_, err := e.outbox.Write(ctx, tx, postgres.Event{Type: "OrderPlaced", Payload: map[string]int{"orderId": i + 1}})
 			return err
 		}); err != nil {
 			t.Fatal(err)
@@ -396,11 +402,11 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	// The slot gone, as on a promoted standby: run makes it anew and
 	// publishes what was committed meanwhile.
 	waitFor(t, "the slot free", func() bool {
-		return !errors.Is(postgres.DropLogSlot(ctx, e.db, "outbox"), postgres.ErrSlotActive)
+		return !errors.Is(e.outbox.DropLogSlot(ctx, "outbox"), postgres.ErrSlotActive)
 	})
 	for i := range 5 {
 		if err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
-			_, err := postgres.InsertOutbox(ctx, tx, "OrderPlaced", map[string]int{"orderId": 21 + i})
+			_, err := e.outbox.Write(ctx, tx, postgres.Event{Type: "OrderPlaced", Payload: map[string]int{"orderId": 21 + i}})
 			return err
 		}); err != nil {
 			t.Fatal(err)
@@ -434,8 +440,11 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	if code, out := e.runOnce("migrate", "-mode", "log", "-database", other, "-slot", own); code != 0 {
 		t.Errorf("migrate -mode log -slot %s exited %d:\n%s", own, code, out)
 	}
-	otherDB := pgtest.Open(t, name, "")
-	if err := postgres.DropLogSlot(ctx, otherDB, own); err != nil {
+	otherDB, err := postgres.OpenDB(pgtest.Open(t, name, ""), postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := otherDB.DropLogSlot(ctx, own); err != nil {
 		t.Error(err)
 	}
 }

@@ -41,14 +41,14 @@ const badBody = `body must be one JSON object {"totalCents": a whole number of c
 // a 503 whose body says so and how to retry safely; a database that did not
 // answer within requestTimeout, a 503 that says nothing was placed.
 //
-// GET /outbox is the operator's view: the counts of ReadLag, the row that
+// GET /outbox is the operator's view: the counts of ob.ReadLag, the row that
 // blocks others (blockingRow: a failing row, or a parked one with rows of
 // its aggregate behind it), and the warehouse consumer's state from the
 // broker (messages pending; from JetStream its redeliveries, from RabbitMQ
 // its consumers and dead letters), asked for at most brokerTimeout. GET
 // /outbox/parked lists the parked rows, and POST /outbox/parked/{id}/unpark
 // puts one back.
-func newHandler(db *sql.DB, orders orderPlacer, broker messageBroker, warehouse *countingHandler) http.Handler {
+func newHandler(db *sql.DB, ob *postgres.Outbox[postgres.SQLTx], orders orderPlacer, broker messageBroker, warehouse *countingHandler) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
 		var body struct {
@@ -138,7 +138,7 @@ func newHandler(db *sql.DB, orders orderPlacer, broker messageBroker, warehouse 
 	mux.HandleFunc("GET /outbox", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
 		defer cancel()
-		lag, err := postgres.ReadLag(ctx, db)
+		lag, err := ob.ReadLag(ctx)
 		if err != nil {
 			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
 			return
@@ -181,7 +181,7 @@ func newHandler(db *sql.DB, orders orderPlacer, broker messageBroker, warehouse 
 	mux.HandleFunc("GET /outbox/parked", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
 		defer cancel()
-		parked, err := postgres.ListParked(ctx, db, 0)
+		parked, err := ob.ListParked(ctx, 0)
 		if err != nil {
 			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
 			return
@@ -211,7 +211,7 @@ func newHandler(db *sql.DB, orders orderPlacer, broker messageBroker, warehouse 
 		}
 		ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
 		defer cancel()
-		switch err := postgres.Unpark(ctx, db, id); {
+		switch err := ob.Unpark(ctx, id); {
 		case errors.Is(err, postgres.ErrNotParked):
 			writeJSON(w, http.StatusNotFound, problem(fmt.Sprintf("no parked outbox row %d", id)))
 		case err != nil:

@@ -97,7 +97,7 @@ func (p placer) PlaceOrderWithKey(ctx context.Context, _ string, _ int64) (int64
 // order. (Caught: a bare 500, which tells a client nothing it can act on.)
 func TestUnknownCommitTellsTheClientHowToRetry(t *testing.T) {
 	unknown := fmt.Errorf("commit: %w: %w", postgres.ErrCommitUnknown, errors.New("connection reset"))
-	srv := httptest.NewServer(newHandler(nil, placer{err: unknown}, nil, nil))
+	srv := httptest.NewServer(newHandler(nil, nil, placer{err: unknown}, nil, nil))
 	defer srv.Close()
 	const outcome = `"error":"the database did not answer the commit: whether the order was placed is unknown"`
 	for _, tc := range []struct{ key, retry string }{
@@ -135,7 +135,7 @@ func TestDatabaseThatDoesNotAnswerGetsA503AtTheDeadline(t *testing.T) {
 		}
 	}}
 	hang.err = context.DeadlineExceeded // what the driver returns at the deadline
-	srv := httptest.NewServer(newHandler(nil, hang, nil, nil))
+	srv := httptest.NewServer(newHandler(nil, nil, hang, nil, nil))
 	defer srv.Close()
 	defer close(giveUp) // before Close, which waits for the handler
 	client := &http.Client{Timeout: 4 * requestTimeout}
@@ -226,7 +226,11 @@ func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
 	if err := db.QueryRow(`SELECT count(*) FROM pg_tables WHERE schemaname = 'public'`).Scan(&tables); err != nil || tables != 0 {
 		t.Errorf("tables after serve refused: %d, %v; want 0", tables, err)
 	}
-	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := errors.Join(ob.Migrate(ctx), shop.Migrate(ctx, db)); err != nil {
 		t.Fatal(err)
 	}
 	if err := serveOnce(t.TempDir()); err == nil || !strings.Contains(err.Error(), "run shop migrate first") {
@@ -286,8 +290,8 @@ func TestBrokerSwitchAnswersPastTheWriteTimeout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := newServer(traced(newHandler(nil, placer{}, slowBroker{takes: 600 * time.Millisecond}, nil))) // as serve wraps it
-	srv.WriteTimeout = 200 * time.Millisecond                                                           // the broker takes three times that
+	srv := newServer(traced(newHandler(nil, nil, placer{}, slowBroker{takes: 600 * time.Millisecond}, nil))) // as serve wraps it
+	srv.WriteTimeout = 200 * time.Millisecond                                                                // the broker takes three times that
 	go srv.Serve(ln)
 	defer srv.Close()
 	base := "http://" + ln.Addr().String()

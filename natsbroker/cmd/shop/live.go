@@ -29,6 +29,7 @@ var page []byte
 // live is what the page shows and what its controls act on.
 type live struct {
 	db        *sql.DB
+	outbox    *postgres.Outbox[postgres.SQLTx]
 	orders    *shop.OrderService
 	broker    messageBroker
 	lossy     *lossyPublisher
@@ -136,7 +137,7 @@ func (l *live) read(ctx context.Context) (state, error) {
 	if err := rows.Err(); err != nil {
 		return s, err
 	}
-	lag, err := postgres.ReadLag(ctx, l.db)
+	lag, err := l.outbox.ReadLag(ctx)
 	if err != nil {
 		return s, err
 	}

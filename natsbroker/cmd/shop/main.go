@@ -177,11 +177,15 @@ func (p *pools) Close() {
 // the warehouse's durable consumer, or RabbitMQ's exchange and the
 // warehouse's queue.
 func migrate(ctx context.Context, db *sql.DB, s setup, out io.Writer) error {
-	if err := postgres.Migrate(ctx, db); err != nil {
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		return err
+	}
+	if err := ob.Migrate(ctx); err != nil {
 		return err
 	}
 	if s.relay == "log" { // the log relay's slot, before any order it must see
-		if err := postgres.CreateLogSlot(ctx, db, postgres.DefaultSlot); err != nil {
+		if err := ob.CreateLogSlot(ctx, ob.Slot()); err != nil {
 			return err
 		}
 	}
@@ -252,7 +256,11 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	logger := slog.New(slog.NewTextHandler(out, nil))
-	if err := errors.Join(postgres.CheckSchema(ctx, db), shop.CheckSchema(ctx, db)); err != nil {
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		return err
+	}
+	if err := errors.Join(ob.CheckSchema(ctx), shop.CheckSchema(ctx, db)); err != nil {
 		return err
 	}
 
@@ -270,7 +278,7 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 		return err
 	}
 	defer m.provider.Shutdown(context.Background())
-	lag, err := postgres.ObserveLag(db, m.provider)
+	lag, err := ob.ObserveLag(m.provider)
 	if err != nil {
 		return err
 	}
@@ -280,7 +288,11 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 	// each pass's batch through PublishBatch, a message refused five times
 	// parked.
 	var view *live // made below; the relay tells it of each pass once it runs
-	relay, err := postgres.NewOutboxRelay(dbs.relay, publisher, postgres.RelayConfig{
+	relayOutbox, err := postgres.OpenDB(dbs.relay, postgres.Config{})
+	if err != nil {
+		return err
+	}
+	relay, err := relayOutbox.NewRelay(publisher, postgres.RelayConfig{
 		MaxBackoff:    2 * time.Second, // a demo: back quickly after /broker/up
 		Logger:        logger,
 		MeterProvider: m.provider,
@@ -291,10 +303,6 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 	}
 	var runs interface{ Run(context.Context) error } = relay
 	if s.relay == "log" { // -relay log: the other relay, reading the server's log
-		relayOutbox, err := postgres.OpenDB(dbs.relay, postgres.Config{})
-		if err != nil {
-			return err
-		}
 		// It marks what it delivered in dbs.relay, and parks what the
 		// broker refuses, as the polling relay does.
 		logRelay, err := relayOutbox.NewLogRelayConfig(&dbs.cfg.Config, publisher, postgres.LogRelayConfig{
@@ -314,13 +322,13 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 	errs := make(chan error, 3)
 	orders := shop.NewOrderService(db)
 	runner := &relayRunner{relay: runs, ctx: ctx, errs: errs}
-	view = &live{db: db, orders: orders, broker: broker, lossy: lossy, warehouse: counted, relay: runner,
+	view = &live{db: db, outbox: ob, orders: orders, broker: broker, lossy: lossy, warehouse: counted, relay: runner,
 		meters: m.provider, stopped: ctx.Done()}
 	view.state = &snapshot[state]{period: statePeriod, read: view.read, now: time.Now}
 	routes := http.NewServeMux()
 	routes.Handle("GET /metrics", m.handler)
 	view.routes(routes)
-	routes.Handle("/", traced(newHandler(db, orders, broker, counted)))
+	routes.Handle("/", traced(newHandler(db, ob, orders, broker, counted)))
 	srv := newServer(routes)
 
 	var wg sync.WaitGroup

@@ -61,7 +61,8 @@ func startShopOn(t *testing.T, broker, relayKind string) (string, *sql.DB, *sync
 		}
 		if relayKind == "log" { // its slot, before the database goes: the replication session ends a moment after the shop
 			waitFor(t, "the log relay's slot dropped", func() bool {
-				return !errors.Is(postgres.DropLogSlot(context.Background(), db, postgres.DefaultSlot), postgres.ErrSlotActive)
+				ob, err := postgres.OpenDB(db, postgres.Config{})
+				return err == nil && !errors.Is(ob.DropLogSlot(context.Background(), ob.Slot()), postgres.ErrSlotActive)
 			})
 		}
 	})

@@ -2,7 +2,6 @@ package shoptest_test
 
 import (
 	"context"
-	"database/sql"
 	"testing"
 
 	"example.com/patterns/enterprise/outbox/postgres"
@@ -22,10 +21,15 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 func TestOrderedCountsAnApplyItLearnsOfFromACopy(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.Open(t, pgtest.NewBlankDatabase(t), "")
-	for _, migrate := range []func(context.Context, *sql.DB) error{postgres.Migrate, shop.Migrate} {
-		if err := migrate(ctx, db); err != nil {
-			t.Fatal(err)
-		}
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := shop.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
 	}
 	w := shop.NewWarehouse(db)
 	msg := func(key string, seq int64) postgres.Message {
