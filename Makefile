@@ -6,7 +6,7 @@
 #   make example                             the article's scenario and the crash table, printed
 #   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
-#   make lint                                staticcheck (fetched through the Go module proxy), all eight modules
+#   make lint                                staticcheck (fetched through the Go module proxy), every module
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make minimum                             the minimum real outbox (postgres/minimum): its example, the article's scenario, on a throwaway PostgreSQL
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
@@ -15,7 +15,8 @@
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
-#   make natsbroker                          the natsbroker/ module's tests, then the shop's and the relay process's (natsbroker/cmd/shop, natsbroker/cmd/outbox-relay: modules of their own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
+#   make natsbroker                          the natsbroker/ module's tests, then the shop's (natsbroker/cmd/shop, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
+#   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps (installed if missing)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
@@ -25,8 +26,8 @@
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
-# test, make postgres, make natsbroker, make rabbitbroker, make page and make
-# lint; make postgres runs the test that every figure in the documents is one
+# test, make postgres, make natsbroker, make rabbitbroker, make outbox-relay,
+# make page and make lint; make postgres runs the test that every figure in the documents is one
 # a target printed into postgres/figures/, natsbroker/figures/ or
 # rabbitbroker/figures/.
 
@@ -45,7 +46,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -86,7 +87,7 @@ lint:
 	cd postgres && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker/cmd/shop && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
-	cd natsbroker/cmd/outbox-relay && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd outbox-relay && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker/cmd/kneeplot && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd rabbitbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd postgres/peerbench && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
@@ -213,13 +214,19 @@ failover:
 # its tests embed (each with its store in a temporary folder); then the shop
 # program's module, natsbroker/cmd/shop, which holds the SDKs, exporters and
 # chromedp, and may import the lesson, so that the outbox modules need none
-# of them; then the relay process's, natsbroker/cmd/outbox-relay, whose tests
-# build it and run it as a process. The shop runs on RabbitMQ too (-broker
-# rabbitmq), which its tests start: installed first where it is missing.
+# of them. The shop runs on RabbitMQ too (-broker rabbitmq), which its tests
+# start: installed first where it is missing.
 natsbroker: rabbitmq-server
 	$(call module-tests,natsbroker)
 	$(call module-tests,natsbroker/cmd/shop)
-	$(call module-tests,natsbroker/cmd/outbox-relay)
+
+# The relay process's module, outbox-relay/: its tests build the command
+# and run it as a process against a throwaway PostgreSQL, JetStream servers
+# they embed (one taking only TLS with a client certificate and a user)
+# and RabbitMQ nodes they start (one with an AMQPS listener), with
+# certificates they make; each removed after.
+outbox-relay: rabbitmq-server
+	$(call module-tests,outbox-relay)
 
 # RabbitMQ from Debian's packages, installed where it is missing (apt-get
 # install rabbitmq-server, with the package's service kept from starting:

@@ -13,6 +13,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -567,4 +568,105 @@ type testWriter struct{ t *testing.T }
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimSpace(string(p)))
 	return len(p), nil
+}
+
+// A second log relay on a slot that another reads stands by: it reports
+// ErrSlotActive to OnPass and logs it at Info, never at Error, and takes
+// over once the first stops, delivering what was written after. (Caught:
+// a standby logged "slot is active" at ERROR, its backoff growing to 30 s,
+// and told no one it was a standby.)
+func TestASecondLogRelayOnTheSlotStandsBy(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	pool := newPool(t, name, 4)
+	ob := pgxOutbox(t, pool)
+	if err := ob.CreateLogSlot(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	db := open(t, name, "")
+	t.Cleanup(func() { dropSlot(t, db, name) })
+	write := func(typ string) {
+		t.Helper()
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if _, err := ob.Write(ctx, tx, postgres.Event{Type: typ, Payload: "{}"}); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	first, second := &recorder{}, &recorder{}
+	active, err := ob.NewLogRelay(logConnString(name), first, postgres.LogRelayConfig{Slot: name, MaxBackoff: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopActive := runLog(t, active)
+	write("ItemPicked")
+	waitUntil(t, "the first relay to deliver", func() bool { return len(first.Published()) == 1 })
+
+	var logged syncedBuffer
+	standingBy := make(chan error, 100)
+	standby, err := ob.NewLogRelay(logConnString(name), second, postgres.LogRelayConfig{Slot: name,
+		Logger: slog.New(slog.NewTextHandler(&logged, nil)),
+		OnPass: func(r postgres.PassReport) {
+			if r.Err != nil {
+				select {
+				case standingBy <- r.Err:
+				default:
+				}
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopStandby := runLog(t, standby)
+	select {
+	case err := <-standingBy:
+		if !errors.Is(err, postgres.ErrSlotActive) {
+			t.Errorf("the standby's session failed with %v, want ErrSlotActive", err)
+		}
+	case <-time.After(generous):
+		t.Fatal("the standby reported nothing")
+	}
+	if err := stopActive(); err != nil && !errors.Is(err, context.Canceled) {
+		t.Errorf("the first relay's Run = %v", err)
+	}
+	write("ItemPacked")
+	waitUntil(t, "the standby to take over and deliver", func() bool {
+		for _, m := range second.Published() {
+			if m.Type == "ItemPacked" {
+				return true
+			}
+		}
+		return false
+	})
+	if err := stopStandby(); err != nil && !errors.Is(err, context.Canceled) {
+		t.Errorf("the standby's Run = %v", err)
+	}
+	out := logged.String()
+	if !strings.Contains(out, "level=INFO") || !strings.Contains(out, "standing by") || strings.Contains(out, "level=ERROR") {
+		t.Errorf("the standby's log, want standing by at INFO and nothing at ERROR:\n%s", out)
+	}
+}
+
+// syncedBuffer is a strings.Builder safe for a relay's logger and the test.
+type syncedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncedBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncedBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

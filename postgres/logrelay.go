@@ -176,8 +176,10 @@ type LogRelayConfig struct {
 	// OnPass, if not nil, is called after each transaction's delivery, in
 	// Run's goroutine, with what it did (Claimed, Published, Err), as
 	// RelayConfig.OnPass is after a pass: for a live view of the relay.
-	// It is called too after each mark, with Marked and Err alone. It must
-	// return quickly.
+	// It is called too after each mark, with Marked and Err alone, and
+	// after a replication session failed, with Err alone (wrapping
+	// [ErrSlotActive] while another relay reads the slot). It must return
+	// quickly.
 	OnPass func(PassReport)
 }
 

@@ -75,8 +75,15 @@ func slotOfThisDatabase(ctx context.Context, db *sql.DB, slot string) error {
 }
 
 // ErrSlotActive is returned, wrapped, by [Outbox.DropLogSlot] for a slot that a
-// log relay is reading: stop it first.
+// log relay is reading: stop it first. A [LogRelay] whose slot another
+// relay reads stands by: each session fails with it (logged at Info,
+// reported to OnPass), and the relay tries again every [StandbyRetry] at
+// most, to take over once the other stops.
 var ErrSlotActive = errors.New("postgres: the replication slot is in use")
+
+// StandbyRetry is the longest a standby [LogRelay] waits before it tries
+// the slot again.
+const StandbyRetry = 5 * time.Second
 
 // dropLogSlot is [Outbox.DropLogSlot] on db, DefaultSlot if slot is
 // empty.

@@ -56,7 +56,16 @@ func (r *LogRelay) Run(ctx context.Context) error {
 		}
 		failures++
 		d := backoff(failures, maxBackoff, rand.Float64)
-		if r.cfg.Logger != nil {
+		if r.cfg.OnPass != nil {
+			r.cfg.OnPass(PassReport{Err: err})
+		}
+		switch {
+		case errors.Is(err, ErrSlotActive): // a standby, behind the relay that reads the slot
+			d = min(d, StandbyRetry)
+			if r.cfg.Logger != nil {
+				r.cfg.Logger.Info("outbox: log relay standing by: another relay reads the slot", "slot", r.cfg.Slot, "retry_in", d)
+			}
+		case r.cfg.Logger != nil:
 			r.cfg.Logger.Error("outbox: log relay session failed", "err", err, "transactions_delivered", completed, "retry_in", d)
 		}
 		if !wait(ctx, d) {
@@ -101,6 +110,8 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 		return 0, fmt.Errorf("%w: %s: %w", ErrNoSlot, slot, err)
 	case code == "55000": // object_not_in_prerequisite_state: "can no longer get changes"
 		return 0, fmt.Errorf("%w: %s: %w", ErrSlotLost, slot, err)
+	case code == "55006": // object_in_use: "is active for PID", another relay reads it
+		return 0, fmt.Errorf("%w: %s: %w", ErrSlotActive, slot, err)
 	case err != nil:
 		return 0, fmt.Errorf("log relay: start replication from slot %s: %w", slot, err)
 	}

@@ -394,3 +394,37 @@ func TestPublishToAServerThatStopsReadingEndsWithItsContext(t *testing.T) {
 		t.Errorf("%d connections dialled, want 2 (the stuck one dropped, one new)", n)
 	}
 }
+
+// Check finds a topology that was never declared, naming what is missing,
+// and passes once Declare has made it; it declares nothing itself.
+// (Caught: the relay process had no way to check the topology it
+// publishes to, short of declaring it.)
+func TestTopologyCheckFindsWhatIsMissing(t *testing.T) {
+	url := node.URL()
+	n := topologies.Add(1)
+	top := rabbitbroker.Topology{Exchange: fmt.Sprint("outbox", n), Queue: fmt.Sprint("warehouse", n), DeliveryLimit: 3}
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	for range 2 { // and again: the first check declared nothing
+		if err := top.Check(conn); err == nil || !strings.Contains(err.Error(), "exchange "+top.Exchange) {
+			t.Fatalf("Check before Declare = %v, want an error naming exchange %s", err, top.Exchange)
+		}
+	}
+	if err := (rabbitbroker.Topology{}).Check(conn); !errors.Is(err, rabbitbroker.ErrTopology) {
+		t.Errorf("Check of the zero Topology = %v, want ErrTopology", err)
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if err := top.Declare(ch); err != nil {
+		t.Fatal(err)
+	}
+	if err := top.Check(conn); err != nil {
+		t.Errorf("Check after Declare = %v, want nil", err)
+	}
+}

@@ -85,3 +85,45 @@ func (t Topology) Declare(ch *amqp.Channel) error {
 	}
 	return nil
 }
+
+// Check reports whether t's exchanges and queues exist on the server conn
+// is connected to, changing nothing (passive declares, each on a channel of
+// its own, since the server closes the channel of one that fails): an error
+// names the first that is missing. It cannot see bindings; Declare makes
+// them.
+func (t Topology) Check(conn *amqp.Connection) error {
+	if t.Exchange == "" || t.Queue == "" || t.DeliveryLimit < 1 {
+		return fmt.Errorf("%w: %+v", ErrTopology, t)
+	}
+	passive := []struct {
+		what, name string
+		declare    func(ch *amqp.Channel) error
+	}{
+		{"exchange", t.Exchange, func(ch *amqp.Channel) error {
+			return ch.ExchangeDeclarePassive(t.Exchange, amqp.ExchangeTopic, true, false, false, false, nil)
+		}},
+		{"exchange", t.Exchange + ".dead", func(ch *amqp.Channel) error {
+			return ch.ExchangeDeclarePassive(t.Exchange+".dead", amqp.ExchangeFanout, true, false, false, false, nil)
+		}},
+		{"queue", t.Queue, func(ch *amqp.Channel) error {
+			_, err := ch.QueueDeclarePassive(t.Queue, true, false, false, false, nil)
+			return err
+		}},
+		{"queue", t.DeadLetterQueue(), func(ch *amqp.Channel) error {
+			_, err := ch.QueueDeclarePassive(t.DeadLetterQueue(), true, false, false, false, nil)
+			return err
+		}},
+	}
+	for _, p := range passive {
+		ch, err := conn.Channel()
+		if err != nil {
+			return err
+		}
+		err = p.declare(ch)
+		ch.Close()
+		if err != nil {
+			return fmt.Errorf("%s %s: %w (declare the topology first)", p.what, p.name, err)
+		}
+	}
+	return nil
+}

@@ -35,6 +35,8 @@ type Node struct {
 	Dir      string // its folder: configuration, data, logs, HOME (the Erlang cookie)
 	Name     string // its Erlang node name, name@localhost
 	Port     int    // AMQP, on 127.0.0.1
+	TLSPort  int    // AMQPS, on 127.0.0.1, if Options.TLS was given; else 0
+	tls      *TLS
 	distPort int
 	epmdPort int
 	maxSize  int // Options.MaxMessageSize
@@ -53,6 +55,17 @@ type Options struct {
 	// messages it stored before (its name is the same each time). Empty
 	// means a new temporary folder. StartCluster takes no Dir.
 	Dir string
+	// TLS, if not nil, adds an AMQPS listener (Node.TLSPort) that asks
+	// every client for a certificate signed by TLS.CACert, and refuses one
+	// with none.
+	TLS *TLS
+}
+
+// TLS names the PEM files of a node's AMQPS listener: the CA's
+// certificate, which the clients' must chain to, and the node's own
+// certificate and key.
+type TLS struct {
+	CACert, Cert, Key string
 }
 
 // Start starts a node in its folder and waits until it takes AMQP
@@ -112,7 +125,7 @@ func newNode(o Options, epmdPort int, cookie string) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
-	ports, err := freePorts(2)
+	ports, err := freePorts(3)
 	if err != nil {
 		if o.Dir == "" {
 			os.RemoveAll(dir)
@@ -123,7 +136,10 @@ func newNode(o Options, epmdPort int, cookie string) (*Node, error) {
 	if o.Dir != "" {
 		name = "outbox@localhost" // its data is kept under its name: the same name each start
 	}
-	n := &Node{Dir: dir, Name: name, Port: ports[0], distPort: ports[1], epmdPort: epmdPort, maxSize: o.MaxMessageSize}
+	n := &Node{Dir: dir, Name: name, Port: ports[0], distPort: ports[1], epmdPort: epmdPort, maxSize: o.MaxMessageSize, tls: o.TLS}
+	if o.TLS != nil {
+		n.TLSPort = ports[2]
+	}
 	files := map[string]string{"rabbitmq.conf": n.config(), "enabled_plugins": "[].\n"}
 	if cookie != "" {
 		files[".erlang.cookie"] = cookie
@@ -248,6 +264,15 @@ func (n *Node) config() string {
 	if n.maxSize > 0 {
 		conf = append(conf, fmt.Sprintf("max_message_size = %d", n.maxSize))
 	}
+	if n.tls != nil {
+		conf = append(conf,
+			"listeners.ssl.default = 127.0.0.1:"+fmt.Sprint(n.TLSPort),
+			"ssl_options.cacertfile = "+n.tls.CACert,
+			"ssl_options.certfile = "+n.tls.Cert,
+			"ssl_options.keyfile = "+n.tls.Key,
+			"ssl_options.verify = verify_peer",
+			"ssl_options.fail_if_no_peer_cert = true")
+	}
 	return strings.Join(conf, "\n") + "\n"
 }
 
@@ -264,11 +289,14 @@ func (n *Node) start() error {
 		if !errors.Is(err, errPortTaken) || attempt == 5 {
 			return err
 		}
-		ports, err := freePorts(2)
+		ports, err := freePorts(3)
 		if err != nil {
 			return err
 		}
 		n.Port, n.distPort = ports[0], ports[1]
+		if n.tls != nil {
+			n.TLSPort = ports[2]
+		}
 		path := filepath.Join(n.Dir, "rabbitmq.conf")
 		os.Remove(path)
 		if err := os.WriteFile(path, []byte(n.config()), 0o400); err != nil {
@@ -324,6 +352,15 @@ func (n *Node) startOnce() error {
 // URL is the node's AMQP URL, as the default user guest, whom RabbitMQ
 // lets in on loopback only.
 func (n *Node) URL() string { return fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", n.Port) }
+
+// TLSURL is the node's AMQPS listener, with no user: amqps://127.0.0.1:port/.
+// It is empty for a node started with no Options.TLS.
+func (n *Node) TLSURL() string {
+	if n.tls == nil {
+		return ""
+	}
+	return fmt.Sprintf("amqps://127.0.0.1:%d/", n.TLSPort)
+}
 
 // Restart stops the node, as Down does, and starts it again on the same
 // folder and ports: what it stored survives.

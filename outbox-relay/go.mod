@@ -1,14 +1,16 @@
-module example.com/patterns/enterprise/outbox/natsbroker/cmd/outbox-relay
+module example.com/patterns/enterprise/outbox/outbox-relay
 
 go 1.26.0
 
 require (
 	example.com/patterns/enterprise/outbox/natsbroker v0.0.0
 	example.com/patterns/enterprise/outbox/postgres v0.0.0
+	example.com/patterns/enterprise/outbox/rabbitbroker v0.0.0
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/nats-io/nats-server/v2 v2.15.2
 	github.com/nats-io/nats.go v1.55.0
 	github.com/prometheus/client_golang v1.25.0
+	github.com/rabbitmq/amqp091-go v1.16.0
 	go.opentelemetry.io/otel/exporters/prometheus v0.69.0
 	go.opentelemetry.io/otel/sdk/metric v1.47.0
 )
@@ -51,6 +53,7 @@ require (
 )
 
 replace (
-	example.com/patterns/enterprise/outbox/natsbroker => ../..
-	example.com/patterns/enterprise/outbox/postgres => ../../../postgres
+	example.com/patterns/enterprise/outbox/natsbroker => ../natsbroker
+	example.com/patterns/enterprise/outbox/postgres => ../postgres
+	example.com/patterns/enterprise/outbox/rabbitbroker => ../rabbitbroker
 )

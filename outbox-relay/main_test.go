@@ -13,6 +13,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -42,10 +43,14 @@ type env struct {
 	t        *testing.T
 	binary   string
 	database string // the connection string of the test's database
+	name     string // the database's name
 	db       *sql.DB
 	outbox   *postgres.Outbox[postgres.SQLTx] // the table outbox of db
 	natsURL  string
 	js       jetstream.JetStream
+	environ  []string // added to the environment of the processes started
+	args     []string // added to the flags of the processes started
+	bare     bool     // start with no -database and -nats of the test's: from the environment alone
 }
 
 func newEnv(t *testing.T) *env {
@@ -58,6 +63,7 @@ func newEnv(t *testing.T) *env {
 	cfg := pgtest.Config
 	e.database = fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, cfg.User, name)
 	e.db = pgtest.Open(t, name, "")
+	e.name = name
 	ob, err := postgres.OpenDB(e.db, postgres.Config{})
 	if err != nil {
 		t.Fatal(err)
@@ -95,8 +101,14 @@ type process struct {
 func (e *env) start(args ...string) *process {
 	e.t.Helper()
 	p := &process{stderr: &syncBuffer{}, exited: make(chan error, 1)}
-	argv := append([]string{args[0], "-database", e.database, "-nats", e.natsURL}, args[1:]...) // flags before the arguments
+	argv := []string{args[0], "-database", e.database, "-nats", e.natsURL}
+	if e.bare {
+		argv = argv[:1]
+	}
+	argv = append(argv, e.args...)
+	argv = append(argv, args[1:]...) // flags before the arguments
 	p.cmd = exec.Command(e.binary, argv...)
+	p.cmd.Env = append(os.Environ(), e.environ...)
 	p.cmd.Stderr, p.cmd.Stdout = p.stderr, p.stderr
 	if err := p.cmd.Start(); err != nil {
 		e.t.Fatal(err)

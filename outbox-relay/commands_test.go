@@ -1,0 +1,302 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
+)
+
+// jsonLines decodes each line of out that is a JSON object (the process's
+// logs are on the same stream in these tests, and are objects too: the
+// ones with a "msg" are left out).
+func jsonLines(t *testing.T, out string) []map[string]any {
+	t.Helper()
+	var values []map[string]any
+	for line := range strings.SplitSeq(out, "\n") {
+		var v map[string]any
+		if json.Unmarshal([]byte(line), &v) != nil || v["msg"] != nil {
+			continue
+		}
+		values = append(values, v)
+	}
+	return values
+}
+
+// Every operator command, for a person and with -json: check before
+// migrate fails on the schema and says so, exit 1; after it passes; lag
+// counts the unsent and parked rows; parked lists the parked one; unpark
+// puts it back (a second unpark is refused); drop deletes a parked row for
+// good. (Caught: no unpark, no lag, no check, and no -json.)
+func TestRelayProcessCommandsWithJSON(t *testing.T) {
+	e := newEnv(t)
+	code, out := e.runOnce("check")
+	if code != 1 || !strings.Contains(out, "FAIL  schema") || !strings.Contains(out, "ok    database: PostgreSQL") ||
+		!strings.Contains(out, "FAIL  broker") {
+		t.Errorf("check before migrate exited %d, want 1 with the schema and the stream failing:\n%s", code, out)
+	}
+	code, out = e.runOnce("check", "-json")
+	failed := map[string]bool{}
+	for _, v := range jsonLines(t, out) {
+		if v["ok"] == false {
+			failed[fmt.Sprint(v["check"])] = true
+		}
+	}
+	if code != 1 || !failed["schema"] || !failed["broker"] || failed["database"] || failed["privileges"] {
+		t.Errorf("check -json before migrate exited %d, failed %v; want schema and broker:\n%s", code, failed, out)
+	}
+	code, out = e.runOnce("migrate", "-json")
+	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["provisioned"] != "stream OUTBOX" {
+		t.Fatalf("migrate -json exited %d:\n%s", code, out)
+	}
+	if code, out := e.runOnce("check"); code != 0 || strings.Contains(out, "FAIL") {
+		t.Errorf("check after migrate exited %d:\n%s", code, out)
+	}
+	if code, out := e.runOnce("check", "-standbys", "s1"); !strings.Contains(out, "ok    privileges") {
+		t.Errorf("check -standbys as the superuser exited %d, want the privileges ok:\n%s", code, out)
+	}
+
+	e.writeOrders(2)
+	var parked int64
+	if err := e.db.QueryRow(`INSERT INTO outbox (type, payload, rejections, last_error, parked_at)
+		VALUES ('OrderPlaced', '{"orderId":3}', 5, 'payload over the stream''s limit', clock_timestamp())
+		RETURNING id`).Scan(&parked); err != nil {
+		t.Fatal(err)
+	}
+	code, out = e.runOnce("lag", "-json")
+	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["unsent"] != 2.0 || v[0]["parked"] != 1.0 {
+		t.Errorf("lag -json exited %d, want 2 unsent and 1 parked:\n%s", code, out)
+	}
+	if code, out := e.runOnce("lag"); code != 0 || !strings.Contains(out, "outbox: 2 unsent, 1 parked") {
+		t.Errorf("lag exited %d:\n%s", code, out)
+	}
+	code, out = e.runOnce("parked", "-json")
+	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["id"] != float64(parked) || v[0]["lastError"] != "payload over the stream's limit" {
+		t.Errorf("parked -json exited %d, want row %d:\n%s", code, parked, out)
+	}
+	code, out = e.runOnce("unpark", "-json", fmt.Sprint(parked))
+	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["unparked"] != float64(parked) {
+		t.Errorf("unpark -json exited %d:\n%s", code, out)
+	}
+	if n := e.count(fmt.Sprintf(`SELECT count(*) FROM outbox WHERE id = %d AND parked_at IS NULL AND sent_at IS NULL`, parked)); n != 1 {
+		t.Errorf("row %d is not back among the unsent", parked)
+	}
+	if code, out := e.runOnce("unpark", fmt.Sprint(parked)); code != 1 || !strings.Contains(out, "no parked outbox row") {
+		t.Errorf("a second unpark exited %d, want 1 and ErrNotParked:\n%s", code, out)
+	}
+	if code, out := e.runOnce("parked"); code != 0 || !strings.Contains(out, "no parked rows") {
+		t.Errorf("parked with none exited %d:\n%s", code, out)
+	}
+	if _, err := e.db.Exec(`UPDATE outbox SET parked_at = clock_timestamp(), last_error = 'refused again' WHERE id = $1`, parked); err != nil {
+		t.Fatal(err)
+	}
+	code, out = e.runOnce("drop", "-json", fmt.Sprint(parked))
+	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["dropped"] != float64(parked) || v[0]["lastError"] != "refused again" {
+		t.Errorf("drop -json exited %d:\n%s", code, out)
+	}
+	if n := e.count(`SELECT count(*) FROM outbox`); n != 2 {
+		t.Errorf("%d rows after the drop, want the 2 unsent", n)
+	}
+}
+
+// proxy forwards TCP connections to the test's PostgreSQL, on its Unix
+// socket, until it is cut: then it closes every connection and refuses new
+// ones, until it is mended, on the same port.
+type proxy struct {
+	t      *testing.T
+	addr   string
+	target string
+
+	mu    sync.Mutex
+	ln    net.Listener
+	conns []net.Conn
+}
+
+func newProxy(t *testing.T) *proxy {
+	cfg := pgtest.Config
+	p := &proxy{t: t, target: fmt.Sprintf("%s/.s.PGSQL.%d", cfg.Host, cfg.Port)}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.addr = ln.Addr().String()
+	p.serve(ln)
+	t.Cleanup(p.cut)
+	return p
+}
+
+func (p *proxy) serve(ln net.Listener) {
+	p.mu.Lock()
+	p.ln = ln
+	p.mu.Unlock()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("unix", p.target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			p.mu.Lock()
+			p.conns = append(p.conns, c, s)
+			p.mu.Unlock()
+			go func() { io.Copy(s, c); s.Close() }()
+			go func() { io.Copy(c, s); c.Close() }()
+		}
+	}()
+}
+
+// cut closes the listener and every connection.
+func (p *proxy) cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ln != nil {
+		p.ln.Close()
+		p.ln = nil
+	}
+	for _, c := range p.conns {
+		c.Close()
+	}
+	p.conns = nil
+}
+
+// mend listens again on the same port.
+func (p *proxy) mend() {
+	ln, err := net.Listen("tcp", p.addr)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	p.serve(ln)
+}
+
+// /readyz follows the database and the broker: 200 while both answer, 503
+// with the reason while the database is cut off or the JetStream server is
+// down, 200 again once each is back, the changes logged; and /healthz
+// fails while rows wait and no pass has succeeded for -stall-after, and
+// mends once they go. (Caught: /readyz 200 for ever once ready, and
+// /healthz 200 whatever the relay did.)
+func TestRelayProcessReadinessFollowsTheDatabaseAndTheBroker(t *testing.T) {
+	e := newEnv(t)
+	store := t.TempDir()
+	opts := &server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: store, NoSigs: true}
+	srv, err := server.NewServer(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("the JetStream server did not start")
+	}
+	t.Cleanup(func() { srv.Shutdown() })
+	e.natsURL = srv.ClientURL()
+	port := srv.Addr().(*net.TCPAddr).Port
+	if code, out := e.runOnce("migrate"); code != 0 {
+		t.Fatalf("migrate exited %d:\n%s", code, out)
+	}
+	db := newProxy(t)
+	cfg := pgtest.Config
+	through := fmt.Sprintf("host=127.0.0.1 port=%s user=%s dbname=%s sslmode=disable connect_timeout=5",
+		strings.Split(db.addr, ":")[1], cfg.User, e.name)
+	addr := freeAddr(t)
+	p := e.start("run", "-database", through, "-http", addr, "-check-every", "50ms", "-stall-after", "1s", "-max-backoff", "200ms")
+	readyz := func(want int, body string) func() bool {
+		return func() bool {
+			code, b := get("http://" + addr + "/readyz")
+			return code == want && strings.Contains(b, body)
+		}
+	}
+	waitFor(t, "/readyz 200", readyz(200, "ready"))
+
+	db.cut()
+	waitFor(t, "/readyz 503 with the database cut off", readyz(503, "not ready"))
+	db.mend()
+	waitFor(t, "/readyz 200 with the database back", readyz(200, "ready"))
+
+	srv.Shutdown()
+	waitFor(t, "/readyz 503 with the broker down", readyz(503, "NATS"))
+	e.writeOrders(1)
+	waitFor(t, "/healthz 503: a row waits and no pass succeeds", func() bool {
+		code, b := get("http://" + addr + "/healthz")
+		return code == 503 && strings.Contains(b, "stalled: 1 rows wait")
+	})
+	opts.Port = port
+	if srv, err = server.NewServer(opts); err != nil {
+		t.Fatal(err)
+	}
+	go srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("the JetStream server did not start again")
+	}
+	waitFor(t, "/readyz 200 with the broker back", readyz(200, "ready"))
+	waitFor(t, "the row sent", func() bool { return e.count(`SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0 })
+	waitFor(t, "/healthz 200 again", func() bool { code, _ := get("http://" + addr + "/healthz"); return code == 200 })
+	for _, want := range []string{`"msg":"outbox-relay: not ready"`, `"msg":"outbox-relay: ready again"`} {
+		if !strings.Contains(p.stderr.String(), want) {
+			t.Errorf("the relay did not log %s:\n%s", want, p.stderr)
+		}
+	}
+}
+
+// A second log-mode relay on the slot another reads stands by: its /readyz
+// answers 200 and says it is a standby, its log says so at INFO and logs
+// nothing at ERROR, and it takes over once the first stops. A
+// -processed-retention shorter than the stream keeps its messages is
+// refused at start. (Caught: a standby answered "ready" while it logged
+// "slot is active" at ERROR; a short retention was only logged at each
+// cleanup.)
+func TestRelayProcessStandsByBehindAnotherOnTheSlot(t *testing.T) {
+	e := newEnv(t)
+	if code, out := e.runOnce("migrate", "-mode", "log"); code != 0 {
+		t.Fatalf("migrate -mode log exited %d:\n%s", code, out)
+	}
+	t.Cleanup(func() { // after the relays' processes are gone: their sessions end a moment later
+		waitFor(t, "the slot dropped", func() bool {
+			return !errors.Is(e.outbox.DropLogSlot(context.Background(), "outbox"), postgres.ErrSlotActive)
+		})
+	})
+	if code, out := e.runOnce("run", "-processed-retention", "1h"); code != 1 || !strings.Contains(out, "-processed-retention 1h0m0s: shorter than stream OUTBOX keeps its messages") {
+		t.Errorf("run -processed-retention 1h exited %d, want 1 and the refusal:\n%s", code, out)
+	}
+	first, second := freeAddr(t), freeAddr(t)
+	active := e.start("run", "-mode", "log", "-http", first)
+	waitFor(t, "the first relay ready", func() bool { code, b := get("http://" + first + "/readyz"); return code == 200 && b == "ready\n" })
+	e.writeOrders(1)
+	waitFor(t, "the first relay to deliver", func() bool { return e.streamMsgs() == 1 })
+	standby := e.start("run", "-mode", "log", "-http", second)
+	waitFor(t, "the second relay to say it stands by", func() bool {
+		code, b := get("http://" + second + "/readyz")
+		return code == 200 && strings.Contains(b, "standby")
+	})
+	if err := active.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := active.wait(t); code != 0 {
+		t.Fatalf("the first relay exited %d:\n%s", code, active.stderr)
+	}
+	e.writeOrders(1)
+	waitFor(t, "the standby to take over and deliver", func() bool { return e.streamMsgs() == 2 })
+	waitFor(t, "its /readyz to drop the standby", func() bool { code, b := get("http://" + second + "/readyz"); return code == 200 && b == "ready\n" })
+	if err := standby.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	standby.wait(t)
+	log := standby.stderr.String()
+	if !strings.Contains(log, `"level":"INFO","msg":"outbox: log relay standing by`) || strings.Contains(log, `"level":"ERROR"`) {
+		t.Errorf("the standby's log, want standing by at INFO and nothing at ERROR:\n%s", log)
+	}
+}

@@ -1,0 +1,334 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"example.com/patterns/enterprise/outbox/natsbroker"
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/rabbitbroker"
+)
+
+// config is the relay's configuration, as flags and the environment give
+// it, every value checked by parse before anything connects.
+type config struct {
+	database, mode, broker, table, http string
+	json                                bool // the operator commands' output, one JSON value a line
+
+	relay postgres.RelayConfig    // polling mode's settings (the loggers and meters are run's)
+	log   postgres.LogRelayConfig // log mode's
+
+	nats   natsConfig
+	rabbit rabbitConfig
+
+	retention, cleanupEvery time.Duration
+	sweepEvery              time.Duration // log mode: how often unsent rows older than it are swept; 0 never
+	processedRetention      time.Duration
+	checkEvery              time.Duration // how often run checks the database and the broker again, for /readyz
+	stallAfter              time.Duration // /healthz fails when rows wait and no pass succeeded for this long
+	grace                   time.Duration // after SIGTERM, how long the relay has to finish before it exits at once
+}
+
+// natsConfig is how the relay connects to NATS, in the shape of nats.go's
+// options and the nats CLI's flags.
+type natsConfig struct {
+	urls, name                string
+	ca, cert, key, serverName string // TLS: the CA's certificates, the client's certificate and key
+	creds, nkey, user         string // a credentials file, an NKEY seed file, a user
+	password, token           string // read from a file or the environment, never a flag's value
+	stream, prefix            string
+	replicas                  int
+}
+
+// rabbitConfig is how the relay connects to RabbitMQ, in the shape of
+// amqp091-go's Config.
+type rabbitConfig struct {
+	url, user, password, vhost, name string
+	ca, cert, key, serverName        string
+	topology                         rabbitbroker.Topology
+	maxMessageSize                   int
+}
+
+// commands are the relay's commands and how many arguments each takes.
+var commands = map[string]int{"migrate": 0, "run": 0, "check": 0, "lag": 0, "parked": 0, "unpark": 1, "drop": 1}
+
+// settings registers flags whose default is an environment variable's
+// value, and converts each once the flags are parsed, so that a bad value
+// from either is refused with the flag's name, the variable's, and why.
+type settings struct {
+	fs       *flag.FlagSet
+	converts []func() error
+}
+
+func (s *settings) env(name, def string) string {
+	if v, ok := os.LookupEnv(name); ok {
+		return v
+	}
+	return def
+}
+
+// add registers -name (or the variable env) as a string, and convert for
+// it.
+func (s *settings) add(name, env, def, usage string, convert func(string) error) {
+	raw := s.fs.String(name, s.env(env, def), usage+" ("+env+")")
+	s.converts = append(s.converts, func() error {
+		if err := convert(*raw); err != nil {
+			return fmt.Errorf("-%s (%s) %q: %w", name, env, *raw, err)
+		}
+		return nil
+	})
+}
+
+func (s *settings) str(p *string, name, env, def, usage string) {
+	s.add(name, env, def, usage, func(v string) error { *p = v; return nil })
+}
+
+func (s *settings) boolean(p *bool, name, env string, def bool, usage string) {
+	raw := s.env(env, strconv.FormatBool(def))
+	s.fs.Var(boolFlag{&raw}, name, usage+" ("+env+")")
+	s.converts = append(s.converts, func() (err error) {
+		if *p, err = strconv.ParseBool(raw); err != nil {
+			return fmt.Errorf("-%s (%s) %q: want true or false", name, env, raw)
+		}
+		return nil
+	})
+}
+
+// boolFlag is a boolean flag, given alone (-poll-only) or with a value
+// (-poll-only=false), whose value is checked with the others.
+type boolFlag struct{ raw *string }
+
+func (b boolFlag) String() string {
+	if b.raw == nil {
+		return ""
+	}
+	return *b.raw
+}
+func (b boolFlag) Set(v string) error { *b.raw = v; return nil }
+func (b boolFlag) IsBoolFlag() bool   { return true }
+
+// integer is a whole number from min to max.
+func (s *settings) integer(p *int, name, env string, def, min, max int, usage string) {
+	s.add(name, env, strconv.Itoa(def), usage, func(v string) (err error) {
+		if *p, err = strconv.Atoi(v); err != nil || *p < min || *p > max {
+			return fmt.Errorf("want a whole number from %d to %d", min, max)
+		}
+		return nil
+	})
+}
+
+// duration is a duration of at least min.
+func (s *settings) duration(p *time.Duration, name, env, def string, min time.Duration, usage string) {
+	s.add(name, env, def, usage, func(v string) (err error) {
+		if *p, err = time.ParseDuration(v); err != nil || *p < min {
+			return fmt.Errorf("want a duration (such as 5s or 1m) of at least %v", min)
+		}
+		return nil
+	})
+}
+
+// secret reads a secret from the file named by -name (or the variable
+// fileEnv), or else from the variable env: never from a flag's value,
+// which every user of the machine sees in the process list. Neither it
+// nor the file's name is ever printed.
+func (s *settings) secret(p *string, name, fileEnv, env, usage string) {
+	s.add(name, fileEnv, "", usage+"; or set "+env, func(file string) error {
+		if file == "" {
+			*p = os.Getenv(env)
+			return nil
+		}
+		b, err := os.ReadFile(file)
+		if err != nil {
+			return errors.New("cannot read the file")
+		}
+		*p = strings.TrimRight(string(b), "\r\n")
+		if *p == "" {
+			return errors.New("the file is empty")
+		}
+		return nil
+	})
+}
+
+// readable is a file that exists and can be read, or "".
+func readable(p *string) func(string) error {
+	return func(v string) error {
+		*p = v
+		if v == "" {
+			return nil
+		}
+		f, err := os.Open(v)
+		if err != nil {
+			return errors.New("cannot read the file")
+		}
+		return f.Close()
+	}
+}
+
+// parse reads cmd's flags from args, each defaulting to its environment
+// variable, and checks every one; the error joins every fault found.
+func parse(cmd string, args []string) (config, []string, error) {
+	var c config
+	s := &settings{fs: flag.NewFlagSet(cmd, flag.ContinueOnError)}
+	s.str(&c.database, "database", "OUTBOX_DATABASE_URL", "", "PostgreSQL connection string, pgx's (TLS, several hosts, PGPASSWORD or a .pgpass file for the password)")
+	s.str(&c.broker, "broker", "OUTBOX_BROKER", "nats", "the broker: nats (JetStream) or rabbitmq")
+	s.str(&c.mode, "mode", "OUTBOX_MODE", "polling", "polling (OutboxRelay) or log (LogRelay: logical decoding)")
+	s.str(&c.table, "table", "OUTBOX_TABLE", postgres.DefaultTable, "the outbox table")
+	s.str(&c.http, "http", "OUTBOX_HTTP_ADDR", "", "address of /healthz, /readyz and /metrics; none if empty")
+	s.boolean(&c.json, "json", "OUTBOX_JSON", false, "the commands' output as JSON, one value a line")
+
+	// The polling relay's settings; 0 means the package's default.
+	r := &c.relay
+	s.integer(&r.BatchSize, "batch-size", "OUTBOX_BATCH_SIZE", 0, 0, postgres.MaxBatchSize, "rows a pass claims at most; 0 for 100")
+	s.duration(&r.PassTimeout, "pass-timeout", "OUTBOX_PASS_TIMEOUT", "0s", 0, "how long a pass may hold its claim; 0 for 5s")
+	s.integer(&r.ParkAfter, "park-after", "OUTBOX_PARK_AFTER", 0, 0, 1_000_000, "rejections after which a row is parked; 0 for 5 (both modes)")
+	s.boolean(&r.NeverPark, "never-park", "OUTBOX_NEVER_PARK", false, "park nothing: a row the broker refuses holds up the rows behind it (both modes)")
+	perAggregate := true
+	s.boolean(&perAggregate, "per-aggregate", "OUTBOX_PER_AGGREGATE", true, "keep order per aggregate, so that one aggregate's failure holds up only its own rows; false: the whole table in id order, stopping at the first failure")
+	s.duration(&r.PollInterval, "poll-interval", "OUTBOX_POLL_INTERVAL", "0s", 0, "how often a pass runs with no NOTIFY; 0 for 1s")
+	s.duration(&r.MaxBackoff, "max-backoff", "OUTBOX_MAX_BACKOFF", "0s", 0, "the longest wait after failed passes; 0 for 30s (both modes)")
+	s.boolean(&r.PollOnly, "poll-only", "OUTBOX_POLL_ONLY", false, "no LISTEN: poll only (behind PgBouncer in transaction mode)")
+	var standbys string
+	s.str(&standbys, "standbys", "OUTBOX_STANDBYS", "", "polling mode: the standbys' application_names, comma-separated, that a pass waits for before it publishes")
+
+	// The log relay's.
+	l := &c.log
+	s.str(&l.Slot, "slot", "OUTBOX_SLOT", "", "log mode: the replication slot, unique on the server; empty for the table's name")
+	s.str(&l.Publication, "publication", "OUTBOX_PUBLICATION", "", "log mode: the publication; empty for the table's name")
+	s.duration(&l.StatusInterval, "status-interval", "OUTBOX_STATUS_INTERVAL", "0s", 0, "log mode: how often the relay confirms its position to the server; 0 for the default")
+
+	// NATS.
+	n := &c.nats
+	s.str(&n.urls, "nats", "OUTBOX_NATS_URL", "nats://127.0.0.1:4222", "the NATS servers, comma-separated")
+	s.str(&n.name, "nats-name", "OUTBOX_NATS_NAME", "outbox-relay", "the connection's name, as the server shows it")
+	s.add("nats-ca", "OUTBOX_NATS_CA", "", "TLS: the CA certificates (PEM) the server's certificate must chain to", readable(&n.ca))
+	s.add("nats-cert", "OUTBOX_NATS_CERT", "", "TLS: the client's certificate (PEM), with -nats-key", readable(&n.cert))
+	s.add("nats-key", "OUTBOX_NATS_KEY", "", "TLS: the client certificate's key (PEM)", readable(&n.key))
+	s.str(&n.serverName, "nats-server-name", "OUTBOX_NATS_SERVER_NAME", "", "TLS: the name the server's certificate must carry; empty for the URL's host")
+	s.add("nats-creds", "OUTBOX_NATS_CREDS", "", "a credentials file (a user JWT and its NKEY seed)", readable(&n.creds))
+	s.add("nats-nkey", "OUTBOX_NATS_NKEY", "", "an NKEY seed file", readable(&n.nkey))
+	s.str(&n.user, "nats-user", "OUTBOX_NATS_USER", "", "the user, with a password")
+	s.secret(&n.password, "nats-password-file", "OUTBOX_NATS_PASSWORD_FILE", "OUTBOX_NATS_PASSWORD", "a file holding the user's password")
+	s.secret(&n.token, "nats-token-file", "OUTBOX_NATS_TOKEN_FILE", "OUTBOX_NATS_TOKEN", "a file holding the token")
+	s.str(&n.stream, "stream", "OUTBOX_STREAM", natsbroker.Stream, "the stream")
+	s.str(&n.prefix, "subject-prefix", "OUTBOX_SUBJECT_PREFIX", natsbroker.SubjectPrefix, "the subjects' prefix")
+	s.integer(&n.replicas, "replicas", "OUTBOX_REPLICAS", 1, 1, 5, "the stream's replicas (3 on a cluster of three)")
+
+	// RabbitMQ.
+	b := &c.rabbit
+	s.str(&b.url, "rabbitmq", "OUTBOX_RABBITMQ_URL", "amqp://127.0.0.1:5672/", "the RabbitMQ server, amqp:// or amqps://, with no password in it")
+	s.str(&b.user, "rabbitmq-user", "OUTBOX_RABBITMQ_USER", "", "the user; empty for the URL's (guest if none)")
+	s.secret(&b.password, "rabbitmq-password-file", "OUTBOX_RABBITMQ_PASSWORD_FILE", "OUTBOX_RABBITMQ_PASSWORD", "a file holding the user's password")
+	s.str(&b.vhost, "rabbitmq-vhost", "OUTBOX_RABBITMQ_VHOST", "", "the virtual host; empty for the URL's")
+	s.str(&b.name, "rabbitmq-name", "OUTBOX_RABBITMQ_NAME", "outbox-relay", "the connection's name, as the server shows it")
+	s.add("rabbitmq-ca", "OUTBOX_RABBITMQ_CA", "", "amqps: the CA certificates (PEM) the server's certificate must chain to", readable(&b.ca))
+	s.add("rabbitmq-cert", "OUTBOX_RABBITMQ_CERT", "", "amqps: the client's certificate (PEM), with -rabbitmq-key", readable(&b.cert))
+	s.add("rabbitmq-key", "OUTBOX_RABBITMQ_KEY", "", "amqps: the client certificate's key (PEM)", readable(&b.key))
+	s.str(&b.serverName, "rabbitmq-server-name", "OUTBOX_RABBITMQ_SERVER_NAME", "", "amqps: the name the server's certificate must carry; empty for the URL's host")
+	b.topology = rabbitbroker.DefaultTopology
+	s.str(&b.topology.Exchange, "exchange", "OUTBOX_EXCHANGE", b.topology.Exchange, "the topic exchange the relay publishes to")
+	s.str(&b.topology.Queue, "queue", "OUTBOX_QUEUE", b.topology.Queue, "the queue migrate binds to the exchange, and run checks")
+	s.integer(&b.topology.DeliveryLimit, "delivery-limit", "OUTBOX_DELIVERY_LIMIT", b.topology.DeliveryLimit, 1, 1_000_000, "the queue's deliveries of a message before it is dead-lettered")
+	s.integer(&b.maxMessageSize, "rabbitmq-max-message-size", "OUTBOX_RABBITMQ_MAX_MESSAGE_SIZE", 0, 0, 512<<20, "the server's max_message_size in bytes; 0 for its default")
+
+	// Cleanup, sweeping and health.
+	s.duration(&c.retention, "retention", "OUTBOX_RETENTION", "168h", 0, "how long a sent row is kept; 0 keeps them")
+	s.duration(&c.cleanupEvery, "cleanup-every", "OUTBOX_CLEANUP_EVERY", "1m", time.Millisecond, "how often cleanup runs")
+	s.duration(&c.processedRetention, "processed-retention", "OUTBOX_PROCESSED_RETENTION", "0s", 0, "how long consumers' keys in this database are kept; 0 leaves them (on nats: at least the stream's max age)")
+	s.duration(&c.sweepEvery, "sweep-every", "OUTBOX_SWEEP_EVERY", "1m", 0, "log mode: how often a polling pass publishes the unsent rows the log cannot carry (put back with unpark, or older than the slot), once the oldest waited that long; 0 never")
+	s.duration(&c.checkEvery, "check-every", "OUTBOX_CHECK_EVERY", "5s", 10*time.Millisecond, "how often run checks the database, the schema and the broker again, for /readyz")
+	s.duration(&c.stallAfter, "stall-after", "OUTBOX_STALL_AFTER", "5m", time.Second, "/healthz fails when rows wait and no pass succeeded for this long")
+	s.duration(&c.grace, "grace", "OUTBOX_GRACE", "30s", 0, "after SIGTERM, how long the relay has to mark what the broker accepted before it exits at once")
+
+	if err := s.fs.Parse(args); err != nil {
+		return c, nil, err
+	}
+	var errs []error
+	for _, convert := range s.converts {
+		errs = append(errs, convert())
+	}
+	c.relay.WholeTable = !perAggregate
+	c.log.ParkAfter, c.log.NeverPark, c.log.MaxBackoff = c.relay.ParkAfter, c.relay.NeverPark, c.relay.MaxBackoff
+	for name := range strings.SplitSeq(standbys, ",") {
+		if name = strings.TrimSpace(name); name != "" {
+			c.relay.Standbys = append(c.relay.Standbys, name)
+		}
+	}
+	errs = append(errs, c.check(cmd, s.fs)...)
+	return c, s.fs.Args(), errors.Join(errs...)
+}
+
+// check is what no single flag can say alone.
+func (c *config) check(cmd string, fs *flag.FlagSet) []error {
+	var errs []error
+	if c.database == "" {
+		errs = append(errs, errors.New("-database (OUTBOX_DATABASE_URL) is not set"))
+	}
+	if c.mode != "polling" && c.mode != "log" {
+		errs = append(errs, fmt.Errorf("-mode %q: want polling or log", c.mode))
+	}
+	if c.broker != "nats" && c.broker != "rabbitmq" {
+		errs = append(errs, fmt.Errorf("-broker %q: want nats or rabbitmq", c.broker))
+	}
+	if len(c.relay.Standbys) > 0 && c.mode == "log" {
+		errs = append(errs, errors.New("-standbys is for -mode polling: the log relay cannot wait for a standby (PostgreSQL 17 can, for it: synchronized_standby_slots)"))
+	}
+	if t := c.relay.PassTimeout; t > 0 && t < 10*time.Millisecond {
+		errs = append(errs, fmt.Errorf("-pass-timeout %v: at least 10ms, or 0 for %v", t, postgres.DefaultPassTimeout))
+	}
+	if c.relay.NeverPark && c.relay.ParkAfter > 0 {
+		errs = append(errs, errors.New("-never-park and -park-after: give one"))
+	}
+	for _, n := range []struct{ flag, v string }{{"-slot", c.log.Slot}, {"-publication", c.log.Publication}} {
+		if n.v != "" && !slotName.MatchString(n.v) {
+			errs = append(errs, fmt.Errorf("%s %q: want lowercase letters, digits and '_', at most 63 bytes", n.flag, n.v))
+		}
+	}
+	if c.broker == "nats" {
+		n := c.nats
+		if (n.cert == "") != (n.key == "") {
+			errs = append(errs, errors.New("-nats-cert and -nats-key: give both or neither"))
+		}
+		ways := 0
+		for _, given := range []bool{n.creds != "", n.nkey != "", n.user != "" || n.password != "", n.token != ""} {
+			if given {
+				ways++
+			}
+		}
+		if ways > 1 {
+			errs = append(errs, errors.New("NATS: give one of -nats-creds, -nats-nkey, -nats-user with a password, or a token"))
+		}
+		if (n.user == "") != (n.password == "") {
+			errs = append(errs, errors.New("-nats-user needs a password (-nats-password-file or OUTBOX_NATS_PASSWORD), and a password a user"))
+		}
+		if _, err := natsbroker.NewNames(n.stream, n.prefix); err != nil {
+			errs = append(errs, fmt.Errorf("-stream, -subject-prefix: %w", err))
+		}
+	}
+	if c.broker == "rabbitmq" {
+		errs = append(errs, c.rabbit.check()...)
+	}
+	want, known := commands[cmd]
+	switch {
+	case !known:
+		errs = append(errs, fmt.Errorf("unknown command %q: want migrate, run, check, lag, parked, unpark ID or drop ID", cmd))
+	case fs.NArg() != want && want == 0:
+		errs = append(errs, fmt.Errorf("%s takes no argument, got %q", cmd, fs.Args()))
+	case fs.NArg() != want:
+		errs = append(errs, fmt.Errorf("%s takes the id of one parked row", cmd))
+	case want == 1:
+		if id, err := strconv.ParseInt(fs.Arg(0), 10, 64); err != nil || id < 1 {
+			errs = append(errs, fmt.Errorf("%s %q: not a row id", cmd, fs.Arg(0)))
+		}
+	}
+	return errs
+}
+
+// slotName is what PostgreSQL allows in a replication slot's or a
+// publication's name, as this module makes them.
+var slotName = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)

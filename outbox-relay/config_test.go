@@ -1,0 +1,165 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Every setting is checked before anything connects, from its flag or its
+// OUTBOX_* variable, and a bad value is refused with the flag's name, the
+// variable's and why; the settings that agree reach the relays' configs.
+// (Caught: no flag for the batch, the budget, parking, order per
+// aggregate, the poll interval or PollOnly, and a bad value found only at
+// the first pass.)
+func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
+	const db = "-database=host=127.0.0.1 port=1"
+	for _, tc := range []struct {
+		args []string
+		env  string // NAME=value, set for the case
+		want string // in the error
+	}{
+		{[]string{"-batch-size", "0x10"}, "", "-batch-size (OUTBOX_BATCH_SIZE)"},
+		{[]string{"-batch-size", "20000"}, "", "from 0 to 10000"},
+		{nil, "OUTBOX_BATCH_SIZE=-1", "-batch-size (OUTBOX_BATCH_SIZE) \"-1\""},
+		{[]string{"-pass-timeout", "soon"}, "", "-pass-timeout (OUTBOX_PASS_TIMEOUT)"},
+		{[]string{"-park-after", "-3"}, "", "-park-after (OUTBOX_PARK_AFTER)"},
+		{[]string{"-never-park", "-park-after", "3"}, "", "-never-park and -park-after"},
+		{nil, "OUTBOX_PER_AGGREGATE=maybe", "-per-aggregate (OUTBOX_PER_AGGREGATE) \"maybe\": want true or false"},
+		{[]string{"-poll-interval", "-1s"}, "", "-poll-interval (OUTBOX_POLL_INTERVAL)"},
+		{[]string{"-max-backoff", "1 minute"}, "", "-max-backoff (OUTBOX_MAX_BACKOFF)"},
+		{nil, "OUTBOX_POLL_ONLY=yes please", "-poll-only (OUTBOX_POLL_ONLY)"},
+		{[]string{"-mode", "log", "-standbys", "s1"}, "", "-standbys is for -mode polling"},
+		{[]string{"-mode", "log", "-slot", "Bad-Slot"}, "", "-slot \"Bad-Slot\""},
+		{[]string{"-mode", "log", "-publication", "pub lication"}, "", "-publication \"pub lication\""},
+		{[]string{"-status-interval", "x"}, "", "-status-interval (OUTBOX_STATUS_INTERVAL)"},
+		{[]string{"-mode", "push"}, "", "-mode \"push\""},
+		{[]string{"-broker", "kafka"}, "", "-broker \"kafka\""},
+		{[]string{"-retention", "-1s"}, "", "-retention (OUTBOX_RETENTION)"},
+		{[]string{"-processed-retention", "a week"}, "", "-processed-retention (OUTBOX_PROCESSED_RETENTION)"},
+		{[]string{"-check-every", "0s"}, "", "-check-every (OUTBOX_CHECK_EVERY)"},
+		{[]string{"-stall-after", "0s"}, "", "-stall-after (OUTBOX_STALL_AFTER)"},
+		{[]string{"-replicas", "0"}, "", "-replicas (OUTBOX_REPLICAS)"},
+		{[]string{"-stream", "bad stream"}, "", "-stream, -subject-prefix"},
+		{[]string{"-nats-cert", "/no/such/file"}, "", "-nats-cert (OUTBOX_NATS_CERT) \"/no/such/file\": cannot read the file"},
+		{[]string{"-nats-user", "relay"}, "", "-nats-user needs a password"},
+		{[]string{"-nats-password-file", "/no/such/file"}, "", "-nats-password-file (OUTBOX_NATS_PASSWORD_FILE)"},
+		{[]string{"-nats-user", "relay", "-nats-token-file", os.Args[0]}, "OUTBOX_NATS_PASSWORD=pw", "give one of -nats-creds"},
+		{[]string{"-broker", "rabbitmq", "-rabbitmq", "http://x/"}, "", "-rabbitmq: want amqp://"},
+		{[]string{"-broker", "rabbitmq", "-rabbitmq-cert", os.Args[0]}, "", "-rabbitmq-ca, -rabbitmq-cert, -rabbitmq-server-name are for amqps://"},
+		{[]string{"-broker", "rabbitmq", "-exchange", ""}, "", "-exchange and -queue must not be empty"},
+		{[]string{"-delivery-limit", "0"}, "", "-delivery-limit (OUTBOX_DELIVERY_LIMIT)"},
+		{[]string{"-json=sometimes"}, "", "-json (OUTBOX_JSON)"},
+		{[]string{"extra"}, "", "run takes no argument"},
+	} {
+		if tc.env != "" {
+			name, value, _ := strings.Cut(tc.env, "=")
+			t.Setenv(name, value)
+		}
+		_, _, err := parse("run", append([]string{db}, tc.args...))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("run %v (%s) = %v; want an error with %q", tc.args, tc.env, err, tc.want)
+		}
+		if tc.env != "" {
+			name, _, _ := strings.Cut(tc.env, "=")
+			os.Unsetenv(name)
+		}
+	}
+	for _, tc := range []struct {
+		cmd  string
+		args []string
+		want string
+	}{
+		{"unpark", nil, "unpark takes the id of one parked row"},
+		{"drop", []string{"seven"}, "drop \"seven\": not a row id"},
+		{"unpark", []string{"0"}, "unpark \"0\": not a row id"},
+		{"replay", nil, "unknown command \"replay\""},
+	} {
+		if _, _, err := parse(tc.cmd, append([]string{db}, tc.args...)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s %v = %v; want an error with %q", tc.cmd, tc.args, err, tc.want)
+		}
+	}
+	if _, _, err := parse("run", nil); err == nil || !strings.Contains(err.Error(), "-database (OUTBOX_DATABASE_URL) is not set") {
+		t.Errorf("run with no database = %v, want it named", err)
+	}
+
+	// Settings that agree reach the relays, from flags and the environment.
+	t.Setenv("OUTBOX_PARK_AFTER", "7")
+	t.Setenv("OUTBOX_POLL_ONLY", "true")
+	c, _, err := parse("run", []string{db, "-batch-size", "250", "-pass-timeout", "3s", "-per-aggregate=false",
+		"-poll-interval", "250ms", "-max-backoff", "5s", "-standbys", "s1, s2", "-slot", "relay_slot", "-status-interval", "2s"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, l := c.relay, c.log
+	if r.BatchSize != 250 || r.PassTimeout != 3*time.Second || r.ParkAfter != 7 || !r.WholeTable || r.PollInterval != 250*time.Millisecond ||
+		r.MaxBackoff != 5*time.Second || !r.PollOnly || len(r.Standbys) != 2 || r.Standbys[1] != "s2" {
+		t.Errorf("the polling relay's settings: %+v", r)
+	}
+	if l.Slot != "relay_slot" || l.StatusInterval != 2*time.Second || l.ParkAfter != 7 || l.MaxBackoff != 5*time.Second {
+		t.Errorf("the log relay's settings: %+v", l)
+	}
+
+	// The process refuses a bad setting with exit code 2, before it opens
+	// anything: the database's port 1 would answer nothing.
+	var out, errOut bytes.Buffer
+	if code := cli([]string{"run", db, "-pass-timeout", "1ns"}, &out, &errOut); code != 2 || !strings.Contains(errOut.String(), "-pass-timeout") {
+		t.Errorf("run -pass-timeout 1ns exited %d: %s; want 2, the flag named", code, errOut.String())
+	}
+	t.Logf("run -pass-timeout 1ns: %s", strings.TrimSpace(errOut.String()))
+}
+
+// The first SIGTERM stops the command, which gets its time to finish; a
+// second ends the process at once, exit code 1, saying what it leaves; and
+// so does the end of -grace. (Caught: a second SIGTERM swallowed, the
+// process waiting on a relay that did not stop.)
+func TestASecondSignalOrTheGraceEndsTheProcessAtOnce(t *testing.T) {
+	blocked := make(chan struct{})
+	defer close(blocked)
+	started := make(chan struct{}, 1)
+	runCommand = func(ctx context.Context, _ string, _ config, _ []string, _ io.Writer, _ *slog.Logger) error {
+		started <- struct{}{} // cli listens for the signals before it runs the command
+		<-ctx.Done()
+		<-blocked // a relay that does not finish
+		return nil
+	}
+	defer func() { runCommand = run }()
+	for _, tc := range []struct {
+		name    string
+		grace   string
+		signals int
+		want    string
+	}{
+		{"a second signal", "1h", 2, "second signal: exiting at once"},
+		{"the grace", "1ms", 1, "grace period over: exiting at once"},
+	} {
+		errOut := &syncBuffer{}
+		code := make(chan int, 1)
+		go func() {
+			code <- cli([]string{"run", "-database=host=127.0.0.1", "-grace", tc.grace}, io.Discard, errOut)
+		}()
+		<-started
+		for i := range tc.signals {
+			if i > 0 {
+				waitFor(t, "the first signal heard", func() bool { return strings.Contains(errOut.String(), "outbox-relay: stopping") })
+			}
+			if err := syscall.Kill(os.Getpid(), syscall.SIGTERM); err != nil {
+				t.Fatal(err)
+			}
+		}
+		select {
+		case c := <-code:
+			if c != 1 || !strings.Contains(errOut.String(), tc.want) || !strings.Contains(errOut.String(), "consumers drop the copies by key") {
+				t.Errorf("%s: exit %d, said:\n%s\nwant 1 and %q", tc.name, c, errOut, tc.want)
+			}
+		case <-time.After(generous):
+			t.Fatalf("%s: cli did not return", tc.name)
+		}
+	}
+}
