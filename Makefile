@@ -16,7 +16,7 @@
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's (natsbroker/cmd/shop, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
-#   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps (installed if missing)
+#   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps and PgBouncer (Debian's, installed if missing)
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
@@ -46,7 +46,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay
+.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -224,9 +224,20 @@ natsbroker: rabbitmq-server
 # and run it as a process against a throwaway PostgreSQL, JetStream servers
 # they embed (one taking only TLS with a client certificate and a user)
 # and RabbitMQ nodes they start (one with an AMQPS listener), with
-# certificates they make; each removed after.
-outbox-relay: rabbitmq-server
+# certificates they make, and a PgBouncer of their own in transaction
+# pooling; each removed after.
+outbox-relay: rabbitmq-server pgbouncer
 	$(call module-tests,outbox-relay)
+
+# PgBouncer from Debian's packages, installed where it is missing, its
+# service kept from starting, as rabbitmq-server is: the relay process's
+# tests start one of their own in front of their PostgreSQL.
+pgbouncer:
+	@test -x /usr/sbin/pgbouncer || { \
+		echo "make outbox-relay: PgBouncer is missing; installing Debian's pgbouncer, its service kept from starting"; \
+		own=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; own=1; }; \
+		{ apt-get install -y --no-install-recommends pgbouncer >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y --no-install-recommends pgbouncer >/dev/null; }; }; \
+		status=$$?; [ -z "$$own" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; }
 
 # RabbitMQ from Debian's packages, installed where it is missing (apt-get
 # install rabbitmq-server, with the package's service kept from starting:

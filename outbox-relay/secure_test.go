@@ -19,6 +19,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nkeys"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"example.com/patterns/enterprise/outbox/postgres"
@@ -381,4 +382,82 @@ func TestRelayProcessToRabbitMQOverAMQPS(t *testing.T) {
 	e.runFromReadme("rabbitmq", map[string]string{"OUTBOX_DATABASE_URL": e.database, "OUTBOX_RABBITMQ_URL": node.TLSURL(),
 		"OUTBOX_RABBITMQ_CA": authority.File, "OUTBOX_RABBITMQ_CERT": cert, "OUTBOX_RABBITMQ_KEY": key, "OUTBOX_RABBITMQ_PASSWORD_FILE": good},
 		func() int { return len(queued()) })
+}
+
+// The relay's other ways to prove who it is to NATS: a token from a file
+// or from OUTBOX_NATS_TOKEN, and an NKEY seed file; a wrong token, or
+// another user's seed, is refused naming what was given, exit 1, and the
+// secrets are in no output. (Caught: the flags taken and never tried.)
+func TestRelayProcessToJetStreamWithATokenOrAnNKEY(t *testing.T) {
+	e := newEnv(t)
+	start := func(opts *server.Options) string {
+		t.Helper()
+		opts.Host, opts.Port, opts.JetStream, opts.StoreDir, opts.NoSigs = "127.0.0.1", -1, true, t.TempDir(), true
+		srv, err := server.NewServer(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go srv.Start()
+		t.Cleanup(srv.Shutdown)
+		if !srv.ReadyForConnections(10 * time.Second) {
+			t.Fatal("the JetStream server did not start")
+		}
+		return srv.ClientURL()
+	}
+
+	const token = "tok-3Fh8-never-printed"
+	e.natsURL = start(&server.Options{Authorization: token})
+	for _, tc := range []struct {
+		what    string
+		args    []string
+		environ []string
+		code    int
+	}{
+		{"the token from a file", []string{"-nats-token-file", secretFile(t, token)}, nil, 0},
+		{"the token from the environment", nil, []string{"OUTBOX_NATS_TOKEN=" + token}, 0},
+		{"a wrong token", []string{"-nats-token-file", secretFile(t, "not-the-token")}, nil, 1},
+	} {
+		e.args, e.environ = tc.args, tc.environ
+		code, out := e.runOnce("migrate")
+		if code != tc.code || (code == 1 && !strings.Contains(out, "NATS refused the token")) {
+			t.Errorf("migrate with %s exited %d, want %d:\n%s", tc.what, code, tc.code, out)
+		}
+		noSecret(t, "migrate's output with "+tc.what, out, token)
+	}
+
+	user, err := nkeys.CreateUser()
+	if err != nil {
+		t.Fatal(err)
+	}
+	public, err := user.PublicKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seed, err := user.Seed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := nkeys.CreateUser()
+	if err != nil {
+		t.Fatal(err)
+	}
+	otherSeed, err := other.Seed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.natsURL, e.environ = start(&server.Options{Nkeys: []*server.NkeyUser{{Nkey: public}}}), nil
+	e.args = []string{"-nats-nkey", secretFile(t, string(seed))}
+	if code, out := e.runOnce("migrate"); code != 0 {
+		t.Errorf("migrate with the NKEY seed exited %d:\n%s", code, out)
+	} else {
+		noSecret(t, "migrate's output", out, string(seed))
+	}
+	e.args = []string{"-nats-nkey", secretFile(t, string(otherSeed))}
+	if code, out := e.runOnce("migrate"); code != 1 || !strings.Contains(out, "NATS refused -nats-nkey") {
+		t.Errorf("migrate with another user's seed exited %d, want 1 naming -nats-nkey:\n%s", code, out)
+	}
+	e.args = []string{"-nats-nkey", secretFile(t, "not a seed")}
+	if code, out := e.runOnce("migrate"); code != 1 || !strings.Contains(out, "-nats-nkey: not an NKEY seed file") {
+		t.Errorf("migrate with a file that holds no seed exited %d, want 1 naming it:\n%s", code, out)
+	}
 }

@@ -1,0 +1,195 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"example.com/patterns/enterprise/outbox/natsbroker"
+	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
+)
+
+// pgbouncerBin is Debian's PgBouncer, which make outbox-relay installs
+// where it is missing.
+const pgbouncerBin = "/usr/sbin/pgbouncer"
+
+// startPgBouncer starts a PgBouncer of the test's own, in transaction
+// pooling, in a temporary folder, on a loopback port of its own, in front
+// of the test's PostgreSQL; it is stopped when the test ends. It returns
+// its port. Run as root, it runs as the postgres user (PgBouncer refuses
+// root), as the server does.
+func startPgBouncer(t *testing.T) int {
+	t.Helper()
+	if _, err := os.Stat(pgbouncerBin); err != nil {
+		t.Fatalf("PgBouncer is not installed (%v): make outbox-relay installs Debian's pgbouncer", err)
+	}
+	dir, err := os.MkdirTemp("", "outbox-pgbouncer-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	cfg := pgtest.Config
+	ini := fmt.Sprintf(`[databases]
+* = host=%s port=%d
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = %d
+unix_socket_dir =
+auth_type = trust
+auth_file = %s
+pool_mode = transaction
+max_client_conn = 200
+default_pool_size = 10
+logfile = %s
+pidfile = %s
+`, cfg.Host, cfg.Port, port, filepath.Join(dir, "users.txt"), filepath.Join(dir, "pgbouncer.log"), filepath.Join(dir, "pgbouncer.pid"))
+	files := map[string]string{"pgbouncer.ini": ini, "users.txt": fmt.Sprintf("%q \"\"\n", cfg.User)}
+	for name, text := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cmd := exec.Command(pgbouncerBin, filepath.Join(dir, "pgbouncer.ini"))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			t.Fatal(err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		if err := os.Chown(dir, uid, gid); err != nil {
+			t.Fatal(err)
+		}
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	}
+	out := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(generous):
+			cmd.Process.Kill()
+			<-exited
+		}
+	})
+	waitFor(t, "PgBouncer to listen", func() bool {
+		select {
+		case err := <-exited:
+			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
+			t.Fatalf("PgBouncer exited: %v\n%s\n%s", err, out, log)
+		default:
+		}
+		c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
+	return port
+}
+
+// The relay with -poll-only behind a real PgBouncer in transaction
+// pooling, with the producers behind it too (pgx's simple protocol, since
+// PgBouncer 1.18 keeps no prepared statements across transactions):
+// every row reaches the stream exactly once, in order, as without it; a
+// SIGTERM stops it cleanly. migrate goes to PostgreSQL itself: its
+// advisory lock is a session's. (Caught: no flag for PollOnly, which the
+// docs tell a team behind PgBouncer to set.)
+func TestRelayProcessBehindPgBouncerInTransactionMode(t *testing.T) {
+	e := newEnv(t)
+	if code, out := e.runOnce("migrate"); code != 0 {
+		t.Fatalf("migrate exited %d:\n%s", code, out)
+	}
+	port := startPgBouncer(t)
+	cfg := pgtest.Config
+	pooled := fmt.Sprintf("host=127.0.0.1 port=%d user=%s dbname=%s sslmode=disable default_query_exec_mode=simple_protocol", port, cfg.User, e.name)
+	pc, err := pgx.ParseConfig(pooled)
+	if err != nil {
+		t.Fatal(err)
+	}
+	producers := stdlib.OpenDB(*pc)
+	t.Cleanup(func() { producers.Close() })
+	ob, err := postgres.OpenDB(producers, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(from, n int) {
+		t.Helper()
+		for i := from; i < from+n; i++ {
+			if err := postgres.Transaction(context.Background(), producers, func(ctx context.Context, tx *sql.Tx) error {
+				_, err := ob.Write(ctx, tx, postgres.Event{Type: "OrderPlaced", Payload: map[string]int{"orderId": i},
+					Aggregate: fmt.Sprintf("order/%d", i%7), Seq: int64(i/7 + 1)})
+				return err
+			}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	write(0, 100)
+	addr := freeAddr(t)
+	p := e.start("run", "-database", pooled, "-poll-only", "-poll-interval", "50ms", "-http", addr)
+	waitFor(t, "/readyz 200 behind PgBouncer", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
+	write(100, 100)
+	waitFor(t, "the 200 rows in the stream", func() bool { return e.streamMsgs() >= 200 })
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.wait(t); code != 0 {
+		t.Fatalf("after SIGTERM the relay behind PgBouncer exited %d:\n%s", code, p.stderr)
+	}
+	if n := e.streamMsgs(); n != 200 {
+		t.Errorf("the stream holds %d messages for 200 rows, want each once", n)
+	}
+	if n := e.count(`SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 0 {
+		t.Errorf("%d rows unsent", n)
+	}
+	// Each aggregate's events in the stream in their order.
+	s, err := e.js.Stream(context.Background(), natsbroker.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := map[string]int64{}
+	for seq := uint64(1); seq <= 200; seq++ {
+		m, err := s.GetMsg(context.Background(), seq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		agg, n := m.Header.Get(natsbroker.HeaderAggregate), m.Header.Get(natsbroker.HeaderSeq)
+		got, _ := strconv.ParseInt(n, 10, 64)
+		if got != last[agg]+1 {
+			t.Errorf("stream message %d: %s seq %d after %d", seq, agg, got, last[agg])
+		}
+		last[agg] = got
+	}
+	if strings.Contains(p.stderr.String(), `"level":"ERROR"`) {
+		t.Errorf("the relay behind PgBouncer logged errors:\n%s", p.stderr)
+	}
+}
