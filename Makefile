@@ -15,9 +15,9 @@
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
-#   make natsbroker                          the natsbroker/ module's tests, then the shop's (natsbroker/cmd/shop, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
+#   make natsbroker                          the natsbroker/ module's tests, then the shop's (shop/, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
 #   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps and PgBouncer (Debian's, installed if missing)
-#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of natsbroker/cmd/shop on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
+#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of shop/ on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 3 min)
@@ -86,9 +86,9 @@ lint:
 	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd postgres && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
-	cd natsbroker/cmd/shop && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd shop && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd outbox-relay && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
-	cd natsbroker/cmd/kneeplot && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd shop/kneeplot && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd rabbitbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd postgres/peerbench && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
@@ -212,13 +212,13 @@ failover:
 
 # The natsbroker/ module: the outbox end to end through NATS JetStream, which
 # its tests embed (each with its store in a temporary folder); then the shop
-# program's module, natsbroker/cmd/shop, which holds the SDKs, exporters and
+# program's module, shop/, which holds the SDKs, exporters and
 # chromedp, and may import the lesson, so that the outbox modules need none
 # of them. The shop runs on RabbitMQ too (-broker rabbitmq), which its tests
 # start: installed first where it is missing.
 natsbroker: rabbitmq-server
 	$(call module-tests,natsbroker)
-	$(call module-tests,natsbroker/cmd/shop)
+	$(call module-tests,shop)
 
 # The relay process's module, outbox-relay/: its tests build the command
 # and run it as a process against a throwaway PostgreSQL, JetStream servers
@@ -277,7 +277,7 @@ measure-rabbitbroker: rabbitbroker
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one-always rabbitmq)' rabbitbroker/figures/measure-rabbitbroker.txt && \
 	  $(BENCHSTAT) -filter .name:Drain -row /ack -col '/broker@(one rabbitmq)' rabbitbroker/figures/measure-rabbitbroker.txt; } | tee rabbitbroker/figures/measure-rabbitbroker.stat.txt
 
-# The shop of natsbroker/cmd/shop, to run by hand and curl, on a throwaway
+# The shop of shop/, to run by hand and curl, on a throwaway
 # PostgreSQL with an embedded JetStream whose store is a temporary folder:
 # shop migrate first (the schema, the stream and its consumer), then shop
 # serve, which checks them. SHOP_ADDR is where it listens. Ctrl-C stops it,
@@ -299,19 +299,19 @@ shop: $(if $(filter rabbitmq,$(SHOP_BROKER)),rabbitmq-server)
 	@OUTBOX_POSTGRES_DATA=$(if $(SHOP_DATA),$(abspath $(SHOP_DATA))/postgres) SHOP_DATA=$(if $(SHOP_DATA),$(abspath $(SHOP_DATA))) \
 	postgres/with-server.sh bash -c 'dir=$$(mktemp -d "$${TMPDIR:-/tmp}/shop.XXXXXX") && trap "rm -rf $$dir" EXIT && \
 		store="$${SHOP_DATA:-$$dir}/$(SHOP_BROKER)" && \
-		(cd natsbroker/cmd/shop && $(GO) build -o "$$dir/shop" .) && \
+		(cd shop && $(GO) build -o "$$dir/shop" .) && \
 		"$$dir/shop" migrate -store "$$store" -broker $(SHOP_BROKER) -nodes $(SHOP_NODES) -relay $(SHOP_RELAY) && \
 		"$$dir/shop" serve -store "$$store" -broker $(SHOP_BROKER) -nodes $(SHOP_NODES) -addr $(SHOP_ADDR) -relay $(SHOP_RELAY)'
 
 # The shop's live page in a real browser: headless Chromium (Debian's
 # chromium, installed here where it is missing) driven by chromedp, on a
 # throwaway PostgreSQL, the test built with -tags browser. SCREENSHOT=file
-# writes the page as the scenario left it (natsbroker/page.png in the README).
+# writes the page as the scenario left it (shop/page.png in its README).
 page:
 	@command -v chromium >/dev/null || { \
 		echo "make page: Chromium is missing; installing Debian's chromium (apt-get install chromium)"; \
 		apt-get install -y chromium >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y chromium >/dev/null; }; }
-	postgres/with-server.sh bash -c 'cd natsbroker/cmd/shop && OUTBOX_SCREENSHOT=$(if $(SCREENSHOT),$(abspath $(SCREENSHOT))) \
+	postgres/with-server.sh bash -c 'cd shop && OUTBOX_SCREENSHOT=$(if $(SCREENSHOT),$(abspath $(SCREENSHOT))) \
 		$(GO) test -tags browser -count=1 -run "^TestPage" -v .'
 
 # The natsbroker figures, into natsbroker/figures/measure-natsbroker.txt (and
@@ -325,7 +325,7 @@ page:
 # The knee of the whole pipeline (BenchmarkKnee): orders offered at rising
 # rates, 3 s each, through clients, a relay, JetStream and the warehouse's
 # consumer, on one server and a cluster of three, with each relay; into
-# natsbroker/figures/knee.txt, then drawn by natsbroker/cmd/kneeplot (a
+# natsbroker/figures/knee.txt, then drawn by shop/kneeplot (a
 # module of its own, for gonum/plot) into natsbroker/figures/knee.png, for
 # natsbroker/README.md.
 knee:
@@ -334,7 +334,7 @@ knee:
 		| grep -E '^(cpu:|Benchmark|    knee_test|--- FAIL|FAIL)' | tee natsbroker/figures/knee.txt
 	@rm -f knee.test
 	@! grep -E '^(--- )?FAIL' natsbroker/figures/knee.txt
-	cd natsbroker/cmd/kneeplot && $(GO) run . ../../figures/knee.txt ../../figures/knee.png
+	cd shop/kneeplot && $(GO) run . ../../natsbroker/figures/knee.txt ../../natsbroker/figures/knee.png
 
 measure-natsbroker:
 	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .

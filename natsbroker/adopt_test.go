@@ -74,7 +74,7 @@ func TestATeamImportsTheOutboxModulesAlone(t *testing.T) {
 	goCmd(t, dir, "build", "-o", os.DevNull, ".")
 	list := goCmd(t, dir, "list", "-m", "all")
 	for line := range strings.Lines(list) {
-		if m := strings.Fields(line)[0]; m == "example.com/patterns/enterprise/outbox" || strings.HasSuffix(m, "/cmd/shop") {
+		if m := strings.Fields(line)[0]; m == "example.com/patterns/enterprise/outbox" || strings.HasSuffix(m, "/outbox/shop") {
 			t.Errorf("the team's build list holds %s", line)
 		}
 	}
@@ -166,5 +166,27 @@ func TestATeamOnPgxpoolAloneRunsTheWholeOutbox(t *testing.T) {
 	want := "published 1\nunsent 0\ncleaned up 1\napplied OrderPlaced\napplied again false\nreservations 1\n"
 	if string(out) != want {
 		t.Errorf("pgxteam printed\n%s\nwant\n%s", out, want)
+	}
+}
+
+// The broker folders hold their adapters only: no main package in the
+// natsbroker or the rabbitbroker module, and neither requires the shop's
+// or the relay process's module, which import them. (Caught: the shop, the
+// relay process and the knee's plot under natsbroker/cmd.)
+func TestTheBrokerModulesHoldAdaptersOnly(t *testing.T) {
+	for _, dir := range []string{".", "../rabbitbroker"} {
+		list := goCmd(t, dir, "list", "-f", "{{.ImportPath}} {{.Name}}", "./...")
+		for line := range strings.Lines(list) {
+			if path, name, _ := strings.Cut(strings.TrimSpace(line), " "); name == "main" {
+				t.Errorf("%s is a main package in %s", path, dir)
+			}
+		}
+		mods := goCmd(t, dir, "list", "-m", "all")
+		for line := range strings.Lines(mods) {
+			if m := strings.Fields(line)[0]; strings.HasSuffix(m, "/outbox/shop") || strings.HasSuffix(m, "/outbox/outbox-relay") {
+				t.Errorf("%s's build list holds %s", dir, m)
+			}
+		}
+		t.Logf("%s: %d packages, none a program", dir, strings.Count(list, "\n"))
 	}
 }

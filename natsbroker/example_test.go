@@ -2,7 +2,7 @@ package natsbroker_test
 
 // These examples show how the pieces are wired in a service. They are
 // compiled, not run (they have no output to check): the tests run the same
-// calls on a real server, and cmd/shop wires them all.
+// calls on a real server, and the shop program (shop/) wires them all.
 
 import (
 	"context"

@@ -1,9 +1,10 @@
 // Package natsbroker is the outbox's broker side on NATS JetStream: a
 // [Publisher] through which a [postgres.OutboxRelay] publishes, the stream it
 // publishes to, and a [Consumer] that feeds the messages to a [Handler],
-// such as one built on [postgres.Outbox.ApplyOnce]. It imports the outbox package
-// only; cmd/shop wires it to the example (the postgres/shop package's
-// shop and warehouse) into a shop that can be run.
+// such as one built on [postgres.Outbox.ApplyOnce]. It imports the outbox
+// package only; the shop program (shop/, at the top of the repository)
+// wires it to the example (the postgres/shop package's shop and warehouse)
+// into a shop that can be run.
 //
 // Delivery stays at least once, end to end. JetStream drops a message whose
 // Nats-Msg-Id it has stored within the stream's duplicate window, which

@@ -67,6 +67,31 @@ func TestRelayProcessCommandsWithJSON(t *testing.T) {
 	if code, out := e.runOnce("check", "-standbys", "s1"); !strings.Contains(out, "ok    privileges") {
 		t.Errorf("check -standbys as the superuser exited %d, want the privileges ok:\n%s", code, out)
 	}
+	// A role of its own, with the outbox's tables and nothing more: check
+	// says what -standbys and -mode log need that it lacks.
+	role := e.name + "_relay"
+	for _, stmt := range []string{
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO " + role,
+	} {
+		if _, err := e.db.Exec(stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		e.db.Exec("DROP OWNED BY " + role)
+		e.db.Exec("DROP ROLE " + role)
+	})
+	cfg := pgtest.Config
+	asRole := fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, role, e.name)
+	code, out = e.runOnce("check", "-database", asRole, "-standbys", "s1")
+	if code != 1 || !strings.Contains(out, "FAIL  privileges: -standbys: the role is not in pg_read_all_stats") || !strings.Contains(out, "ok    schema") {
+		t.Errorf("check -standbys as a role without pg_read_all_stats exited %d, want 1 naming it:\n%s", code, out)
+	}
+	code, out = e.runOnce("check", "-database", asRole, "-mode", "log")
+	if code != 1 || !strings.Contains(out, "the role may not replicate") || !strings.Contains(out, "no replication slot outbox") {
+		t.Errorf("check -mode log as a role that may not replicate, with no slot, exited %d, want 1 naming both:\n%s", code, out)
+	}
 
 	e.writeOrders(2)
 	var parked int64

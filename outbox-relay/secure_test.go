@@ -117,6 +117,29 @@ func (e *env) runFromReadme(name string, swap map[string]string, sent func() int
 	}
 }
 
+// badRun is a run the relay must refuse: with args, saying want.
+type badRun struct {
+	what string
+	args []string
+	want string
+}
+
+// refusedRuns runs the relay with each bad run's flags, and fails the test
+// unless each exits non-zero saying what it should, secret nowhere in it.
+func (e *env) refusedRuns(secret string, runs []badRun) {
+	e.t.Helper()
+	defer func(args []string) { e.args = args }(e.args)
+	for _, bad := range runs {
+		e.args = bad.args
+		code, out := e.runOnce("run")
+		if code == 0 || !strings.Contains(out, bad.want) {
+			e.t.Errorf("run with %s exited %d, want a refusal with %q:\n%s", bad.what, code, bad.want, out)
+		}
+		noSecret(e.t, "run's output with "+bad.what, out, secret)
+		e.t.Logf("%s: exit %d: %s", bad.what, code, strings.TrimSpace(out))
+	}
+}
+
 // noSecret fails t if the secret is in what the process wrote.
 func noSecret(t *testing.T, what, text, secret string) {
 	t.Helper()
@@ -168,26 +191,14 @@ func TestRelayProcessToATLSOnlyJetStream(t *testing.T) {
 
 	stranger := newCA(t, "stranger")
 	strangerCert, strangerKey := stranger.issue("relay", false)
-	for _, bad := range []struct {
-		what string
-		args []string
-		want string
-	}{
+	e.refusedRuns(password, []badRun{
 		{"a wrong password", append(tlsArgs, "-nats-password-file", secretFile(t, "not-the-password")), "NATS refused -nats-user and its password"},
 		{"a certificate of another CA", []string{"-nats-ca", authority.File, "-nats-cert", strangerCert, "-nats-key", strangerKey,
 			"-nats-user", "relay", "-nats-password-file", good}, "NATS TLS (-nats-ca, -nats-cert"},
 		{"no client certificate", []string{"-nats-ca", authority.File, "-nats-user", "relay", "-nats-password-file", good}, "NATS TLS (-nats-ca, -nats-cert"},
 		{"the server's CA unknown", []string{"-nats-ca", stranger.File, "-nats-cert", cert, "-nats-key", key,
 			"-nats-user", "relay", "-nats-password-file", good}, "NATS TLS (-nats-ca, -nats-cert"},
-	} {
-		e.args = bad.args
-		code, out := e.runOnce("run")
-		if code != 1 || !strings.Contains(out, bad.want) {
-			t.Errorf("run with %s exited %d, want 1 and a message with %q:\n%s", bad.what, code, bad.want, out)
-		}
-		noSecret(t, "run's output with "+bad.what, out, password)
-		t.Logf("%s: %s", bad.what, strings.TrimSpace(out))
-	}
+	})
 	if n := e.streamMsgs(); n != 0 {
 		t.Errorf("the stream holds %d messages after the refused runs, want none", n)
 	}
@@ -281,24 +292,12 @@ func TestRelayProcessToRabbitMQOverAMQPS(t *testing.T) {
 	e.writeOrders(5)
 	stranger := newCA(t, "stranger")
 	strangerCert, strangerKey := stranger.issue("relay", false)
-	for _, bad := range []struct {
-		what string
-		args []string
-		want string
-	}{
+	e.refusedRuns(password, []badRun{
 		{"a wrong password", append(tlsArgs, "-rabbitmq-password-file", secretFile(t, "not-the-password")), "RabbitMQ refused -rabbitmq-user and its password"},
 		{"a certificate of another CA", []string{"-broker", "rabbitmq", "-rabbitmq", node.TLSURL(), "-rabbitmq-ca", authority.File,
 			"-rabbitmq-cert", strangerCert, "-rabbitmq-key", strangerKey, "-rabbitmq-user", "relay", "-rabbitmq-password-file", good}, "RabbitMQ TLS"},
 		{"a password in the URL", []string{"-broker", "rabbitmq", "-rabbitmq", strings.Replace(node.TLSURL(), "amqps://", "amqps://relay:"+password+"@", 1)}, "the URL holds a password"},
-	} {
-		e.args = bad.args
-		code, out := e.runOnce("run")
-		if code == 0 || !strings.Contains(out, bad.want) {
-			t.Errorf("run with %s exited %d, want a refusal with %q:\n%s", bad.what, code, bad.want, out)
-		}
-		noSecret(t, "run's output with "+bad.what, out, password)
-		t.Logf("%s: exit %d: %s", bad.what, code, strings.TrimSpace(out))
-	}
+	})
 	if n := len(queued()); n != 0 {
 		t.Errorf("the queue holds %d keys after the refused runs, want none", n)
 	}

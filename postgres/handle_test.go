@@ -13,11 +13,11 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"example.com/patterns/enterprise/outbox/postgres"
 )
@@ -500,14 +500,7 @@ func welcome(ctx context.Context, ob *postgres.Outbox[postgres.PgxTx], msg postg
 // every row it delivered counted as lag.)
 func TestLogRelayFromAnOutboxMarksAndParksByDefault(t *testing.T) {
 	ctx := context.Background()
-	name := newDatabaseName(t)
-	pool := newPool(t, name, 4)
-	ob := pgxOutbox(t, pool)
-	if err := ob.CreateLogSlot(ctx, name); err != nil {
-		t.Fatal(err)
-	}
-	db := open(t, name, "")
-	t.Cleanup(func() { dropSlot(t, db, name) })
+	name, pool, ob := logRelayOutbox(t)
 	broker := &recorder{}
 	relay, err := ob.NewLogRelay(logConnString(name), brokerFunc(func(ctx context.Context, m postgres.Message) error {
 		if m.Type == "TooLarge" {
@@ -577,14 +570,7 @@ func (w testWriter) Write(p []byte) (int, error) {
 // and told no one it was a standby.)
 func TestASecondLogRelayOnTheSlotStandsBy(t *testing.T) {
 	ctx := context.Background()
-	name := newDatabaseName(t)
-	pool := newPool(t, name, 4)
-	ob := pgxOutbox(t, pool)
-	if err := ob.CreateLogSlot(ctx, name); err != nil {
-		t.Fatal(err)
-	}
-	db := open(t, name, "")
-	t.Cleanup(func() { dropSlot(t, db, name) })
+	name, pool, ob := logRelayOutbox(t)
 	write := func(typ string) {
 		t.Helper()
 		tx, err := pool.Begin(ctx)
@@ -608,7 +594,7 @@ func TestASecondLogRelayOnTheSlotStandsBy(t *testing.T) {
 	write("ItemPicked")
 	waitUntil(t, "the first relay to deliver", func() bool { return len(first.Published()) == 1 })
 
-	var logged syncedBuffer
+	var logged logBuffer
 	standingBy := make(chan error, 100)
 	standby, err := ob.NewLogRelay(logConnString(name), second, postgres.LogRelayConfig{Slot: name,
 		Logger: slog.New(slog.NewTextHandler(&logged, nil)),
@@ -653,20 +639,17 @@ func TestASecondLogRelayOnTheSlotStandsBy(t *testing.T) {
 	}
 }
 
-// syncedBuffer is a strings.Builder safe for a relay's logger and the test.
-type syncedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncedBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncedBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
+// logRelayOutbox is a database of t's own, migrated, a pgx pool on it, its
+// Outbox, and a slot named after the database, dropped when t ends.
+func logRelayOutbox(t *testing.T) (name string, pool *pgxpool.Pool, ob *postgres.Outbox[postgres.PgxTx]) {
+	t.Helper()
+	name = newDatabaseName(t)
+	pool = newPool(t, name, 4)
+	ob = pgxOutbox(t, pool)
+	if err := ob.CreateLogSlot(context.Background(), name); err != nil {
+		t.Fatal(err)
+	}
+	db := open(t, name, "")
+	t.Cleanup(func() { dropSlot(t, db, name) })
+	return name, pool, ob
 }

@@ -1,5 +1,5 @@
 // Package rabbittest starts throwaway RabbitMQ nodes, for tests and for the
-// example shop (natsbroker/cmd/shop -broker rabbitmq): each in a folder of
+// example shop (shop/, -broker rabbitmq): each in a folder of
 // its own (a temporary one unless given), on loopback ports of its own,
 // with an Erlang port mapper (epmd) of its own on a port of its own, so
 // that it never meets a server it did not start; Stop stops the node and

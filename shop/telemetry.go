@@ -83,7 +83,7 @@ func newMetrics() (*metrics, error) {
 // provider, named by its route ("POST /orders"), in the trace of its
 // traceparent header if it has one.
 func traced(h http.Handler) http.Handler {
-	tracer := otel.Tracer("example.com/patterns/enterprise/outbox/natsbroker/cmd/shop")
+	tracer := otel.Tracer("example.com/patterns/enterprise/outbox/shop")
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx := otel.GetTextMapPropagator().Extract(r.Context(), propagation.HeaderCarrier(r.Header))
 		ctx, span := tracer.Start(ctx, r.Method, trace.WithSpanKind(trace.SpanKindServer),

@@ -1,4 +1,4 @@
-module example.com/patterns/enterprise/outbox/natsbroker/cmd/kneeplot
+module example.com/patterns/enterprise/outbox/shop/kneeplot
 
 go 1.26.0
 

@@ -1,11 +1,11 @@
-module example.com/patterns/enterprise/outbox/natsbroker/cmd/shop
+module example.com/patterns/enterprise/outbox/shop
 
 go 1.26.0
 
 replace (
-	example.com/patterns/enterprise/outbox => ../../..
-	example.com/patterns/enterprise/outbox/natsbroker => ../..
-	example.com/patterns/enterprise/outbox/postgres => ../../../postgres
+	example.com/patterns/enterprise/outbox => ..
+	example.com/patterns/enterprise/outbox/natsbroker => ../natsbroker
+	example.com/patterns/enterprise/outbox/postgres => ../postgres
 )
 
 require (
@@ -72,4 +72,4 @@ require (
 	google.golang.org/protobuf v1.36.12 // indirect
 )
 
-replace example.com/patterns/enterprise/outbox/rabbitbroker => ../../../rabbitbroker
+replace example.com/patterns/enterprise/outbox/rabbitbroker => ../rabbitbroker
