@@ -175,7 +175,9 @@ func relay(ctx context.Context, c config, pgcfg *pgx.ConnConfig, outbox *postgre
 		go cleanup(ctx, c, outbox, b, log)
 	}
 	err = <-done
-	if lag, lerr := outbox.ReadLag(context.WithoutCancel(ctx)); lerr == nil {
+	read, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if lag, lerr := outbox.ReadLag(read); lerr == nil {
 		log.Info("outbox-relay: stopped", "err", err, "unsent", lag.Unsent, "parked", lag.Parked)
 	} else {
 		log.Info("outbox-relay: stopped", "err", err)

@@ -10,6 +10,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"log/slog"
 	"time"
 )
 
@@ -94,13 +95,20 @@ func PublishPending(ctx context.Context, db *sql.DB, broker Broker) (int, error)
 	return sent, pubErr
 }
 
-// Run makes a pass every interval until ctx ends; a failed pass is tried
-// again at the next tick.
-func Run(ctx context.Context, db *sql.DB, broker Broker, every time.Duration) error {
+// Run makes a pass every interval until ctx ends; a failed pass is logged
+// to log (slog's default if nil), what it sent and why it stopped, and
+// tried again at the next tick. A relay that drops its errors fails in
+// silence for ever: a missing table, a broker that refuses.
+func Run(ctx context.Context, db *sql.DB, broker Broker, every time.Duration, log *slog.Logger) error {
+	if log == nil {
+		log = slog.Default()
+	}
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
-		PublishPending(ctx, db, broker)
+		if n, err := PublishPending(ctx, db, broker); err != nil && ctx.Err() == nil {
+			log.Warn("outbox: relay pass failed", "sent", n, "err", err)
+		}
 		select {
 		case <-ctx.Done():
 			return ctx.Err()

@@ -5,10 +5,13 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/stdlib"
 
@@ -177,3 +180,66 @@ func TestCopyIsAppliedOnce(t *testing.T) {
 		t.Errorf("%d reservations (%v), want 1", n, err)
 	}
 }
+
+// Run says what each failed pass failed with, and goes on: with the broker
+// down every pass is logged with its error, and once it is back the event
+// goes. (Break it: call PublishPending and drop what it returns, and the
+// relay fails in silence for ever.)
+func TestRunLogsEveryFailedPass(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	db, drop := newDatabase()
+	defer drop()
+	if _, err := minimum.PlaceOrder(ctx, db, 100); err != nil {
+		t.Fatal(err)
+	}
+	b := &broker{down: true}
+	logged := &lines{}
+	done := make(chan error, 1)
+	go func() { done <- minimum.Run(ctx, db, b, time.Millisecond, slog.New(slog.NewTextHandler(logged, nil))) }()
+	for deadline := time.Now().Add(time.Minute); logged.count("relay pass failed") < 2; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("two failed passes not logged within a minute:\n%s", logged)
+		}
+	}
+	if !strings.Contains(logged.String(), "err=\"broker unavailable\"") || !strings.Contains(logged.String(), "level=WARN") {
+		t.Errorf("the failed passes' lines lack the error or the level:\n%s", logged)
+	}
+	b.mu.Lock()
+	b.down = false
+	b.mu.Unlock()
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Millisecond) {
+		b.mu.Lock()
+		sent := len(b.got)
+		b.mu.Unlock()
+		if sent == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the event did not go within a minute of the broker's return")
+		}
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Errorf("Run = %v, want context.Canceled", err)
+	}
+}
+
+// lines collects a logger's output, safe for Run's goroutine.
+type lines struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lines) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+func (l *lines) count(s string) int { return strings.Count(l.String(), s) }

@@ -1,0 +1,132 @@
+package postgres_test
+
+import (
+	"io/fs"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// Every test the documents' tables name exists, in the file the table
+// links beside it where it links one: a table row's first cell names its
+// tests, and a link to a _test.go file in it says where the tests named
+// before the link live. (Caught: tests said to be in outbox_test.go that
+// lived in loop_test.go, names_test.go and migrate_test.go, and names of
+// tests that had been renamed.)
+func TestEveryTestTheDocumentsNameExistsWhereTheySay(t *testing.T) {
+	defined := map[string][]string{} // test name -> the files, from the repository's top, that define it
+	testFunc := regexp.MustCompile(`(?m)^func (Test\w+)\(`)
+	err := filepath.WalkDir("..", func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && (d.Name() == ".git" || d.Name() == "testdata") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, "_test.go") {
+			return nil
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for _, m := range testFunc.FindAllStringSubmatch(string(b), -1) {
+			abs, err := filepath.Abs(path)
+			if err != nil {
+				return err
+			}
+			defined[m[1]] = append(defined[m[1]], abs)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	docs := []string{"README.md", "REFERENCE.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md",
+		"../rabbitbroker/README.md", "../shop/README.md", "../outbox-relay/README.md"}
+	named := regexp.MustCompile("`(Test[A-Z]\\w*)`")
+	link := regexp.MustCompile(`\]\(([^)]*)\)`)
+	checked := 0
+	for _, doc := range docs {
+		b, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dir := filepath.Dir(doc)
+		var tableFiles []string // a table under a paragraph that ends "in [x_test.go](x_test.go), …:" is those files'
+		para := ""              // the paragraph the line is in, or the one before the table
+		for line := range strings.SplitSeq(string(b), "\n") {
+			switch {
+			case strings.TrimSpace(line) == "":
+				para = ""
+			case !strings.HasPrefix(line, "|"):
+				para += " " + strings.TrimSpace(line)
+				tableFiles = nil
+				if strings.HasSuffix(para, ":") {
+					for _, m := range link.FindAllStringSubmatch(para, -1) {
+						if strings.HasSuffix(m[1], "_test.go") {
+							abs, err := filepath.Abs(filepath.Join(dir, m[1]))
+							if err != nil {
+								t.Fatal(err)
+							}
+							tableFiles = append(tableFiles, abs)
+						}
+					}
+				}
+			}
+			if !strings.HasPrefix(line, "| `Test") {
+				continue
+			}
+			cell := strings.Split(line, "|")[1]
+			pending := []string{} // the tests named since the last link
+			for _, tok := range regexp.MustCompile("`Test[A-Z]\\w*`|\\]\\([^)]*\\)").FindAllString(cell, -1) {
+				if m := named.FindStringSubmatch(tok); m != nil {
+					checked++
+					if len(defined[m[1]]) == 0 {
+						t.Errorf("%s names %s, which no test file defines", doc, m[1])
+					}
+					pending = append(pending, m[1])
+					continue
+				}
+				target := link.FindStringSubmatch(tok)[1]
+				file, err := filepath.Abs(filepath.Join(dir, target))
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, name := range pending {
+					if !strings.HasSuffix(target, "_test.go") {
+						break // a link to a folder or a page says nothing of a file
+					}
+					if len(defined[name]) > 0 && !contains(defined[name], file) {
+						t.Errorf("%s says %s is in %s; it is in %s", doc, name, file, strings.Join(defined[name], ", "))
+					}
+				}
+				pending = pending[:0]
+			}
+			if len(tableFiles) > 0 {
+				for _, name := range pending {
+					in := false
+					for _, f := range tableFiles {
+						in = in || contains(defined[name], f)
+					}
+					if len(defined[name]) > 0 && !in {
+						t.Errorf("%s says %s is in one of %s, the files its table is under; it is in %s",
+							doc, name, strings.Join(tableFiles, ", "), strings.Join(defined[name], ", "))
+					}
+				}
+			}
+		}
+	}
+	t.Logf("%d test names in %d documents' tables checked against %d tests", checked, len(docs), len(defined))
+}
+
+func contains(files []string, f string) bool {
+	for _, g := range files {
+		if g == f {
+			return true
+		}
+	}
+	return false
+}
