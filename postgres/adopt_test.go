@@ -91,3 +91,62 @@ func goCmd(t *testing.T, dir string, args ...string) {
 		t.Fatalf("go %s in %s: %v\n%s", strings.Join(args, " "), dir, err, out)
 	}
 }
+
+// The adopter's page, ADOPTING.md, shows the lines a team on pgxpool
+// writes: open the outbox, write a change and its event in one pgx.Tx, run
+// the relay, apply a message once. The block builds as it is, in a module
+// outside the repository that requires this one, inside a function that
+// gives it the names it uses.
+func TestAdoptingPageBuilds(t *testing.T) {
+	page, err := os.ReadFile("ADOPTING.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, block, _ := strings.Cut(string(page), "## 2. What to write")
+	_, block, _ = strings.Cut(block, "```go\n")
+	block, _, ok := strings.Cut(block, "```")
+	for _, want := range []string{"postgres.Open(pool,", "ob.Write(ctx, tx,", "tx.Commit(ctx)", "ob.NewRelay(", "ob.ApplyOnce(ctx, msg,"} {
+		if !ok || !strings.Contains(block, want) {
+			t.Fatalf("ADOPTING.md's block after \"2. What to write\" lacks %s:\n%s", want, block)
+		}
+	}
+	if n := strings.Count(strings.TrimSpace(block), "\n") + 1; n > 40 {
+		t.Errorf("the block is %d lines; the page promises a short one", n)
+	}
+	dir := t.TempDir()
+	src := `package adopting
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+func adopt(ctx context.Context, pool *pgxpool.Pool, broker postgres.MessageBroker, msg postgres.Message,
+	id int64, plan string, seq int64) error {
+` + block + `}
+`
+	here, err := filepath.Abs(".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mod, err := os.ReadFile("go.mod")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mod = regexp.MustCompile(`(?m)^module .*$`).ReplaceAll(mod, []byte("module example.org/team/app"))
+	mod = append(mod, []byte("\nrequire example.com/patterns/enterprise/outbox/postgres v0.0.0\n\nreplace example.com/patterns/enterprise/outbox/postgres => "+here+"\n")...)
+	sum, err := os.ReadFile("go.sum")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, b := range map[string][]byte{"go.mod": mod, "go.sum": sum, "adopting.go": []byte(src)} {
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	goCmd(t, dir, "build", "./...")
+}

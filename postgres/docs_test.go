@@ -2,14 +2,16 @@ package postgres_test
 
 import (
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 )
 
-// Every test the documents' tables name exists, in the file the table
+// Every test the documents name exists, and every test their tables name exists in the file the table
 // links beside it where it links one: a table row's first cell names its
 // tests, and a link to a _test.go file in it says where the tests named
 // before the link live. (Caught: tests said to be in outbox_test.go that
@@ -44,9 +46,10 @@ func TestEveryTestTheDocumentsNameExistsWhereTheySay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	docs := []string{"README.md", "REFERENCE.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md",
+	docs := []string{"../README.md", "README.md", "ADOPTING.md", "REFERENCE.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md",
 		"../rabbitbroker/README.md", "../shop/README.md", "../outbox-relay/README.md"}
 	named := regexp.MustCompile("`(Test[A-Z]\\w*)`")
+	anyNamed := regexp.MustCompile("`(Test[A-Z]\\w*)(…?)[^`]*`")
 	link := regexp.MustCompile(`\]\(([^)]*)\)`)
 	checked := 0
 	for _, doc := range docs {
@@ -55,6 +58,17 @@ func TestEveryTestTheDocumentsNameExistsWhereTheySay(t *testing.T) {
 			t.Fatal(err)
 		}
 		dir := filepath.Dir(doc)
+		// Anywhere in the document, a test named in code, whole or cut
+		// short with an ellipsis, is one a test file defines.
+		for _, m := range anyNamed.FindAllStringSubmatch(string(b), -1) {
+			checked++
+			if m[2] == "" && len(defined[m[1]]) == 0 {
+				t.Errorf("%s names %s, which no test file defines", doc, m[1])
+			}
+			if m[2] != "" && !slices.ContainsFunc(slices.Collect(maps.Keys(defined)), func(n string) bool { return strings.HasPrefix(n, m[1]) }) {
+				t.Errorf("%s names %s…, and no test's name starts so", doc, m[1])
+			}
+		}
 		var tableFiles []string // a table under a paragraph that ends "in [x_test.go](x_test.go), …:" is those files'
 		para := ""              // the paragraph the line is in, or the one before the table
 		for line := range strings.SplitSeq(string(b), "\n") {
@@ -119,7 +133,7 @@ func TestEveryTestTheDocumentsNameExistsWhereTheySay(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("%d test names in %d documents' tables checked against %d tests", checked, len(docs), len(defined))
+	t.Logf("%d test names in %d documents checked against %d tests", checked, len(docs), len(defined))
 }
 
 func contains(files []string, f string) bool {
