@@ -2,26 +2,31 @@
 # Go and make; make postgres and make bench-postgres also need PostgreSQL's
 # server programs (initdb, pg_ctl, postgres), which they find with pg_config.
 #
+# Learning: the lesson, then the same on a real database and broker.
+#
 #   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
 #   make example                             the article's scenario and the crash table, printed
-#   make fuzz [FUZZTIME=3m]                  the model-based fuzz test, for a while
-#   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
-#   make lint                                staticcheck (fetched through the Go module proxy), every module
-#   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
 #   make minimum                             the minimum real outbox (postgres/minimum): its example, the article's scenario, on a throwaway PostgreSQL
+#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of shop/ on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
+#   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
+#
+# Adopting, measuring and operating: the modules' suites, their figures, the relay process.
+#
+#   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
+#   make natsbroker                          the natsbroker/ module's tests, then the shop's (shop/, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
+#   make rabbitbroker                        the rabbitbroker/ module's tests: RabbitMQ (Debian's, installed if missing) on throwaway nodes, a throwaway PostgreSQL (-race)
+#   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps and PgBouncer (Debian's, installed if missing)
+#   make lint                                staticcheck (fetched through the Go module proxy), every module
+#   make fuzz [FUZZTIME=3m]                  the root package's model-based fuzz test, for a while
+#   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
-#   make natsbroker                          the natsbroker/ module's tests, then the shop's (shop/, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
-#   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps and PgBouncer (Debian's, installed if missing)
-#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of shop/ on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
-#   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 3 min)
-#   make rabbitbroker                        the rabbitbroker/ module's tests: RabbitMQ (Debian's, installed if missing) on throwaway nodes, a throwaway PostgreSQL (-race)
 #   make measure-rabbitbroker                rabbitbroker/README.md's drain figures beside JetStream's, and the latency at 100, 300 and 1,000 orders a second
 #
 # make test without T does the same as with it; a T naming another pattern

@@ -4,6 +4,7 @@ import (
 	"io/fs"
 	"maps"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -143,4 +144,50 @@ func contains(files []string, f string) bool {
 		}
 	}
 	return false
+}
+
+// No tracked file over 100 KB is junk: each is a figures file a make target
+// wrote, or a picture a document of the repository shows. (Caught: a
+// RabbitMQ crash dump of 295 KB committed beside the shop.)
+func TestNoTrackedFileIsJunk(t *testing.T) {
+	const limit = 100 << 10
+	top, err := exec.Command("git", "rev-parse", "--show-toplevel").Output()
+	if err != nil {
+		t.Fatalf("git rev-parse: %v (the test reads the repository's tracked files)", err)
+	}
+	root := strings.TrimSpace(string(top))
+	out, err := exec.Command("git", "-C", root, "ls-files", "-z").Output()
+	if err != nil {
+		t.Fatalf("git ls-files: %v", err)
+	}
+	shown := map[string]bool{} // pictures the documents show, from the top
+	image := regexp.MustCompile(`!\[[^\]]*\]\(([^)]+)\)`)
+	files := strings.Split(strings.TrimRight(string(out), "\x00"), "\x00")
+	for _, f := range files {
+		if !strings.HasSuffix(f, ".md") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(root, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range image.FindAllStringSubmatch(string(b), -1) {
+			shown[filepath.Join(filepath.Dir(f), m[1])] = true
+		}
+	}
+	big := 0
+	for _, f := range files {
+		info, err := os.Stat(filepath.Join(root, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Size() <= limit {
+			continue
+		}
+		big++
+		if !strings.Contains("/"+f, "/figures/") && !shown[f] {
+			t.Errorf("%s is %d KB, neither a figures file nor a picture a document shows: junk?", f, info.Size()>>10)
+		}
+	}
+	t.Logf("%d tracked files, %d over 100 KB, %d pictures shown", len(files), big, len(shown))
 }
