@@ -32,7 +32,7 @@ func (r *LogRelay) Run(ctx context.Context) error {
 	if r == nil || r.connConfig == nil || r.broker == nil || r.outbox == nil {
 		return fmt.Errorf("%w: a LogRelay made by no Outbox's NewLogRelay", ErrInvalidConfig)
 	}
-	r.tel = newRelayTelemetry(r.cfg.TracerProvider, r.cfg.MeterProvider, r.table, "log")
+	r.tel = newRelayTelemetry(r.cfg.TracerProvider, r.cfg.MeterProvider, r.table, "log", messagingSystem(r.broker))
 	maxBackoff := orDefault(r.cfg.MaxBackoff, DefaultMaxBackoff)
 	wait := r.wait
 	if wait == nil {

@@ -77,7 +77,7 @@ func TestKeepaliveInsideATransactionMovesNothing(t *testing.T) {
 	ctx := context.Background()
 	broker := &syncRecorder{}
 	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: LogRelayConfig{NeverPark: true, Unmarked: true}}
-	r.tel = newRelayTelemetry(nil, nil, r.table, "log")
+	r.tel = newRelayTelemetry(nil, nil, r.table, "log", "unknown")
 	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)} // never due to tell the server: there is none
 	feed := func(data []byte) {
 		t.Helper()
@@ -120,7 +120,7 @@ func TestLargeTransactionIsPublishedInPartsAsItIsRead(t *testing.T) {
 	ctx := context.Background()
 	broker := &syncRecorder{}
 	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: LogRelayConfig{NeverPark: true, Unmarked: true}}
-	r.tel = newRelayTelemetry(nil, nil, r.table, "log")
+	r.tel = newRelayTelemetry(nil, nil, r.table, "log", "unknown")
 	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)} // never due to tell the server: there is none
 	most := 0
 	feed := func(data []byte) {

@@ -133,6 +133,7 @@ func (t *ConsumerTelemetry) Process(ctx context.Context, msg Message, destinatio
 // relayTelemetry is what a relay reports through, made once per relay.
 type relayTelemetry struct {
 	table, kind  attribute.KeyValue // outbox.table and outbox.relay, on every measurement
+	system       attribute.KeyValue // messaging.system, on every send counted
 	sentOK       metric.AddOption   // a send's attributes when it succeeded, made once: a set costs a sort and allocations
 	tracer       trace.Tracer
 	passDuration metric.Float64Histogram
@@ -141,15 +142,16 @@ type relayTelemetry struct {
 
 func (r *OutboxRelay) telemetry() *relayTelemetry {
 	r.telemetryOnce.Do(func() {
-		r.tel = newRelayTelemetry(r.cfg.TracerProvider, r.cfg.MeterProvider, r.outbox.table, "polling")
+		r.tel = newRelayTelemetry(r.cfg.TracerProvider, r.cfg.MeterProvider, r.outbox.table, "polling", messagingSystem(r.broker))
 	})
 	return r.tel
 }
 
 // newRelayTelemetry makes a relay's tracer and instruments from tp and mp
 // (nil: otel's global ones); every measurement carries the outbox's table
-// and the relay's kind, outbox.relay: polling or log.
-func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, table, kind string) *relayTelemetry {
+// and the relay's kind, outbox.relay: polling or log; every send counted,
+// the broker's messaging.system too, as the conventions require.
+func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, table, kind, system string) *relayTelemetry {
 	if tp == nil {
 		tp = otel.GetTracerProvider()
 	}
@@ -158,8 +160,9 @@ func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, table, 
 	}
 	meter := mp.Meter(InstrumentationName)
 	t := &relayTelemetry{tracer: tp.Tracer(InstrumentationName),
-		table: attribute.String("outbox.table", table), kind: attribute.String("outbox.relay", kind)}
-	t.sentOK = metric.WithAttributeSet(attribute.NewSet(attribute.String("messaging.operation.name", "send"), t.table, t.kind))
+		table: attribute.String("outbox.table", table), kind: attribute.String("outbox.relay", kind),
+		system: attribute.String("messaging.system", system)}
+	t.sentOK = metric.WithAttributeSet(attribute.NewSet(attribute.String("messaging.operation.name", "send"), t.system, t.table, t.kind))
 	var err1, err2 error
 	t.passDuration, err1 = meter.Float64Histogram("outbox.relay.pass.duration", metric.WithUnit("s"),
 		metric.WithDescription("How long a relay pass took, from its BEGIN to its COMMIT (the log relay: a transaction's delivery); its count is the passes made."),
@@ -255,7 +258,7 @@ func (t *relayTelemetry) endSend(pubCtx context.Context, span trace.Span, err er
 		return
 	}
 	kind := errorType(pubCtx, err)
-	t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), attribute.String("error.type", kind), t.table, t.kind))
+	t.sent.Add(ctx, 1, metric.WithAttributes(attribute.String("messaging.operation.name", "send"), attribute.String("error.type", kind), t.system, t.table, t.kind))
 	span.SetAttributes(attribute.String("error.type", kind))
 	span.SetStatus(codes.Error, err.Error())
 	span.End()

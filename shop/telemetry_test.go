@@ -195,6 +195,30 @@ func metricsWhileDown(t *testing.T, broker string) {
 			up[`messaging_client_consumed_messages_total{outbox_result="applied"}`] == 1
 	})
 	t.Logf("broker up: %v", up)
+	// Every send counted names the broker's system, as the messaging
+	// conventions require of messaging.client.sent.messages.
+	system := map[string]string{"jetstream": "nats", "rabbitmq": "rabbitmq"}[broker]
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sends := 0
+	for line := range strings.SplitSeq(string(body), "\n") {
+		if strings.HasPrefix(line, "messaging_client_sent_messages_total{") {
+			sends++
+			if !strings.Contains(line, `messaging_system="`+system+`"`) {
+				t.Errorf("a send counted without messaging_system=%q: %s", system, line)
+			}
+		}
+	}
+	if sends == 0 {
+		t.Error("no messaging_client_sent_messages_total line in /metrics")
+	}
 	if up[`messaging_client_sent_messages_total{error_type="unavailable"}`] < down[`messaging_client_sent_messages_total{error_type="unavailable"}`] {
 		t.Error("the failure counter went down")
 	}
@@ -204,7 +228,7 @@ func metricsWhileDown(t *testing.T, broker string) {
 	// The pass's histogram has buckets in seconds, from 5 ms to 10 s, so
 	// that a pass near PassTimeout (5 s) stands apart from a quick one; the
 	// SDK's default boundaries (0, 5, 10 … 10000) are for milliseconds.
-	resp, err := http.Get(base + "/metrics")
+	resp, err = http.Get(base + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
