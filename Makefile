@@ -21,7 +21,7 @@
 #   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
-#   make measure-relays                      the polling relay and the log relay side by side (about 20 s)
+#   make measure-relays                      the polling relay and the log relay side by side, six runs, medians and spreads (about 3 min)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
@@ -151,17 +151,19 @@ measure-postgres:
 
 # The two relays side by side, on one throwaway server (wal_level = logical,
 # as with-server.sh sets it): 8 producers for 5 s while the polling relay,
-# then the log relay, delivers; and the client's CPU for a pass through the
+# then the log relay, delivers, six rounds of it (benchstat's medians and
+# spreads: one run's p99 is no figure to quote); and the client's CPU for a pass through the
 # relay (on database/sql and on a pgxpool), bare pgx and pipelined pgx (six
 # rounds, then benchstat); into
 # postgres/figures/measure-relays.txt and .stat.txt, for postgres/README.md
 # and REFERENCE.md.
 measure-relays:
 	cd postgres && $(GO) test -c -o ../measure-relays.test .
-	postgres/with-server.sh bash -c './measure-relays.test -test.run "^$$" -test.bench "^BenchmarkRelays$$" -test.benchtime 1x -test.v && \
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do ./measure-relays.test -test.run "^$$" -test.bench "^BenchmarkRelays$$" -test.benchtime 1x -test.v || exit 1; done && \
 		for round in 1 2 3 4 5 6; do ./measure-relays.test -test.run "^$$" -test.bench "^BenchmarkPassCPU$$" -test.benchtime 10000x || exit 1; done' \
 		| grep -E '^(cpu:|Benchmark|    relays_bench_test)' | tee postgres/figures/measure-relays.txt
-	$(BENCHSTAT) -filter .name:PassCPU -col '/pass@(pgx relay relay-pgx pgx-pipelined)' postgres/figures/measure-relays.txt | tee postgres/figures/measure-relays.stat.txt
+	{ $(BENCHSTAT) -filter .name:PassCPU -col '/pass@(pgx relay relay-pgx pgx-pipelined)' postgres/figures/measure-relays.txt && \
+	  $(BENCHSTAT) -filter .name:Relays -col '/relay@(poll log log-unmarked)' postgres/figures/measure-relays.txt; } | tee postgres/figures/measure-relays.stat.txt
 	@rm -f measure-relays.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-relays.txt
 
