@@ -4,6 +4,7 @@ package postgres_test
 // files the README names into a module of its own, and build.
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -129,6 +130,18 @@ func adopt(ctx context.Context, pool *pgxpool.Pool, broker postgres.MessageBroke
 	id int64, plan string, seq int64) error {
 ` + block + `}
 `
+	teamModule(t, dir)
+	if err := os.WriteFile(filepath.Join(dir, "adopting.go"), []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	goCmd(t, dir, "build", "./...")
+}
+
+// teamModule makes dir a team's module, example.org/team/app, that requires
+// this one through a replace line, with this module's go.sum, as a team's
+// module outside the repository would.
+func teamModule(t *testing.T, dir string) {
+	t.Helper()
 	here, err := filepath.Abs(".")
 	if err != nil {
 		t.Fatal(err)
@@ -143,10 +156,7 @@ func adopt(ctx context.Context, pool *pgxpool.Pool, broker postgres.MessageBroke
 	if err != nil {
 		t.Fatal(err)
 	}
-	for name, b := range map[string][]byte{"go.mod": mod, "go.sum": sum, "adopting.go": []byte(src)} {
-		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
-			t.Fatal(err)
-		}
+	if err := errors.Join(os.WriteFile(filepath.Join(dir, "go.mod"), mod, 0o644), os.WriteFile(filepath.Join(dir, "go.sum"), sum, 0o644)); err != nil {
+		t.Fatal(err)
 	}
-	goCmd(t, dir, "build", "./...")
 }

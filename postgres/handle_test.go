@@ -10,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -442,23 +441,7 @@ func welcome(ctx context.Context, ob *postgres.Outbox[postgres.PgxTx], msg postg
 	for i, call := range bad {
 		write(fmt.Sprintf("bad%d", i), call)
 	}
-	here, err := filepath.Abs(".")
-	if err != nil {
-		t.Fatal(err)
-	}
-	mod, err := os.ReadFile("go.mod")
-	if err != nil {
-		t.Fatal(err)
-	}
-	mod = regexp.MustCompile(`(?m)^module .*$`).ReplaceAll(mod, []byte("module example.org/team/app"))
-	mod = append(mod, []byte("\nrequire example.com/patterns/enterprise/outbox/postgres v0.0.0\n\nreplace example.com/patterns/enterprise/outbox/postgres => "+here+"\n")...)
-	sum, err := os.ReadFile("go.sum")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := errors.Join(os.WriteFile(filepath.Join(dir, "go.mod"), mod, 0o644), os.WriteFile(filepath.Join(dir, "go.sum"), sum, 0o644)); err != nil {
-		t.Fatal(err)
-	}
+	teamModule(t, dir)
 
 	cmd := exec.Command("go", "build", "-gcflags=-e", "./...")
 	cmd.Dir = dir
