@@ -23,6 +23,15 @@ type Handler interface {
 	Handle(ctx context.Context, msg postgres.Message) (applied bool, err error)
 }
 
+// BatchHandler is a Handler that can also apply several messages in one
+// transaction, all or none: applied[i] reports whether msgs[i] was applied;
+// on an error none was. shop.Warehouse is one, through
+// [postgres.Outbox.ApplyBatch].
+type BatchHandler interface {
+	Handler
+	HandleBatch(ctx context.Context, msgs []postgres.Message) (applied []bool, err error)
+}
+
 // DefaultRetryDelay is how long a [Consumer] asks JetStream to wait before
 // it delivers again a message whose handling failed, when
 // [Consumer.RetryDelay] is zero.
@@ -96,6 +105,14 @@ var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a
 // say how many messages this Consumer has asked for again and not yet
 // handled, and since when; what waits is kept by JetStream, not in memory.
 //
+// With MaxBatch above 1 and a [BatchHandler], Run hands the handler the
+// messages already delivered, up to MaxBatch, in one HandleBatch: one
+// transaction and one commit for them all, then an Ack for each. A batch
+// that fails (any of its messages out of order, malformed, or a failure
+// that may pass) wrote nothing, and Run then handles its messages one at a
+// time with Handle, each as above: one message that cannot apply never
+// holds up or gives up on the others.
+//
 // A Consumer is not safe for concurrent use, but for Waiting and
 // OldestWaiting: run one Run at a time. Several Consumers, in one process
 // or many, may share one JetStream consumer, which spreads the messages
@@ -115,8 +132,14 @@ type Consumer struct {
 	MaxRetryDelay time.Duration
 
 	// Prefetch is how many messages Run asks for at a time; zero or less
-	// means DefaultPrefetch.
+	// means DefaultPrefetch, and it is at least MaxBatch.
 	Prefetch int
+
+	// MaxBatch is the most messages Run hands a BatchHandler at once, of
+	// those already delivered: it never waits to fill a batch. Zero or
+	// less, 1, or a handler that is not a BatchHandler, means one message
+	// at a time, the article's way.
+	MaxBatch int
 
 	// MaxOutOfOrder is how many deliveries a message that arrives before
 	// its predecessor gets before it is terminated, counting those that
@@ -225,7 +248,12 @@ func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
 // rule's least makes Run return at once with an error wrapping
 // ErrOutOfOrderBound.
 func (c *Consumer) Run(ctx context.Context) error {
-	prefetch := orDefault(c.Prefetch, DefaultPrefetch)
+	maxBatch := 1
+	batcher, ok := c.handler.(BatchHandler)
+	if ok {
+		maxBatch = max(c.MaxBatch, 1)
+	}
+	prefetch := max(orDefault(c.Prefetch, DefaultPrefetch), maxBatch)
 	ackWait := c.consumer.CachedInfo().Config.AckWait
 	if ackWait <= 0 {
 		ackWait = 30 * time.Second // the server's default
@@ -268,7 +296,21 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("consume: %w", err)
 		}
-		if err := c.handle(ctx, msg, deadline, maxOutOfOrder); err != nil && ctx.Err() == nil {
+		if maxBatch > 1 {
+			batch := []jetstream.Msg{msg}
+			for len(batch) < maxBatch {
+				// Only what is delivered already: a batch never waits to fill.
+				more, err := it.Next(jetstream.NextMaxWait(gatherWait))
+				if err != nil {
+					break // none now, or an error the next turn meets
+				}
+				batch = append(batch, more)
+			}
+			err = c.handleBatch(ctx, batcher, batch, deadline, maxOutOfOrder)
+		} else {
+			err = c.handle(ctx, msg, deadline, maxOutOfOrder)
+		}
+		if err != nil && ctx.Err() == nil {
 			return err
 		} // after ctx ended, the next turn hands the rest of the buffer back
 
@@ -332,6 +374,67 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 		c.waiting(m.Key, false)
 		return ack(msg.NakWithDelay(c.backoff(msg, m, err)), "ask again for", msg)
 	}
+}
+
+// gatherWait is how long Run waits for one more message to add to a batch:
+// long enough to take what the client has buffered, short enough to add
+// no delay a reader would see.
+const gatherWait = time.Millisecond
+
+// handleBatch applies batch in one HandleBatch, within as many deadlines as
+// it has messages, and acks each; if the batch fails, it handles each
+// message one at a time. It returns an error only when it could not tell
+// JetStream what became of a message.
+func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []jetstream.Msg, deadline time.Duration, maxOutOfOrder int) error {
+	msgs := make([]postgres.Message, len(batch))
+	var err error
+	for i, msg := range batch {
+		if msgs[i], err = decode(msg, c.prefix); err != nil {
+			break
+		}
+	}
+	var applied []bool
+	if err == nil {
+		sctx, done := c.telemetry.ProcessBatch(ctx, msgs, batch[0].Subject())
+		hctx, cancel := context.WithTimeout(sctx, deadline*time.Duration(len(batch)))
+		applied, err = h.HandleBatch(hctx, msgs)
+		cancel()
+		if err == nil && len(applied) != len(msgs) {
+			err = fmt.Errorf("HandleBatch reported %d results for %d messages", len(applied), len(msgs))
+		}
+		var results []string
+		if err == nil {
+			results = make([]string, len(applied))
+			for i, a := range applied {
+				results[i] = map[bool]string{true: "applied", false: "duplicate"}[a]
+			}
+		}
+		done(results, err)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		// Nothing was applied: each message on its own says what it is.
+		for _, msg := range batch {
+			if err := c.handle(ctx, msg, deadline, maxOutOfOrder); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	for i, msg := range batch {
+		m := msgs[i]
+		delete(c.outOfOrder, m.Key)
+		c.waiting(m.Key, true)
+		if n := deliveries(msg); n > 1 && c.Logger != nil {
+			c.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "deliveries", n)
+		}
+		if err := ack(msg.Ack(), "ack", msg); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // handBack drains it, after ctx ended: the messages prefetched and not yet

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -11,7 +12,9 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go/jetstream"
 
+	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
@@ -19,42 +22,57 @@ import (
 
 // kneeRates are the rates, in orders a second, that BenchmarkKnee offers
 // in turn, each for kneeStep.
-var kneeRates = []int{100, 200, 300, 400, 500, 600, 700, 800, 1000, 1500, 2000, 4000}
+var kneeRates = []int{100, 200, 300, 400, 500, 600, 700, 800, 1000, 1500, 2000, 3000, 4000}
 
 const kneeStep = 3 * time.Second
 
 // kneeClients is how many clients place BenchmarkKnee's orders.
 const kneeClients = 32
 
+// kneeBatch is the MaxBatch of BenchmarkKnee's batch consumer.
+const kneeBatch = 32
+
 // BenchmarkKnee offers orders at rising rates through the whole pipeline:
 // 32 clients placing orders (OrderService, one transaction each), a relay
-// publishing to JetStream, and a Consumer feeding the warehouse
-// (ApplyOnce), as the shop runs it. Through one server and a cluster of
-// three (stream and consumer replicated three times; neither syncs before
-// its acks), with the polling relay (Run, woken by NOTIFY, as
-// NewOutboxRelay makes it) and the log relay (marking what it delivered,
-// as the relay process runs it); and one server and the polling relay with
-// four Consumers sharing the warehouse's consumer, to show what limits the
-// pipeline once one Consumer no longer does. Two orders from each client
-// warm it up.
-// Each rate is offered for 3 s, on a schedule (an order due every 1/rate,
-// whether or not the clients keep up), and then every order of the step is
-// waited for before the next begins. Each sub-benchmark reports the rate the
-// clients placed (placed/s), the rate the warehouse applied them, from the
-// step's start to its last (applied/s), and the time from each order's
-// commit to the warehouse's commit of its reservation (p50-ms, p99-ms). A
-// configuration stops at the first rate the clients or the pipeline fall
-// 10 % short of, or whose median delay is over a second. make knee runs it
-// once, and plots it.
+// publishing to JetStream, and the warehouse's side, as the shop runs it.
+// Through one server and a cluster of three (stream and consumer
+// replicated three times; neither syncs before its acks), with the polling
+// relay (Run, woken by NOTIFY, as NewOutboxRelay makes it) and the log
+// relay on one server (marking what it delivered, as the relay process
+// runs it). The warehouse's side is, in turn:
+//   - ack-only: a Consumer that acks each message on delivery and applies
+//     nothing: the rate the producers and the relay reach together, the
+//     ceiling the warehouse is measured against;
+//   - one: a Consumer applying one message a transaction (ApplyOnce), the
+//     article's way;
+//   - batch: a Consumer applying what is delivered in one transaction, up
+//     to kneeBatch messages (MaxBatch, ApplyBatch);
+//   - four: four Consumers, one message a transaction each, sharing the
+//     warehouse's JetStream consumer (one server, the polling relay).
+//
+// Two orders from each client warm it up. Each rate is offered for 3 s,
+// on a schedule (an order due every 1/rate, whether or not the clients
+// keep up), and then every order of the step is waited for before the
+// next begins. Each sub-benchmark reports the rate the clients placed
+// (placed/s), the rate the warehouse applied them (delivered, for
+// ack-only), from the step's start to its last (applied/s), and the time
+// from each order's commit to the warehouse's commit of its reservation
+// (p50-ms, p99-ms). A configuration stops at the first rate the clients or
+// the pipeline fall 10 % short of, or whose median delay is over a second.
+// make knee runs it once, and plots it.
 func BenchmarkKnee(b *testing.B) {
 	once(b)
-	for _, cfg := range []struct {
-		broker, relay string
-		consumers     int
-	}{{"one", "poll", 1}, {"one", "log", 1}, {"cluster3", "poll", 1}, {"cluster3", "log", 1}, {"one", "poll", 4}} {
-		broker, relay := cfg.broker, cfg.relay
-		b.Run(fmt.Sprintf("broker=%s/relay=%s/consumers=%d", broker, relay, cfg.consumers), func(b *testing.B) {
-			p := newPipeline(b, startBenchBroker(b, broker), relay, cfg.consumers)
+	type config struct{ broker, relay, consumer string }
+	var configs []config
+	for _, path := range []struct{ broker, relay string }{{"one", "poll"}, {"one", "log"}, {"cluster3", "poll"}} {
+		for _, consumer := range []string{"ack-only", "one", "batch"} {
+			configs = append(configs, config{path.broker, path.relay, consumer})
+		}
+	}
+	configs = append(configs, config{"one", "poll", "four"})
+	for _, cfg := range configs {
+		b.Run(fmt.Sprintf("broker=%s/relay=%s/consumer=%s", cfg.broker, cfg.relay, cfg.consumer), func(b *testing.B) {
+			p := newPipeline(b, startBenchBroker(b, cfg.broker), cfg.relay, cfg.consumer)
 			for _, rate := range kneeRates {
 				var short bool
 				b.Run(fmt.Sprintf("rate=%d", rate), func(b *testing.B) {
@@ -82,8 +100,9 @@ func once(b *testing.B) {
 
 // pipeline is BenchmarkKnee's shop: its clients, relay and consumer.
 type pipeline struct {
-	db      *sql.DB
-	service *shop.OrderService
+	db        *sql.DB
+	service   *shop.OrderService
+	warehouse *shop.Warehouse // nil: ack-only, nothing applied
 
 	mu        sync.Mutex
 	committed map[int64]time.Time
@@ -91,7 +110,7 @@ type pipeline struct {
 	reserved  chan struct{} // a token for each order applied
 }
 
-func newPipeline(b *testing.B, url, relay string, consumers int) *pipeline {
+func newPipeline(b *testing.B, url, relay, consumer string) *pipeline {
 	db := newDatabase(b)
 	db.SetMaxOpenConns(40)
 	db.SetMaxIdleConns(40)
@@ -126,7 +145,27 @@ func newPipeline(b *testing.B, url, relay string, consumers int) *pipeline {
 		}
 		goRun(b, r.Run)
 	}
-	for range consumers {
+	if consumer != "ack-only" {
+		p.warehouse = shop.NewWarehouse(db)
+	}
+	switch consumer {
+	case "batch":
+		js, err := jetstream.New(connect(b, url))
+		if err != nil {
+			b.Fatal(err)
+		}
+		cons, err := js.Consumer(context.Background(), natsbroker.Stream, "warehouse")
+		if err != nil {
+			b.Fatal(err)
+		}
+		c := natsbroker.NewConsumer(cons, p)
+		c.MaxBatch = kneeBatch
+		goRun(b, c.Run)
+	case "four":
+		for range 4 {
+			runConsumer(b, connect(b, url), p)
+		}
+	default: // one, ack-only
 		runConsumer(b, connect(b, url), p)
 	}
 	var wg sync.WaitGroup // warm up: every client's connection made, every statement prepared
@@ -151,22 +190,52 @@ func newPipeline(b *testing.B, url, relay string, consumers int) *pipeline {
 	return p
 }
 
-// Handle applies msg to the warehouse and notes when, for an OrderPlaced.
+// Handle applies msg to the warehouse (or, ack-only, nothing) and notes
+// when, for an OrderPlaced.
 func (p *pipeline) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
-	ok, err := shop.NewWarehouse(p.db).Handle(ctx, msg)
-	if ok && msg.Type == shop.OrderPlaced {
-		var order struct {
-			OrderID int64 `json:"orderId"`
-		}
-		if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
-			return ok, err
-		}
-		p.mu.Lock()
-		p.applied[order.OrderID] = time.Now()
-		p.mu.Unlock()
-		p.reserved <- struct{}{}
+	ok, err := true, error(nil)
+	if p.warehouse != nil {
+		ok, err = p.warehouse.Handle(ctx, msg)
+	}
+	if ok {
+		err = errors.Join(err, p.note(msg))
 	}
 	return ok, err
+}
+
+// HandleBatch applies msgs to the warehouse in one transaction and notes
+// when, for each OrderPlaced applied.
+func (p *pipeline) HandleBatch(ctx context.Context, msgs []postgres.Message) ([]bool, error) {
+	applied, err := p.warehouse.HandleBatch(ctx, msgs)
+	if err != nil {
+		return nil, err
+	}
+	for i, m := range msgs {
+		if applied[i] {
+			if err := p.note(m); err != nil {
+				return applied, err
+			}
+		}
+	}
+	return applied, nil
+}
+
+// note notes msg applied now, if it is an OrderPlaced.
+func (p *pipeline) note(msg postgres.Message) error {
+	if msg.Type != shop.OrderPlaced {
+		return nil
+	}
+	var order struct {
+		OrderID int64 `json:"orderId"`
+	}
+	if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	p.applied[order.OrderID] = time.Now()
+	p.mu.Unlock()
+	p.reserved <- struct{}{}
+	return nil
 }
 
 // stepResult is what one rate gave.

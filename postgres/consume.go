@@ -1,9 +1,11 @@
 package postgres
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -97,7 +99,7 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 	}
 	t := o.tx(tx)
 	defer t.rollback() // after a commit this does nothing; otherwise it undoes apply's writes
-	fresh, err := applyOnceIn(ctx, t, msg, last)
+	fresh, err := applyOnceIn(ctx, t, msg, last, true)
 	if err != nil || !fresh {
 		return false, err // !fresh: a duplicate, and nothing was written
 	}
@@ -108,6 +110,237 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 		return false, err
 	}
 	return true, nil
+}
+
+// ApplyBatch is [Outbox.ApplyOnce] for several messages in one transaction:
+// it drops each message whose key (or aggregate position) was applied
+// before, runs apply for each of the others, and commits once, so a
+// consumer pays one durable commit for the batch instead of one a message,
+// and four statements for the batch's records instead of four a message.
+// applied[i] reports whether msgs[i] was applied (false: a duplicate,
+// also of a copy earlier in the same batch). last, if not nil, says which
+// messages are their aggregate's last event, as ApplyOnce's last does.
+//
+// It is all or nothing: an error (a message out of order, a malformed one,
+// apply's, the database's) rolls the whole batch back and is returned,
+// wrapped with the key of the message at fault, with applied nil; the
+// caller then handles the messages one at a time, with ApplyOnce, to learn
+// what became of each. A commit whose outcome is unknown wraps
+// [ErrCommitUnknown], as ApplyOnce's does. A message with no key, or of an
+// aggregate with a Seq below 1, is refused ([ErrNoMessageKey],
+// [ErrMalformedMessage]) before anything is written.
+//
+// Messages of one aggregate are applied in the order of their Seq, and the
+// batch locks the aggregates' positions in the order of their names: two
+// batches that share aggregates wait for each other instead of deadlocking.
+// Delivery order between different aggregates carries no meaning, so
+// nothing is lost by it. apply gets ctx with ApplyBatch's span, "apply
+// batch", with messaging.batch.message_count.
+func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Message) bool, apply func(ctx context.Context, tx T, msg Message) error) (applied []bool, err error) {
+	if err := o.usable(); err != nil {
+		return nil, err
+	}
+	if apply == nil {
+		return nil, errors.New("postgres: ApplyBatch needs an apply function")
+	}
+	for i, m := range msgs {
+		if m.Key == "" {
+			return nil, fmt.Errorf("message %d of %d: %w", i+1, len(msgs), ErrNoMessageKey)
+		}
+		if m.Aggregate != "" && m.Seq < 1 {
+			return nil, fmt.Errorf("message %s: %s seq %d, below the first, 1: %w", m.Key, m.Aggregate, m.Seq, ErrMalformedMessage)
+		}
+	}
+	if len(msgs) == 0 {
+		return nil, nil
+	}
+	ctx, span := tracer().Start(ctx, "apply batch", trace.WithAttributes(
+		attribute.Int("messaging.batch.message_count", len(msgs))))
+	defer func() {
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
+	order := make([]int, len(msgs))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int {
+		ma, mb := msgs[a], msgs[b]
+		return cmp.Or(cmp.Compare(ma.Aggregate, mb.Aggregate), cmp.Compare(ma.Seq, mb.Seq))
+	})
+	tx, err := o.begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	t := o.tx(tx)
+	defer t.rollback() // after a commit this does nothing; otherwise it undoes the batch
+	// Durable, as applyOnceIn explains.
+	if _, err := t.execN(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
+		return nil, err
+	}
+	positions, err := lockPositions(ctx, t, msgs, order)
+	if err != nil {
+		return nil, err
+	}
+	// Each aggregate's messages, by Seq: at or below its position, a
+	// duplicate; just past it, a candidate that moves it; further on, out
+	// of order. A message of no aggregate is a candidate once.
+	var candidates []int
+	seen := map[string]bool{}
+	for _, i := range order {
+		m := msgs[i]
+		if m.Aggregate == "" {
+			if !seen[m.Key] {
+				seen[m.Key] = true
+				candidates = append(candidates, i)
+			}
+			continue
+		}
+		switch pos := positions[m.Aggregate]; {
+		case m.Seq <= pos:
+		case m.Seq == pos+1:
+			positions[m.Aggregate] = m.Seq
+			candidates = append(candidates, i)
+		default:
+			return nil, fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",
+				m.Key, m.Aggregate, m.Seq, pos, ErrOutOfOrder)
+		}
+	}
+	fresh, err := recordKeys(ctx, t, msgs, candidates)
+	if err != nil {
+		return nil, err
+	}
+	// A candidate whose key was recorded before leaves its aggregate's
+	// position where it was, as ApplyOnce does: a later message of that
+	// aggregate in the batch is then out of order.
+	moved := map[string]Message{}
+	stuck := map[string]int64{}
+	for _, i := range candidates {
+		m := msgs[i]
+		if m.Aggregate == "" {
+			continue
+		}
+		if _, ok := stuck[m.Aggregate]; ok {
+			return nil, fmt.Errorf("message %s: %s seq %d, but the last applied is %d: %w",
+				m.Key, m.Aggregate, m.Seq, stuck[m.Aggregate], ErrOutOfOrder)
+		}
+		if !fresh[m.Key] {
+			stuck[m.Aggregate] = m.Seq - 1
+			continue
+		}
+		moved[m.Aggregate] = m
+	}
+	if err := movePositions(ctx, t, moved, last); err != nil {
+		return nil, err
+	}
+	applied = make([]bool, len(msgs))
+	for _, i := range candidates {
+		m := msgs[i]
+		if !fresh[m.Key] {
+			continue
+		}
+		if err := apply(ctx, tx, m); err != nil {
+			return nil, fmt.Errorf("message %s: %w", m.Key, err)
+		}
+		applied[i] = true
+	}
+	if err := t.commit(ctx); err != nil {
+		return nil, err
+	}
+	return applied, nil
+}
+
+// lockPositions returns the last seq applied of each aggregate of msgs (0
+// for one never seen), holding their row locks in tx, taken in the order
+// of the aggregates' names.
+func lockPositions(ctx context.Context, tx stmts, msgs []Message, order []int) (map[string]int64, error) {
+	var aggregates []string
+	for _, i := range order { // sorted by aggregate
+		if a := msgs[i].Aggregate; a != "" && (len(aggregates) == 0 || aggregates[len(aggregates)-1] != a) {
+			aggregates = append(aggregates, a)
+		}
+	}
+	positions := make(map[string]int64, len(aggregates))
+	if len(aggregates) == 0 {
+		return positions, nil
+	}
+	if _, err := tx.execN(ctx, `INSERT INTO aggregate_positions (aggregate, seq)
+		SELECT a, 0 FROM unnest($1::text[]) AS a ORDER BY a ON CONFLICT DO NOTHING`, aggregates); err != nil {
+		return nil, fmt.Errorf("positions of %d aggregates: %w", len(aggregates), err)
+	}
+	rows, err := tx.query(ctx, `SELECT aggregate, seq FROM aggregate_positions
+		WHERE aggregate = ANY($1::text[]) ORDER BY aggregate FOR UPDATE`, aggregates)
+	if err != nil {
+		return nil, fmt.Errorf("positions of %d aggregates: %w", len(aggregates), err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var a string
+		var seq int64
+		if err := rows.Scan(&a, &seq); err != nil {
+			return nil, err
+		}
+		positions[a] = seq
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("positions of %d aggregates: %w", len(aggregates), err)
+	}
+	return positions, nil
+}
+
+// recordKeys records the keys of msgs[candidates] in processed_messages, in
+// one statement, and returns those that were not there before.
+func recordKeys(ctx context.Context, tx stmts, msgs []Message, candidates []int) (map[string]bool, error) {
+	keys := make([]string, len(candidates))
+	for j, i := range candidates {
+		keys[j] = msgs[i].Key
+	}
+	fresh := make(map[string]bool, len(keys))
+	if len(keys) == 0 {
+		return fresh, nil
+	}
+	// Under READ COMMITTED a key another transaction is recording waits
+	// here for it, then counts as recorded before.
+	rows, err := tx.query(ctx, `INSERT INTO processed_messages (message_key)
+		SELECT unnest($1::text[]) ON CONFLICT DO NOTHING RETURNING message_key`, keys)
+	if err != nil {
+		return nil, fmt.Errorf("record %d messages: %w", len(keys), err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var k string
+		if err := rows.Scan(&k); err != nil {
+			return nil, err
+		}
+		fresh[k] = true
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("record %d messages: %w", len(keys), err)
+	}
+	return fresh, nil
+}
+
+// movePositions sets each aggregate's position to the Seq of its message
+// in moved, in one statement.
+func movePositions(ctx context.Context, tx stmts, moved map[string]Message, last func(Message) bool) error {
+	if len(moved) == 0 {
+		return nil
+	}
+	var aggregates []string
+	var seqs []int64
+	var closed []bool
+	for a, m := range moved {
+		aggregates, seqs, closed = append(aggregates, a), append(seqs, m.Seq), append(closed, last != nil && last(m))
+	}
+	if _, err := tx.execN(ctx, `UPDATE aggregate_positions p
+		SET seq = v.seq, applied_at = clock_timestamp(), closed = v.closed
+		FROM unnest($1::text[], $2::bigint[], $3::bool[]) AS v(aggregate, seq, closed)
+		WHERE p.aggregate = v.aggregate`, aggregates, seqs, closed); err != nil {
+		return fmt.Errorf("move %d positions: %w", len(aggregates), err)
+	}
+	return nil
 }
 
 // ApplyOnceIn is [Outbox.ApplyOnce] in the caller's transaction tx, a pgx.Tx or
@@ -129,10 +362,12 @@ func (o *Outbox[T]) ApplyOnceIn(ctx context.Context, tx T, msg Message, last boo
 	if any(tx) == nil {
 		return false, errNoTx
 	}
-	return applyOnceIn(ctx, o.tx(tx), msg, last)
+	return applyOnceIn(ctx, o.tx(tx), msg, last, true)
 }
 
-func applyOnceIn(ctx context.Context, tx stmts, msg Message, last bool) (fresh bool, err error) {
+// applyOnceIn records msg as applied in tx, or reports a duplicate; with
+// setDurable it first makes tx's commit durable (a batch does that once).
+func applyOnceIn(ctx context.Context, tx stmts, msg Message, last, setDurable bool) (fresh bool, err error) {
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
 	}
@@ -160,8 +395,10 @@ func applyOnceIn(ctx context.Context, tx stmts, msg Message, last bool) (fresh b
 	// session's synchronous_commit (off would let a crash of the server
 	// erase an effect already acked). With synchronous standbys, it also
 	// waits for them, as on requires.
-	if _, err := tx.execN(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
-		return false, fmt.Errorf("message %s: %w", msg.Key, err)
+	if setDurable {
+		if _, err := tx.execN(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
+			return false, fmt.Errorf("message %s: %w", msg.Key, err)
+		}
 	}
 	// Under READ COMMITTED a second delivery waits here for the first
 	// one's transaction, then finds the key and inserts nothing.

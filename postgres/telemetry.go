@@ -130,6 +130,40 @@ func (t *ConsumerTelemetry) Process(ctx context.Context, msg Message, destinatio
 	}
 }
 
+// ProcessBatch starts the span of a batch's processing, "process
+// <destination>", a consumer span with messaging.batch.message_count and a
+// link to each message's creation context (a batch has no one parent, so
+// the conventions ask for links only). done ends it with err, and counts
+// each message by its result (outbox.result), results[i] for msgs[i]; nil
+// results count nothing (the messages are then handled, and counted, one
+// at a time).
+func (t *ConsumerTelemetry) ProcessBatch(ctx context.Context, msgs []Message, destination string, attrs ...attribute.KeyValue) (context.Context, func(results []string, err error)) {
+	links := make([]trace.Link, 0, len(msgs))
+	for _, m := range msgs {
+		if sc := trace.SpanContextFromContext(ContextWithTrace(ctx, m.TraceContext)); sc.IsValid() {
+			links = append(links, trace.Link{SpanContext: sc})
+		}
+	}
+	sctx, span := t.tracer.Start(ctx, "process "+destination,
+		trace.WithLinks(links...),
+		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
+			attribute.String("messaging.system", t.system),
+			attribute.String("messaging.operation.name", "process"),
+			attribute.String("messaging.operation.type", "process"),
+			attribute.String("messaging.destination.name", destination),
+			attribute.Int("messaging.batch.message_count", len(msgs))),
+		trace.WithAttributes(attrs...))
+	return sctx, func(results []string, err error) {
+		for _, r := range results {
+			t.consumed.Add(context.WithoutCancel(ctx), 1, metric.WithAttributes(attribute.String("outbox.result", r)))
+		}
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}
+}
+
 // relayTelemetry is what a relay reports through, made once per relay.
 type relayTelemetry struct {
 	table, kind  attribute.KeyValue // outbox.table and outbox.relay, on every measurement

@@ -26,6 +26,15 @@ type Handler interface {
 	Handle(ctx context.Context, msg postgres.Message) (applied bool, err error)
 }
 
+// BatchHandler is a Handler that can also apply several messages in one
+// transaction, all or none: applied[i] reports whether msgs[i] was applied;
+// on an error none was. The example's shop.Warehouse is one, through
+// [postgres.Outbox.ApplyBatch].
+type BatchHandler interface {
+	Handler
+	HandleBatch(ctx context.Context, msgs []postgres.Message) (applied []bool, err error)
+}
+
 // Defaults of a [Consumer]'s fields left zero.
 const (
 	DefaultPrefetch      = 10
@@ -72,6 +81,15 @@ const (
 // of the handler's database longer than the delivery limit times
 // consumer_timeout would dead-letter the message waiting in front.
 //
+// With MaxBatch above 1 and a [BatchHandler], each worker hands the handler
+// the messages it holds already, up to MaxBatch, in one HandleBatch: one
+// transaction and one commit for them all, then one basic.ack with
+// multiple set for the batch when Concurrency is 1 (every earlier delivery
+// of the channel is settled then), or one basic.ack each. A batch that
+// fails wrote nothing, and the worker then handles its messages one at a
+// time with Handle, each as above: one message that cannot apply never
+// holds up or gives up on the others.
+//
 // Run reconnects after its connection or channel closed (a node restarted),
 // RetryDelay apart; the messages it had not acked are delivered again.
 //
@@ -84,8 +102,14 @@ type Consumer struct {
 	handler Handler
 
 	// Prefetch is how many unacked messages RabbitMQ sends ahead (the
-	// channel's basic.qos); zero or less means DefaultPrefetch.
+	// channel's basic.qos); zero or less means DefaultPrefetch, and it is
+	// at least MaxBatch.
 	Prefetch int
+	// MaxBatch is the most messages a worker hands a BatchHandler at once,
+	// of those it holds: it never waits to fill a batch. Zero or less, 1,
+	// or a handler that is not a BatchHandler, means one message at a
+	// time, the article's way.
+	MaxBatch int
 	// RetryDelay is the wait before a failed message is first tried again,
 	// or before one out of order is handed back, and between
 	// reconnections; zero or less means DefaultRetryDelay.
@@ -203,7 +227,13 @@ func (c *Consumer) consume(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("open a channel: %w", err)
 	}
-	if err := ch.Qos(orDefault(c.Prefetch, DefaultPrefetch), 0, false); err != nil {
+	maxBatch := 1
+	batcher, ok := c.handler.(BatchHandler)
+	if ok {
+		maxBatch = max(c.MaxBatch, 1)
+	}
+	prefetch := max(orDefault(c.Prefetch, DefaultPrefetch), maxBatch)
+	if err := ch.Qos(prefetch, 0, false); err != nil {
 		return fmt.Errorf("qos: %w", err)
 	}
 	deliveries, err := ch.ConsumeWithContext(ctx, c.queue, "", false, false, false, false, nil)
@@ -219,13 +249,19 @@ func (c *Consumer) consume(ctx context.Context) error {
 	workers := make([]chan amqp.Delivery, orDefault(c.Concurrency, 1))
 	var wg sync.WaitGroup
 	for i := range workers {
-		workers[i] = make(chan amqp.Delivery, orDefault(c.Prefetch, DefaultPrefetch))
+		workers[i] = make(chan amqp.Delivery, prefetch)
 		wg.Go(func() {
 			for d := range workers[i] {
 				if ctx.Err() != nil {
 					continue
 				}
-				if err := c.handle(ctx, d); err != nil {
+				var err error
+				if maxBatch > 1 {
+					err = c.handleBatch(ctx, batcher, gather(d, workers[i], maxBatch), len(workers) == 1)
+				} else {
+					err = c.handle(ctx, d)
+				}
+				if err != nil {
 					stop(err)
 				}
 			}
@@ -327,6 +363,91 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 		}
 		delay = min(2*delay, maxDelay)
 	}
+}
+
+// gatherWait is how long a worker waits for more messages to add to a
+// batch: long enough to take what the channel is handing it, short enough
+// to add no delay a reader would see.
+const gatherWait = time.Millisecond
+
+// gather is first and what follows it on w, up to most messages, taken
+// within gatherWait.
+func gather(first amqp.Delivery, w <-chan amqp.Delivery, most int) []amqp.Delivery {
+	batch := []amqp.Delivery{first}
+	timer := time.NewTimer(gatherWait)
+	defer timer.Stop()
+	for len(batch) < most {
+		select {
+		case d, ok := <-w:
+			if !ok {
+				return batch
+			}
+			batch = append(batch, d)
+		case <-timer.C:
+			return batch
+		}
+	}
+	return batch
+}
+
+// handleBatch applies batch in one HandleBatch and acks it, with multiple
+// set when every earlier delivery of the channel is settled; if the batch
+// fails, it handles each message one at a time. It returns an error only
+// when it could not tell RabbitMQ what became of a message.
+func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []amqp.Delivery, multiple bool) error {
+	msgs := make([]postgres.Message, len(batch))
+	var err error
+	for i, d := range batch {
+		if msgs[i], err = decode(d); err != nil {
+			break
+		}
+	}
+	var applied []bool
+	if err == nil {
+		sctx, done := c.telemetry.ProcessBatch(ctx, msgs, c.queue)
+		hctx, cancel := context.WithTimeout(sctx, orDefault(c.HandleTimeout, DefaultHandleTimeout))
+		applied, err = h.HandleBatch(hctx, msgs)
+		cancel()
+		if err == nil && len(applied) != len(msgs) {
+			err = fmt.Errorf("HandleBatch reported %d results for %d messages", len(applied), len(msgs))
+		}
+		var results []string
+		if err == nil {
+			results = make([]string, len(applied))
+			for i, a := range applied {
+				results[i] = map[bool]string{true: "applied", false: "duplicate"}[a]
+			}
+		}
+		done(results, err)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil // delivered again once the channel closes
+		}
+		// Nothing was applied: each message on its own says what it is.
+		for _, d := range batch {
+			if err := c.handle(ctx, d); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	for _, a := range applied {
+		if a {
+			c.applied.Add(1)
+		} else {
+			c.duplicates.Add(1)
+		}
+	}
+	if multiple {
+		return batch[len(batch)-1].Ack(true)
+	}
+	for _, d := range batch {
+		if err := d.Ack(false); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // appliedAfter logs a message handled after it had failed.

@@ -48,29 +48,49 @@ func NewWarehouse(db *sql.DB) *Warehouse {
 // an order, with an error wrapping [postgres.ErrMalformedMessage] and the
 // decoding error.
 func (w *Warehouse) Handle(ctx context.Context, msg postgres.Message) (applied bool, err error) {
-	// OrderCancelled is an order's last event: CancelOrder refuses an order
-	// that is cancelled already. Its position may then be forgotten.
-	last := msg.Type == OrderCancelled
 	if w.err != nil {
 		return false, w.err
 	}
-	return w.outbox.ApplyOnce(ctx, msg, last, func(ctx context.Context, tx postgres.SQLTx) error {
-		if msg.Type != OrderPlaced && msg.Type != OrderCancelled {
-			return nil
-		}
-		var order Order
-		if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
-			return fmt.Errorf("message %s: decode %s payload: %w: %w", msg.Key, msg.Type, postgres.ErrMalformedMessage, err)
-		}
-		effect := `INSERT INTO reservations (order_id, total_cents) VALUES ($1, $2)`
-		if msg.Type == OrderCancelled {
-			effect = `DELETE FROM reservations WHERE order_id = $1 AND $2::bigint IS NOT NULL`
-		}
-		if _, err := tx.ExecContext(ctx, effect, order.ID, order.TotalCents); err != nil {
-			return fmt.Errorf("message %s: %s: %w", msg.Key, msg.Type, err)
-		}
-		return nil
+	return w.outbox.ApplyOnce(ctx, msg, last(msg), func(ctx context.Context, tx postgres.SQLTx) error {
+		return reserve(ctx, tx, msg)
 	})
+}
+
+// HandleBatch is Handle for several messages in one transaction, through
+// [postgres.Outbox.ApplyBatch]: applied[i] reports whether msgs[i] was
+// applied. It is all or nothing: on an error nothing is applied, and the
+// caller handles the messages one at a time with Handle to learn what
+// became of each (the brokers' consumers do).
+func (w *Warehouse) HandleBatch(ctx context.Context, msgs []postgres.Message) (applied []bool, err error) {
+	if w.err != nil {
+		return nil, w.err
+	}
+	return w.outbox.ApplyBatch(ctx, msgs, last, reserve)
+}
+
+// last reports whether msg is its order's last event: CancelOrder refuses
+// an order that is cancelled already, so OrderCancelled is. Its position
+// may then be forgotten.
+func last(msg postgres.Message) bool { return msg.Type == OrderCancelled }
+
+// reserve writes msg's effect in tx: OrderPlaced reserves the order's
+// stock, OrderCancelled releases it, any other type has none.
+func reserve(ctx context.Context, tx postgres.SQLTx, msg postgres.Message) error {
+	if msg.Type != OrderPlaced && msg.Type != OrderCancelled {
+		return nil
+	}
+	var order Order
+	if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
+		return fmt.Errorf("message %s: decode %s payload: %w: %w", msg.Key, msg.Type, postgres.ErrMalformedMessage, err)
+	}
+	effect := `INSERT INTO reservations (order_id, total_cents) VALUES ($1, $2)`
+	if msg.Type == OrderCancelled {
+		effect = `DELETE FROM reservations WHERE order_id = $1 AND $2::bigint IS NOT NULL`
+	}
+	if _, err := tx.ExecContext(ctx, effect, order.ID, order.TotalCents); err != nil {
+		return fmt.Errorf("message %s: %s: %w", msg.Key, msg.Type, err)
+	}
+	return nil
 }
 
 // ForgetProcessed is [postgres.Outbox.ForgetProcessed] on the warehouse's
