@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -138,6 +139,43 @@ func TestTypeThatMakesNoSubjectIsARejection(t *testing.T) {
 				t.Errorf("parked = %+v, %v; want row 1, saying its type makes no valid subject", parked, err)
 			}
 		})
+	}
+}
+
+// A message JetStream refuses (a type that makes no subject) is offered
+// once and then waits for its next attempt, RetryDelay away, unparked,
+// while the orders placed after it reach the stream pass after pass.
+// (Caught: the relay before the backoff per message, which offered the
+// refused row again on every pass.)
+func TestARejectedMessageWaitsForItsNextAttempt(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	_, stream := setUp(t, connect(t, b.url()), 0, 0)
+	if _, err := db.Exec(`INSERT INTO outbox (type, payload, aggregate, seq) VALUES ('Order Placed', '{}', 'order/99', 1)`); err != nil {
+		t.Fatal(err)
+	}
+	relay := newRelay(t, db, newPublisher(t, connect(t, b.url())), postgres.RelayConfig{RetryDelay: time.Hour, MaxRetryDelay: time.Hour})
+	for pass := 1; pass <= 3; pass++ {
+		if _, err := shop.NewOrderService(db).PlaceOrder(ctx, int64(pass*100)); err != nil {
+			t.Fatal(err)
+		}
+		n, err := relay.PublishPending(ctx)
+		t.Logf("pass %d: published %d, error %v", pass, n, err)
+		if n != 1 || (pass == 1) != errors.Is(err, postgres.ErrRejected) {
+			t.Errorf("pass %d = %d, %v; want 1, and the rejection on the first pass only", pass, n, err)
+		}
+	}
+	if got := count(t, db, `SELECT attempts FROM outbox WHERE id = 1 AND parked_at IS NULL
+		AND retry_at > clock_timestamp() + interval '29 minutes'`); got != 1 {
+		t.Errorf("the refused row: %d attempts (or parked, or no next attempt half an hour away), want 1 attempt, unparked, waiting", got)
+	}
+	info, err := stream.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := info.State.Msgs; got != 3 {
+		t.Errorf("the stream holds %d messages, want the 3 orders", got)
 	}
 }
 

@@ -46,6 +46,7 @@ var operations = map[string]operation{
 	"parked": parked,
 	"unpark": unpark,
 	"drop":   drop,
+	"replay": replay,
 	"check":  check,
 }
 
@@ -115,6 +116,20 @@ func drop(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx]
 		"type", r.Type, "aggregate", r.Aggregate, "seq", r.Seq, "rejections", r.Rejections, "reason", r.LastError)
 	return p.print(map[string]any{"dropped": r.ID, "key": r.Key, "type": r.Type, "lastError": r.LastError},
 		fmt.Sprintf("row %d (%s, key %s) dropped for good; it was parked for: %s", r.ID, r.Type, r.Key, r.LastError))
+}
+
+// replay puts back the sent rows that -aggregate, -from and -to select, to
+// be published again (in log mode by the next sweep), and logs how many.
+func replay(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], _ *sql.DB, _ []string, p printer, log *slog.Logger) error {
+	ctx, cancel := context.WithTimeout(ctx, commandTimeout)
+	defer cancel()
+	n, err := outbox.Replay(ctx, c.replay)
+	if err != nil {
+		return err
+	}
+	log.Warn("outbox-relay: sent rows put back, to be published again", "table", outbox.Table(), "rows", n,
+		"aggregate", c.replay.Aggregate, "from", c.replay.From, "to", c.replay.To, "newKeys", c.replay.NewKeys)
+	return p.print(map[string]any{"replayed": n}, fmt.Sprintf("%d rows put back (%s): the next pass publishes them", n, c.replay))
 }
 
 // check checks what run needs, each part on a line of its own: the

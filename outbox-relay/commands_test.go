@@ -134,6 +134,23 @@ func TestRelayProcessCommandsWithJSON(t *testing.T) {
 	if n := e.count(`SELECT count(*) FROM outbox`); n != 2 {
 		t.Errorf("%d rows after the drop, want the 2 unsent", n)
 	}
+
+	// replay puts back the sent rows written from -from on, and refuses,
+	// exit 1 and nothing written, a range with no sent row in it.
+	var from time.Time
+	if err := e.db.QueryRow(`UPDATE outbox SET sent_at = clock_timestamp() RETURNING created_at`).Scan(&from); err != nil {
+		t.Fatal(err)
+	}
+	code, out = e.runOnce("replay", "-json", "-from", from.Format(time.RFC3339Nano))
+	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["replayed"] != 2.0 {
+		t.Errorf("replay -json -from exited %d, want 2 rows put back:\n%s", code, out)
+	}
+	if n := e.count(`SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 2 {
+		t.Errorf("%d rows unsent after the replay, want 2", n)
+	}
+	if code, out := e.runOnce("replay", "-from", from.Format(time.RFC3339Nano)); code != 1 || !strings.Contains(out, "no sent row in it") {
+		t.Errorf("a replay with nothing sent exited %d, want 1 and ErrNotKept:\n%s", code, out)
+	}
 }
 
 // proxy forwards TCP connections to the test's PostgreSQL, on its Unix

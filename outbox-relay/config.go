@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"errors"
 	"flag"
 	"fmt"
@@ -33,6 +34,8 @@ type config struct {
 	checkEvery              time.Duration // how often run checks the database and the broker again, for /readyz
 	stallAfter              time.Duration // /healthz fails when rows wait and no pass succeeded for this long
 	grace                   time.Duration // after SIGTERM, how long the relay has to finish before it exits at once
+
+	replay postgres.Replay // the replay command's rows
 }
 
 // natsConfig is how the relay connects to NATS, in the shape of nats.go's
@@ -56,7 +59,7 @@ type rabbitConfig struct {
 }
 
 // commands are the relay's commands and how many arguments each takes.
-var commands = map[string]int{"migrate": 0, "run": 0, "check": 0, "lag": 0, "parked": 0, "unpark": 1, "drop": 1}
+var commands = map[string]int{"migrate": 0, "run": 0, "check": 0, "lag": 0, "parked": 0, "unpark": 1, "drop": 1, "replay": 0}
 
 // settings registers flags whose default is an environment variable's
 // value, and converts each once the flags are parsed, so that a bad value
@@ -124,6 +127,19 @@ func (s *settings) integer(p *int, name, env string, def, min, max int, usage st
 }
 
 // duration is a duration of at least min.
+// instant is a time given as RFC 3339 (2026-12-05T09:00:00Z), or none.
+func (s *settings) instant(p *time.Time, name, env, usage string) {
+	s.add(name, env, "", usage, func(v string) (err error) {
+		if v == "" {
+			return nil
+		}
+		if *p, err = time.Parse(time.RFC3339Nano, v); err != nil {
+			return errors.New("want a time as RFC 3339, such as 2026-12-05T09:00:00Z")
+		}
+		return nil
+	})
+}
+
 func (s *settings) duration(p *time.Duration, name, env, def string, min time.Duration, usage string) {
 	s.add(name, env, def, usage, func(v string) (err error) {
 		if *p, err = time.ParseDuration(v); err != nil || *p < min {
@@ -192,6 +208,8 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.boolean(&perAggregate, "per-aggregate", "OUTBOX_PER_AGGREGATE", true, "keep order per aggregate, so that one aggregate's failure holds up only its own rows; false: the whole table in id order, stopping at the first failure")
 	s.duration(&r.PollInterval, "poll-interval", "OUTBOX_POLL_INTERVAL", "0s", 0, "how often a pass runs with no NOTIFY; 0 for 1s")
 	s.duration(&r.MaxBackoff, "max-backoff", "OUTBOX_MAX_BACKOFF", "0s", 0, "the longest wait after failed passes; 0 for 30s (both modes)")
+	s.duration(&r.RetryDelay, "retry-delay", "OUTBOX_RETRY_DELAY", "0s", 0, "polling mode, order per aggregate: a refused row's wait before its second attempt, doubling after; 0 for 1s")
+	s.duration(&r.MaxRetryDelay, "max-retry-delay", "OUTBOX_MAX_RETRY_DELAY", "0s", 0, "polling mode: the longest wait of a refused row; 0 for 5m")
 	s.boolean(&r.PollOnly, "poll-only", "OUTBOX_POLL_ONLY", false, "no LISTEN: poll only (behind PgBouncer in transaction mode)")
 	var standbys string
 	s.str(&standbys, "standbys", "OUTBOX_STANDBYS", "", "polling mode: the standbys' application_names, comma-separated, that a pass waits for before it publishes")
@@ -245,6 +263,12 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.duration(&c.stallAfter, "stall-after", "OUTBOX_STALL_AFTER", "5m", time.Second, "/healthz fails when rows wait and no pass succeeded for this long")
 	s.duration(&c.grace, "grace", "OUTBOX_GRACE", "30s", 0, "after SIGTERM, how long the relay has to mark what the broker accepted before it exits at once")
 
+	// The replay command's.
+	s.str(&c.replay.Aggregate, "aggregate", "OUTBOX_REPLAY_AGGREGATE", "", "replay: the aggregate whose sent events go again, such as order/17")
+	s.instant(&c.replay.From, "from", "OUTBOX_REPLAY_FROM", "replay: the sent rows written at or after this time (RFC 3339) go again")
+	s.instant(&c.replay.To, "to", "OUTBOX_REPLAY_TO", "replay: and before this time (RFC 3339); none: up to now")
+	s.boolean(&c.replay.NewKeys, "new-keys", "OUTBOX_REPLAY_NEW_KEYS", false, "replay: with new keys, so that consumers that remember the old ones apply them again")
+
 	if err := s.fs.Parse(args); err != nil {
 		return c, nil, err
 	}
@@ -281,6 +305,10 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	if t := c.relay.PassTimeout; t > 0 && t < 10*time.Millisecond {
 		errs = append(errs, fmt.Errorf("-pass-timeout %v: at least 10ms, or 0 for %v", t, postgres.DefaultPassTimeout))
 	}
+	if r, m := cmp.Or(c.relay.RetryDelay, postgres.DefaultRetryDelay), cmp.Or(c.relay.MaxRetryDelay, postgres.DefaultMaxRetryDelay); m < r {
+		errs = append(errs, fmt.Errorf("-max-retry-delay %v is below -retry-delay %v (0 stands for %v and %v)", m, r,
+			postgres.DefaultMaxRetryDelay, postgres.DefaultRetryDelay))
+	}
 	if c.relay.NeverPark && c.relay.ParkAfter > 0 {
 		errs = append(errs, errors.New("-never-park and -park-after: give one"))
 	}
@@ -313,10 +341,24 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	if c.broker == "rabbitmq" {
 		errs = append(errs, c.rabbit.check()...)
 	}
+	r := c.replay
+	if given := r.Aggregate != "" || !r.From.IsZero() || !r.To.IsZero() || r.NewKeys; given && cmd != "replay" {
+		errs = append(errs, fmt.Errorf("-aggregate, -from, -to and -new-keys are for replay, not %s", cmd))
+	}
+	if cmd == "replay" {
+		switch {
+		case r.Aggregate == "" && r.From.IsZero():
+			errs = append(errs, errors.New("replay needs -aggregate or -from: the whole outbox is not replayed"))
+		case r.From.IsZero() && !r.To.IsZero():
+			errs = append(errs, errors.New("replay: -to needs a -from"))
+		case !r.To.IsZero() && !r.From.Before(r.To):
+			errs = append(errs, fmt.Errorf("replay: -from %s is not before -to %s", r.From.Format(time.RFC3339Nano), r.To.Format(time.RFC3339Nano)))
+		}
+	}
 	want, known := commands[cmd]
 	switch {
 	case !known:
-		errs = append(errs, fmt.Errorf("unknown command %q: want migrate, run, check, lag, parked, unpark ID or drop ID", cmd))
+		errs = append(errs, fmt.Errorf("unknown command %q: want migrate, run, check, lag, parked, unpark ID, drop ID or replay", cmd))
 	case fs.NArg() != want && want == 0:
 		errs = append(errs, fmt.Errorf("%s takes no argument, got %q", cmd, fs.Args()))
 	case fs.NArg() != want:

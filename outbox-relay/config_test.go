@@ -35,6 +35,11 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 		{[]string{"-poll-interval", "-1s"}, "", "-poll-interval (OUTBOX_POLL_INTERVAL)"},
 		{[]string{"-max-backoff", "1 minute"}, "", "-max-backoff (OUTBOX_MAX_BACKOFF)"},
 		{nil, "OUTBOX_POLL_ONLY=yes please", "-poll-only (OUTBOX_POLL_ONLY)"},
+		{[]string{"-retry-delay", "-1s"}, "", "-retry-delay (OUTBOX_RETRY_DELAY)"},
+		{[]string{"-from", "yesterday"}, "", "-from (OUTBOX_REPLAY_FROM) \"yesterday\": want a time as RFC 3339"},
+		{[]string{"-aggregate", "order/1"}, "", "-aggregate, -from, -to and -new-keys are for replay, not run"},
+		{[]string{"-retry-delay", "10s", "-max-retry-delay", "5s"}, "", "-max-retry-delay 5s is below -retry-delay 10s"},
+		{[]string{"-retry-delay", "1h"}, "", "-max-retry-delay 5m0s is below -retry-delay 1h0m0s"},
 		{[]string{"-mode", "log", "-standbys", "s1"}, "", "-standbys is for -mode polling"},
 		{[]string{"-mode", "log", "-slot", "Bad-Slot"}, "", "-slot \"Bad-Slot\""},
 		{[]string{"-mode", "log", "-publication", "pub lication"}, "", "-publication \"pub lication\""},
@@ -79,7 +84,11 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 		{"unpark", nil, "unpark takes the id of one parked row"},
 		{"drop", []string{"seven"}, "drop \"seven\": not a row id"},
 		{"unpark", []string{"0"}, "unpark \"0\": not a row id"},
-		{"replay", nil, "unknown command \"replay\""},
+		{"resend", nil, "unknown command \"resend\""},
+		{"replay", nil, "replay needs -aggregate or -from"},
+		{"replay", []string{"-aggregate", "order/1", "-to", "2026-12-05T09:00:00Z"}, "replay: -to needs a -from"},
+		{"replay", []string{"-from", "2026-12-05T09:00:00Z", "-to", "2026-12-05T08:00:00Z"}, "replay: -from 2026-12-05T09:00:00Z is not before -to"},
+		{"replay", []string{"-from", "2026-12-05"}, "-from (OUTBOX_REPLAY_FROM) \"2026-12-05\": want a time as RFC 3339"},
 	} {
 		if _, _, err := parse(tc.cmd, append([]string{db}, tc.args...)); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s %v = %v; want an error with %q", tc.cmd, tc.args, err, tc.want)
@@ -93,13 +102,13 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 	t.Setenv("OUTBOX_PARK_AFTER", "7")
 	t.Setenv("OUTBOX_POLL_ONLY", "true")
 	c, _, err := parse("run", []string{db, "-batch-size", "250", "-pass-timeout", "3s", "-per-aggregate=false",
-		"-poll-interval", "250ms", "-max-backoff", "5s", "-standbys", "s1, s2", "-slot", "relay_slot", "-status-interval", "2s"})
+		"-poll-interval", "250ms", "-max-backoff", "5s", "-retry-delay", "2s", "-max-retry-delay", "1m", "-standbys", "s1, s2", "-slot", "relay_slot", "-status-interval", "2s"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	r, l := c.relay, c.log
 	if r.BatchSize != 250 || r.PassTimeout != 3*time.Second || r.ParkAfter != 7 || !r.WholeTable || r.PollInterval != 250*time.Millisecond ||
-		r.MaxBackoff != 5*time.Second || !r.PollOnly || len(r.Standbys) != 2 || r.Standbys[1] != "s2" {
+		r.MaxBackoff != 5*time.Second || r.RetryDelay != 2*time.Second || r.MaxRetryDelay != time.Minute || !r.PollOnly || len(r.Standbys) != 2 || r.Standbys[1] != "s2" {
 		t.Errorf("the polling relay's settings: %+v", r)
 	}
 	if l.Slot != "relay_slot" || l.StatusInterval != 2*time.Second || l.ParkAfter != 7 || l.MaxBackoff != 5*time.Second {

@@ -10,6 +10,7 @@
 //	outbox-relay parked     lists the parked rows
 //	outbox-relay unpark ID  puts the parked row ID back, to be published again
 //	outbox-relay drop ID    deletes the parked row ID for good, and logs its key, type and last error
+//	outbox-relay replay     puts back the sent rows of -aggregate, or written from -from to -to, to be published again
 //
 // Every flag may be given by its environment variable instead (the flag
 // wins): outbox-relay run -h lists them, each with its variable. Every value
@@ -55,7 +56,7 @@ import (
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
-const usage = "usage: outbox-relay migrate|run|check|lag|parked|unpark ID|drop ID [flags]; outbox-relay run -h lists the flags"
+const usage = "usage: outbox-relay migrate|run|check|lag|parked|unpark ID|drop ID|replay [flags]; outbox-relay run -h lists the flags"
 
 func main() {
 	os.Exit(cli(os.Args[1:], os.Stdout, os.Stderr))

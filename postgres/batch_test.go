@@ -225,6 +225,7 @@ func TestRelayAsItComesBatchesAndParksWhatCanNeverGo(t *testing.T) {
 	})
 	relay := newRelay(t, db, refuse5)
 	for pass := 1; pass <= postgres.DefaultParkAfter+1; pass++ {
+		retryNow(t, db) // each refusal's backoff passed
 		relay.PublishPending(ctx)
 	}
 	if ids := broker.IDs(); !slices.Equal(ids, []int64{4, 6}) {

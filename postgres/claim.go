@@ -113,7 +113,10 @@ FOR UPDATE SKIP LOCKED`
 // a row when an earlier row of its aggregate is held back (outbox_held:
 // parked, or failed to publish), so that the rows of a stuck aggregate do
 // not fill the batch of every pass. Whether any row is held is asked once
-// (an InitPlan), and only if one is, of each row.
+// (an InitPlan), and only if one is, of each row. Nor does it claim a row
+// whose retry_at (migration 6) is still to come: a failed publish's
+// backoff. Such a row is among the few that failed, all in outbox_held, so
+// it costs the claim no more than a held row does.
 //
 // The broker may take an aggregate's claimed rows in their order only if
 // they are a run from its first unsent row: its first k unsent rows, for
@@ -153,6 +156,7 @@ WHERE sent_at IS NULL AND parked_at IS NULL
            SELECT FROM outbox h
            WHERE h.aggregate = o.aggregate AND h.id < o.id
              AND h.sent_at IS NULL AND (h.parked_at IS NOT NULL OR h.attempts > 0)))
+  AND (retry_at IS NULL OR retry_at <= now())
   AND ` + passLimits + `
 ORDER BY id
 LIMIT ` + batchSize + `
@@ -180,10 +184,16 @@ const markSent = `UPDATE outbox SET sent_at = clock_timestamp() WHERE id = ANY($
 
 // recordFailure counts a failed publish of row $1 with its error $3, as a
 // rejection too if $2 is 1, parks the row if $4, and returns its attempts.
+// If $5, it sets the row's next attempt (retry_at) after the failure by $6
+// ms doubled for each failure before this one, at most $7 ms, and of that a
+// random point in the upper half, as Run's own backoff; otherwise it clears
+// it. (attempts on the right of SET is the count before this failure.)
 const recordFailure = `
 UPDATE outbox
 SET attempts = attempts + 1, rejections = rejections + $2, last_error = $3,
-    parked_at = CASE WHEN $4 THEN clock_timestamp() END
+    parked_at = CASE WHEN $4 THEN clock_timestamp() END,
+    retry_at = CASE WHEN $5 THEN clock_timestamp() + interval '1 millisecond' *
+        least($6::float8 * power(2::float8, least(attempts, 40)), $7::float8) * (0.5 + random() / 2) END
 WHERE id = $1
 RETURNING attempts`
 

@@ -113,6 +113,7 @@ func TestAStuckAggregateLeavesTheBatchToTheOthers(t *testing.T) {
 		return accepted.Publish(ctx, m)
 	}), postgres.RelayConfig{BatchSize: 3, NeverPark: true, OnPass: func(r postgres.PassReport) { claims = append(claims, r.Claimed) }})
 	for range 2 {
+		retryNow(t, db) // A1's backoff passed
 		if _, err := relay.PublishPending(ctx); err == nil {
 			t.Fatal("a pass whose broker refused A1 returned no error")
 		}
@@ -233,7 +234,8 @@ func TestRelaysKeepEachHotAggregatesOrder(t *testing.T) {
 			runCtx, stop := context.WithCancel(ctx)
 			var wg sync.WaitGroup
 			for range 4 {
-				cfg := postgres.RelayConfig{BatchSize: 5, NeverPark: true, PollInterval: 5 * time.Millisecond, MaxBackoff: 10 * time.Millisecond}
+				cfg := postgres.RelayConfig{BatchSize: 5, NeverPark: true, PollInterval: 5 * time.Millisecond, MaxBackoff: 10 * time.Millisecond,
+					RetryDelay: time.Millisecond, MaxRetryDelay: 10 * time.Millisecond} // a refused row tried again soon: the test is of order, not of waits
 				relay := newRelay(t, db, broker, cfg)
 				if tc.pool == "pgx" {
 					relay = newRelayOn(t, pgxOutbox(t, newPool(t, name, 4)), broker, cfg)

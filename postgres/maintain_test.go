@@ -356,6 +356,7 @@ func TestOnlyRejectionsParkAndOnlyWhenAskedTo(t *testing.T) {
 			place(t, db, 100, 200)
 			relay := newRelay(t, db, brokerFunc(func(context.Context, postgres.Message) error { return tc.err }), postgres.RelayConfig{ParkAfter: tc.parkAfter, NeverPark: tc.parkAfter == 0})
 			for range 5 {
+				retryNow(t, db) // a rejection's backoff passed
 				if n, err := relay.PublishPending(ctx); n != 0 || !errors.Is(err, tc.err) {
 					t.Fatalf("pass = %d, %v; want 0 and %v", n, err, tc.err)
 				}

@@ -29,6 +29,7 @@ type statements struct {
 	claimRows, claimRuns, checkRuns, markSent      string
 	recordFailure, readLag, deleteSent, listParked string
 	unpark, dropParked                             string
+	replayCheck, replayRows, replayNotify          string
 }
 
 // defaultTables is the outbox table named outbox: the one the package's
@@ -56,6 +57,7 @@ func newTables(table string) (*tables, error) {
 		markSent: o.named(markSent), recordFailure: o.named(recordFailure),
 		readLag: o.named(readLag), deleteSent: o.named(deleteSent), listParked: o.named(listParked),
 		unpark: o.named(unpark), dropParked: o.named(dropParked),
+		replayCheck: o.named(replayCheck), replayRows: o.named(replayRows), replayNotify: o.named(replayNotify),
 	}
 	lock := int64(7_468_327_001) // the default outbox's, as before names were chosen
 	if table != "outbox" {

@@ -213,6 +213,9 @@ func TestRelayConfigurationIsCheckedWhenTheRelayIsMade(t *testing.T) {
 		{"an empty standby", pool(0), broker, postgres.RelayConfig{Standbys: []string{"a", ""}}, "RelayConfig.Standbys"},
 		{"a negative poll interval", pool(0), broker, postgres.RelayConfig{PollInterval: -time.Second}, "RelayConfig.PollInterval -1s"},
 		{"a negative backoff", pool(0), broker, postgres.RelayConfig{MaxBackoff: -time.Second}, "RelayConfig.MaxBackoff -1s"},
+		{"a negative retry delay", pool(0), broker, postgres.RelayConfig{RetryDelay: -time.Second}, "RelayConfig.RetryDelay -1s"},
+		{"a negative longest retry delay", pool(0), broker, postgres.RelayConfig{MaxRetryDelay: -time.Second}, "RelayConfig.MaxRetryDelay -1s"},
+		{"a retry delay over the longest", pool(0), broker, postgres.RelayConfig{RetryDelay: time.Hour}, "RelayConfig.MaxRetryDelay 5m0s is below RetryDelay 1h0m0s"},
 		{"a pool of two for Run", pool(2), broker, postgres.RelayConfig{}, "needs 3"},
 		{"a pool of one, polling", pool(1), broker, postgres.RelayConfig{PollOnly: true}, "allows 1 open connections"},
 	} {
@@ -233,7 +236,8 @@ func TestRelayConfigurationIsCheckedWhenTheRelayIsMade(t *testing.T) {
 		}
 		got := r.Config()
 		if got.BatchSize != postgres.DefaultBatchSize || got.PassTimeout != postgres.DefaultPassTimeout || got.ParkAfter != postgres.DefaultParkAfter ||
-			got.PollInterval != postgres.DefaultPollInterval || got.MaxBackoff != postgres.DefaultMaxBackoff || got.WholeTable || got.NeverPark {
+			got.PollInterval != postgres.DefaultPollInterval || got.MaxBackoff != postgres.DefaultMaxBackoff || got.WholeTable || got.NeverPark ||
+			got.RetryDelay != postgres.DefaultRetryDelay || got.MaxRetryDelay != postgres.DefaultMaxRetryDelay {
 			t.Errorf("the zero RelayConfig became %+v; want every default", got)
 		}
 	}

@@ -26,6 +26,9 @@ type passResult struct {
 	flushed   bool      // it made the server flush its log
 	parked    []int64   // ids of the rows it parked, if it committed
 	failing   []failure // the rows whose attempts reached FailingAfter, if it committed
+	// refusedOnly is set when the pass's only failures were publishes
+	// that hold back their aggregates alone, each until its next attempt.
+	refusedOnly bool
 	// fatal is set when a statement failed in a way no retry mends: a
 	// table or column that does not exist, a permission the relay lacks.
 	fatal bool
@@ -149,9 +152,9 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 		inTime := pubCtx.Err() == nil
 		f := failure{id: msg.ID, key: msg.Key, err: err, rejected: inTime && errors.Is(err, ErrRejected)}
 		f.park = f.rejected && r.cfg.ParkAfter > 0 && msg.rejections+1 >= r.cfg.ParkAfter
-		failed = append(failed, f)
 		if inTime { // the broker's own failure, not the end of the pass
 			if f.park {
+				failed = append(failed, f)
 				res.parked = append(res.parked, msg.ID)
 				if !r.cfg.WholeTable { // parked, it still holds back its aggregate
 					pending = without(pending, msg.Aggregate)
@@ -159,23 +162,27 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 				continue // set aside: the rows after it go on
 			}
 			if !r.cfg.WholeTable && !errors.Is(err, ErrBrokerUnavailable) {
-				// It holds back its aggregate alone: the pass goes on
-				// with the other aggregates' rows.
+				// It holds back its aggregate alone, until its next
+				// attempt: the pass goes on with the other aggregates' rows.
+				f.backOff = true
+				failed = append(failed, f)
 				refused = append(refused, fmt.Errorf("publish message %d: %w", msg.ID, err))
 				pending = without(pending, msg.Aggregate)
 				continue
 			}
 		}
+		failed = append(failed, f)
 		stop = fmt.Errorf("publish message %d: %w", msg.ID, err)
 		break
 	}
 	res.published = len(sent)
+	res.refusedOnly = stop == nil && len(refused) > 0
 	stop = errors.Join(stop, errors.Join(refused...))
 
 	// Whatever fails from here on leaves every accepted message unsent, to
 	// go again, and no row parked.
 	unmarked := func(what string, err error) (passResult, error) {
-		res.parked, res.failing = nil, nil
+		res.parked, res.failing, res.refusedOnly = nil, nil, false
 		return res, errors.Join(stop, fmt.Errorf("%s%s, so the %d messages the broker accepted stay unsent and go again: %w",
 			what, why(txCtx, err), len(sent), err))
 	}
@@ -190,7 +197,8 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	}
 	for _, f := range failed {
 		var attempts int
-		if err := tx.queryRow(txCtx, r.outbox.sql.recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park).Scan(&attempts); err != nil {
+		if err := tx.queryRow(txCtx, r.outbox.sql.recordFailure, f.id, b2i(f.rejected), f.err.Error(), f.park,
+			f.backOff, r.cfg.RetryDelay.Seconds()*1000, r.cfg.MaxRetryDelay.Seconds()*1000).Scan(&attempts); err != nil {
 			return unmarked(fmt.Sprintf("record the failure of message %d", f.id), err)
 		}
 		if attempts == FailingAfter && !f.park {
@@ -454,6 +462,7 @@ type failure struct {
 	key            string
 	err            error
 	rejected, park bool
+	backOff        bool // its row is not claimed again before its retry_at
 }
 
 func b2i(b bool) int {

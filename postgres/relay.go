@@ -205,6 +205,22 @@ type RelayConfig struct {
 	// positions; without it a pass fails with [ErrStandbysUnreadable].
 	Standbys []string
 
+	// RetryDelay and MaxRetryDelay are a message's own backoff, with order
+	// per aggregate: a message whose publish failed for a reason of its
+	// own (the broker refused it, or any error but ErrBrokerUnavailable
+	// and the end of the pass's budget) is not claimed again, nor are the
+	// later messages of its aggregate, before RetryDelay after the first
+	// failure, twice that after the second, and so on up to MaxRetryDelay,
+	// each a random point in the upper half of that (0: DefaultRetryDelay,
+	// DefaultMaxRetryDelay); the other aggregates' messages flow meanwhile.
+	// Its next attempt is the first pass after that time: one woken by a
+	// notification, or PollInterval later. A broker that is unavailable
+	// fails every message alike, and Run backs off as a whole instead
+	// (MaxBackoff); with WholeTable, where the message that failed is the
+	// head of the whole table, so does every failure.
+	RetryDelay    time.Duration
+	MaxRetryDelay time.Duration
+
 	// PollInterval is how long Run waits for a notification before it
 	// passes anyway (0: DefaultPollInterval), MaxBackoff the longest it
 	// waits after failed passes (0: DefaultMaxBackoff). PollOnly makes Run
@@ -238,6 +254,16 @@ type RelayConfig struct {
 	OnPass func(PassReport)
 }
 
+// DefaultRetryDelay and DefaultMaxRetryDelay are RelayConfig.RetryDelay and
+// MaxRetryDelay when they are zero: a message the broker refused waits a
+// second before its second attempt, and at most five minutes between any
+// two, so that a refusal that passes (a permission granted, a stream
+// created) costs at most that much delay once it has passed.
+const (
+	DefaultRetryDelay    = time.Second
+	DefaultMaxRetryDelay = 5 * time.Minute
+)
+
 // MaxBatchSize is the largest RelayConfig.BatchSize: a pass holds its
 // claim, and an open transaction, over no more rows than that.
 const MaxBatchSize = 10_000
@@ -257,7 +283,7 @@ var ErrInvalidConfig = errors.New("postgres: invalid configuration")
 // says, and listens on o's channel. It checks cfg and the database, and
 // refuses, with an error wrapping [ErrInvalidConfig] that names the
 // setting, no broker, a negative value, a BatchSize over MaxBatchSize, a
-// ParkAfter with NeverPark, an empty name among the Standbys, and a pool
+// ParkAfter with NeverPark, a MaxRetryDelay below RetryDelay, an empty name among the Standbys, and a pool
 // too small: a pass takes one connection for its transaction and, while it
 // makes the server flush its log, a second one; Run takes one more for good
 // to listen on, unless PollOnly (MaxOpenConns, or MaxConns, of at least 3,
@@ -287,6 +313,14 @@ func (o *Outbox[T]) NewRelay(broker MessageBroker, cfg RelayConfig) (*OutboxRela
 		return nil, bad("RelayConfig.PollInterval %v (0 for %v)", cfg.PollInterval, DefaultPollInterval)
 	case cfg.MaxBackoff < 0:
 		return nil, bad("RelayConfig.MaxBackoff %v (0 for %v)", cfg.MaxBackoff, DefaultMaxBackoff)
+	case cfg.RetryDelay < 0:
+		return nil, bad("RelayConfig.RetryDelay %v (0 for %v)", cfg.RetryDelay, DefaultRetryDelay)
+	case cfg.MaxRetryDelay < 0:
+		return nil, bad("RelayConfig.MaxRetryDelay %v (0 for %v)", cfg.MaxRetryDelay, DefaultMaxRetryDelay)
+	case orDefault(cfg.MaxRetryDelay, DefaultMaxRetryDelay) < orDefault(cfg.RetryDelay, DefaultRetryDelay):
+		return nil, bad("RelayConfig.MaxRetryDelay %v is below RetryDelay %v (zero stands for %v and %v)",
+			orDefault(cfg.MaxRetryDelay, DefaultMaxRetryDelay), orDefault(cfg.RetryDelay, DefaultRetryDelay),
+			DefaultMaxRetryDelay, DefaultRetryDelay)
 	}
 	if err := o.db.check(); err != nil {
 		return nil, bad("%v", err)
@@ -306,6 +340,8 @@ func (o *Outbox[T]) NewRelay(broker MessageBroker, cfg RelayConfig) (*OutboxRela
 	}
 	cfg.PollInterval = orDefault(cfg.PollInterval, DefaultPollInterval)
 	cfg.MaxBackoff = orDefault(cfg.MaxBackoff, DefaultMaxBackoff)
+	cfg.RetryDelay = orDefault(cfg.RetryDelay, DefaultRetryDelay)
+	cfg.MaxRetryDelay = orDefault(cfg.MaxRetryDelay, DefaultMaxRetryDelay)
 	cfg.Standbys = slices.Clone(cfg.Standbys)
 	return &OutboxRelay{db: o.db, broker: broker, outbox: o.t, cfg: cfg}, nil
 }

@@ -59,9 +59,11 @@ const minBackoff = 100 * time.Millisecond
 // marked something starts the count again. So a mark that fails pass after
 // pass (a lock held on the table, a trigger that fails) republishes the
 // claimed messages once a backoff, not in a loop; consumers drop the
-// copies. With order per aggregate, a pass that marked anything passes again at
-// once despite its refusals, which hold back only their aggregates, and
-// logs each refusal at level Error.
+// copies. With order per aggregate, a pass that marked anything, or whose
+// only failures were messages that failed for reasons of their own, is no
+// failure of the loop: each such message holds back its aggregate alone,
+// until its next attempt (RetryDelay), and Run goes on with the rest at
+// once, logging each failure at level Error.
 //
 // Run holds one connection of the relay's pool for listening, and needs
 // pgx's stdlib driver for it. With PollOnly set it does not listen and only
@@ -116,7 +118,7 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 			failures = 0
 		}
 		switch {
-		case err != nil && !(!r.cfg.WholeTable && res.marked > 0):
+		case err != nil && !(!r.cfg.WholeTable && (res.marked > 0 || res.refusedOnly)):
 			failures++
 			d := backoff(failures, maxBackoff, rand.Float64)
 			log.Error("outbox: relay pass failed", "err", err,
@@ -126,7 +128,8 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 			}
 		case err != nil:
 			// With order per aggregate, the broker refused messages that hold back
-			// their aggregates alone: the others go on at once.
+			// their aggregates alone, each until its next attempt: the
+			// others go on at once.
 			log.Error("outbox: broker refused messages; each holds back its aggregate", "err", err,
 				"published", res.published, "marked", res.marked)
 		case res.full, res.marked+len(res.parked) < res.claimed:

@@ -101,6 +101,38 @@ func TestLostConfirmIsSentAgainAndTheCopyDropped(t *testing.T) {
 	wantEachOrderReservedOnce(t, db, 1)
 }
 
+// A message RabbitMQ refuses (over its max_message_size) is offered once
+// and then waits for its next attempt, RetryDelay away, unparked, while the
+// orders placed after it reach the queue pass after pass. (Caught: the
+// relay before the backoff per message, which offered the refused row
+// again on every pass.)
+func TestARejectedMessageWaitsForItsNextAttempt(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	top := declare(t, node.URL(), 0)
+	if _, err := db.Exec(`INSERT INTO outbox (type, payload, aggregate, seq) VALUES ('OrderPlaced', json_build_object('note', repeat('x', $1::int)), 'order/99', 1)`, maxMessageSize); err != nil {
+		t.Fatal(err)
+	}
+	relay := newRelay(t, db, newPublisher(t, node.URL(), top, maxMessageSize), postgres.RelayConfig{RetryDelay: time.Hour, MaxRetryDelay: time.Hour})
+	for pass := 1; pass <= 3; pass++ {
+		if _, err := shop.NewOrderService(db).PlaceOrder(ctx, int64(pass*100)); err != nil {
+			t.Fatal(err)
+		}
+		n, err := relay.PublishPending(ctx)
+		t.Logf("pass %d: published %d, error %v", pass, n, err)
+		if n != 1 || (pass == 1) != errors.Is(err, postgres.ErrRejected) {
+			t.Errorf("pass %d = %d, %v; want 1, and the rejection on the first pass only", pass, n, err)
+		}
+	}
+	if got := count(t, db, `SELECT attempts FROM outbox WHERE id = 1 AND parked_at IS NULL
+		AND retry_at > clock_timestamp() + interval '29 minutes'`); got != 1 {
+		t.Errorf("the refused row: %d attempts (or parked, or no next attempt half an hour away), want 1 attempt, unparked, waiting", got)
+	}
+	if n := queued(t, node.URL(), top.Queue); n != 3 {
+		t.Errorf("the queue holds %d messages, want the 3 orders", n)
+	}
+}
+
 // What can never be published is a rejection, and what follows it flows: a
 // message over the node's max_message_size, refused by the Publisher before
 // it is sent when it knows the limit, and by the server, which closes the

@@ -293,7 +293,8 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 		return err
 	}
 	relay, err := relayOutbox.NewRelay(publisher, postgres.RelayConfig{
-		MaxBackoff:    2 * time.Second, // a demo: back quickly after /broker/up
+		MaxBackoff: 2 * time.Second,                                    // a demo: back quickly after /broker/up
+		RetryDelay: 100 * time.Millisecond, MaxRetryDelay: time.Second, // and a row the broker refuses parked in seconds
 		Logger:        logger,
 		MeterProvider: m.provider,
 		OnPass:        func(r postgres.PassReport) { view.onPass(r) },

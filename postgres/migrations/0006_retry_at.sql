@@ -1,0 +1,12 @@
+-- Migration 6: a backoff per message. retry_at is the earliest time a relay
+-- with order per aggregate claims the row again after a publish the broker
+-- refused, or that failed for a reason of the message's own: RetryDelay
+-- after the first failure, doubling with each one up to MaxRetryDelay, each
+-- a random point in the upper half of that (RelayConfig). Until then the row
+-- is passed over, and so, since its publish failed (outbox_held), are the
+-- later rows of its aggregate; the other aggregates' rows flow. NULL for a
+-- row that never failed, one that failed while the broker was unavailable
+-- (the relay's loop backs off as a whole then), and any row of the relay
+-- with WholeTable, whose order lets no row overtake the one that failed.
+-- Adding a column without a default rewrites nothing: existing rows get NULL.
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS retry_at timestamptz;

@@ -1,0 +1,168 @@
+package postgres
+
+// Replay on demand: sent rows put back, to be published again.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// MaxReplay is the most rows one [Outbox.Replay] puts back: a replay is one
+// transaction, and a larger one is refused, to be cut into ranges.
+const MaxReplay = 10_000
+
+// ErrInvalidReplay is returned, wrapped, by [Outbox.Replay] for a [Replay]
+// that selects nothing it can bound: neither an Aggregate nor a From, a To
+// without a From, or a From not before its To. Nothing is written.
+var ErrInvalidReplay = errors.New("postgres: invalid replay")
+
+// ErrNotKept is returned, wrapped, by [Outbox.Replay] when the outbox no
+// longer keeps what the replay asks for: no sent row in its range, a range
+// that begins before the oldest row the table keeps (DeleteSent removes
+// sent rows after their retention), or an aggregate whose first events are
+// gone. The error says what the table keeps. Nothing is written: a replay
+// with a hole in it would hand a consumer that lost its state events whose
+// predecessors never come.
+var ErrNotKept = errors.New("postgres: the outbox no longer keeps what the replay asks for")
+
+// ErrReplayTooLarge is returned, wrapped, by [Outbox.Replay] for a range that
+// holds more than [MaxReplay] sent rows, saying how many. Nothing is written.
+var ErrReplayTooLarge = errors.New("postgres: replay too large")
+
+// A Replay selects the sent rows of an outbox that [Outbox.Replay] puts back:
+// those of Aggregate, if not empty, written (created_at) at or after From, if
+// not zero, and before To, if not zero. It needs an Aggregate or a From.
+type Replay struct {
+	Aggregate string
+	From, To  time.Time
+	// NewKeys gives each row put back a new key, so that consumers that
+	// remember the old one apply it again. Without it the rows keep their
+	// keys: consumers that remember them drop them, and one that lost its
+	// state applies them. (JetStream drops a message whose key it saw
+	// within its stream's duplicate window, Duplicates, two minutes by
+	// default, before any consumer sees it: a replay with the old keys
+	// reaches consumers once that window has passed.)
+	NewKeys bool
+}
+
+// replayCheck counts, in one read of the table, the sent rows a replay
+// selects ($1 its aggregate or ”, $2 and $3 its bounds or NULL), the lowest
+// seq among the rows it selects, and when the oldest row the table keeps
+// was written.
+const replayCheck = `
+SELECT count(*) FILTER (WHERE selected AND sent_at IS NOT NULL),
+       COALESCE(min(seq) FILTER (WHERE selected), 0),
+       min(created_at)
+FROM (SELECT sent_at, seq, created_at,
+             ($1 = '' OR aggregate = $1)
+             AND ($2::timestamptz IS NULL OR created_at >= $2::timestamptz)
+             AND ($3::timestamptz IS NULL OR created_at < $3::timestamptz) AS selected
+      FROM outbox) r`
+
+// replayRows puts back the sent rows replayCheck counted, with new keys if
+// $4, each as a row never tried.
+const replayRows = `
+WITH back AS (
+    UPDATE outbox
+    SET sent_at = NULL, attempts = 0, rejections = 0, last_error = NULL, retry_at = NULL,
+        message_key = CASE WHEN $4 THEN gen_random_uuid() ELSE message_key END
+    WHERE sent_at IS NOT NULL
+      AND ($1 = '' OR aggregate = $1)
+      AND ($2::timestamptz IS NULL OR created_at >= $2::timestamptz)
+      AND ($3::timestamptz IS NULL OR created_at < $3::timestamptz)
+    RETURNING id)
+SELECT count(*) FROM back`
+
+// replayNotify wakes the relays that listen, at the replay's commit.
+const replayNotify = `SELECT pg_notify('outbox', '')`
+
+// Replay puts back the sent rows that r selects, in one transaction, and
+// returns how many: relays publish them again, each aggregate's in its
+// order, and, since they keep their ids, before the rows written after
+// them. It is for a consumer that lost its state: the events of an
+// aggregate, or of a time range, again. Each row keeps its key unless
+// r.NewKeys.
+//
+// It reads the whole table twice (no index serves a replay, and one would
+// cost every write), under ctx: give it a deadline. It refuses, writing
+// nothing, a Replay it cannot bound ([ErrInvalidReplay]), one that asks for
+// what the table no longer keeps ([ErrNotKept]), and one of more than
+// [MaxReplay] rows ([ErrReplayTooLarge]). A log relay with
+// LogRelayConfig.Unmarked marks no row sent, so there is nothing to put
+// back; and the log relay does not see rows put back, which are updates:
+// a polling pass publishes them (outbox-relay's sweep).
+func (o *Outbox[T]) Replay(ctx context.Context, r Replay) (int64, error) {
+	if err := o.usable(); err != nil {
+		return 0, err
+	}
+	switch {
+	case r.Aggregate == "" && r.From.IsZero():
+		return 0, fmt.Errorf("%w: give an Aggregate or a From: the whole outbox is not replayed", ErrInvalidReplay)
+	case r.From.IsZero() && !r.To.IsZero():
+		return 0, fmt.Errorf("%w: a To (%s) without a From", ErrInvalidReplay, r.To.Format(time.RFC3339Nano))
+	case !r.To.IsZero() && !r.From.Before(r.To):
+		return 0, fmt.Errorf("%w: From %s is not before To %s", ErrInvalidReplay, r.From.Format(time.RFC3339Nano), r.To.Format(time.RFC3339Nano))
+	}
+	bound := func(t time.Time) any {
+		if t.IsZero() {
+			return nil
+		}
+		return t
+	}
+	what := r.String()
+	tx, err := o.db.begin(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("replay %s: %w", what, err)
+	}
+	defer tx.rollback()
+	var sent, firstSeq int64
+	var oldest *time.Time
+	if err := tx.queryRow(ctx, o.t.sql.replayCheck, r.Aggregate, bound(r.From), bound(r.To)).Scan(&sent, &firstSeq, &oldest); err != nil {
+		return 0, fmt.Errorf("replay %s: %w", what, err)
+	}
+	switch {
+	case oldest == nil:
+		return 0, fmt.Errorf("replay %s: %w: the table %s is empty", what, ErrNotKept, o.t.table)
+	case !r.From.IsZero() && r.From.Before(*oldest):
+		return 0, fmt.Errorf("replay %s: %w: the oldest row %s keeps was written at %s; replay from then on",
+			what, ErrNotKept, o.t.table, oldest.Format(time.RFC3339Nano))
+	case r.Aggregate != "" && r.From.IsZero() && firstSeq > 1:
+		return 0, fmt.Errorf("replay %s: %w: its events before seq %d are gone (cleanup); replay a range from the oldest kept, %s",
+			what, ErrNotKept, firstSeq, oldest.Format(time.RFC3339Nano))
+	case sent == 0:
+		return 0, fmt.Errorf("replay %s: %w: no sent row in it (rows not yet sent go anyway)", what, ErrNotKept)
+	case sent > MaxReplay:
+		return 0, fmt.Errorf("replay %s: %w: %d sent rows, at most %d a replay: cut the range", what, ErrReplayTooLarge, sent, MaxReplay)
+	}
+	var n int64
+	if err := tx.queryRow(ctx, o.t.sql.replayRows, r.Aggregate, bound(r.From), bound(r.To), r.NewKeys).Scan(&n); err != nil {
+		return 0, fmt.Errorf("replay %s: %w", what, err)
+	}
+	if err := tx.exec(ctx, o.t.sql.replayNotify); err != nil {
+		return 0, fmt.Errorf("replay %s: %w", what, err)
+	}
+	if err := tx.commit(ctx); err != nil {
+		return 0, fmt.Errorf("replay %s: %w", what, err)
+	}
+	return n, nil
+}
+
+// String says what r selects, for errors and logs.
+func (r Replay) String() string {
+	s := "the sent rows"
+	if r.Aggregate != "" {
+		s += fmt.Sprintf(" of %q", r.Aggregate)
+	}
+	if !r.From.IsZero() {
+		s += " written from " + r.From.Format(time.RFC3339Nano)
+	}
+	if !r.To.IsZero() {
+		s += " to " + r.To.Format(time.RFC3339Nano)
+	}
+	if r.NewKeys {
+		s += ", with new keys"
+	}
+	return s
+}
