@@ -59,6 +59,11 @@ func TestRefusedRowNeverHasLaterRowsStoredAheadOfItsOrder(t *testing.T) {
 			relay := newRelay(t, db, newPublisher(t, connect(t, b.url())), postgres.RelayConfig{WholeTable: !perAggregate})
 			var marked []int
 			for range 3 {
+				// Row 2's next attempt, after a refusal, is now: each pass
+				// tries it again.
+				if _, err := db.Exec(`UPDATE outbox SET retry_at = now() - interval '1 second' WHERE retry_at IS NOT NULL`); err != nil {
+					t.Fatal(err)
+				}
 				n, err := relay.PublishPending(ctx)
 				if !errors.Is(err, postgres.ErrRejected) {
 					t.Fatalf("pass = %d, %v; want the refusal of row 2", n, err)
@@ -176,6 +181,79 @@ func TestARejectedMessageWaitsForItsNextAttempt(t *testing.T) {
 	}
 	if got := info.State.Msgs; got != 3 {
 		t.Errorf("the stream holds %d messages, want the 3 orders", got)
+	}
+}
+
+// An event written for an hour from now stays in the outbox while the
+// orders placed after it reach the stream; once its time has come (the test
+// moves it into the past), a pass releases it and the next stores it in
+// the stream, with its row's key as Nats-Msg-Id. (Caught: the relay before
+// the time to deliver, which had no DeliverAt.)
+func TestAScheduledEventReachesTheStreamAtItsTime(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, nil)
+	_, stream := setUp(t, connect(t, b.url()), 0, 0)
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := ob.Write(ctx, tx, postgres.Event{Type: "ReminderDue", Payload: map[string]int{"orderId": 7},
+		DeliverAt: time.Now().Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	var key string
+	if err := db.QueryRow(`SELECT message_key FROM outbox WHERE id = $1`, id).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	relay := newRelay(t, db, newPublisher(t, connect(t, b.url())))
+	stored := func() uint64 {
+		t.Helper()
+		info, err := stream.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.State.Msgs
+	}
+	for pass := 1; pass <= 2; pass++ {
+		if _, err := shop.NewOrderService(db).PlaceOrder(ctx, int64(pass*100)); err != nil {
+			t.Fatal(err)
+		}
+		n, err := relay.PublishPending(ctx)
+		t.Logf("pass %d: published %d, error %v", pass, n, err)
+		if n != 1 || err != nil {
+			t.Fatalf("pass %d = %d, %v; want the order alone", pass, n, err)
+		}
+	}
+	if got := stored(); got != 2 {
+		t.Fatalf("the stream holds %d messages before the reminder's time, want the 2 orders", got)
+	}
+	if _, err := db.Exec(`UPDATE outbox SET deliver_at = now() - interval '1 second' WHERE id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if _, err := relay.PublishPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := stored(); got != 3 {
+		t.Fatalf("the stream holds %d messages after the reminder's time, want 3", got)
+	}
+	m, err := stream.GetLastMsgForSubject(ctx, "outbox.ReminderDue")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("stored: %s %s", m.Header.Get("Nats-Msg-Id"), m.Data)
+	if m.Header.Get("Nats-Msg-Id") != key || !strings.Contains(string(m.Data), `"orderId":7`) {
+		t.Errorf("the stream stored %s %s, want the row's key %s and its payload", m.Header.Get("Nats-Msg-Id"), m.Data, key)
 	}
 }
 

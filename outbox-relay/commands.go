@@ -61,9 +61,9 @@ func lag(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx],
 		return err
 	}
 	return p.print(map[string]any{"table": outbox.Table(), "unsent": l.Unsent, "parked": l.Parked, "failing": l.Failing,
-		"oldestWaitSeconds": l.Oldest.Seconds()},
-		fmt.Sprintf("%s: %d unsent, %d parked, %d failing; the oldest unsent waited %v",
-			outbox.Table(), l.Unsent, l.Parked, l.Failing, l.Oldest.Round(time.Millisecond)))
+		"scheduled": l.Scheduled, "oldestWaitSeconds": l.Oldest.Seconds()},
+		fmt.Sprintf("%s: %d unsent, %d parked, %d failing, %d scheduled for later; the oldest unsent waited %v",
+			outbox.Table(), l.Unsent, l.Parked, l.Failing, l.Scheduled, l.Oldest.Round(time.Millisecond)))
 }
 
 func parked(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx], _ *sql.DB, _ []string, p printer, _ *slog.Logger) error {

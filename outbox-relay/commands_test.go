@@ -107,6 +107,17 @@ func TestRelayProcessCommandsWithJSON(t *testing.T) {
 	if code, out := e.runOnce("lag"); code != 0 || !strings.Contains(out, "outbox: 2 unsent, 1 parked") {
 		t.Errorf("lag exited %d:\n%s", code, out)
 	}
+	// A row scheduled for tomorrow is no lag: lag counts it apart.
+	if _, err := e.db.Exec(`INSERT INTO outbox (type, payload, deliver_at) VALUES ('Later', '{}', now() + interval '1 day')`); err != nil {
+		t.Fatal(err)
+	}
+	code, out = e.runOnce("lag", "-json")
+	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["unsent"] != 2.0 || v[0]["scheduled"] != 1.0 {
+		t.Errorf("lag -json with a row scheduled exited %d, want 2 unsent and 1 scheduled:\n%s", code, out)
+	}
+	if _, err := e.db.Exec(`DELETE FROM outbox WHERE type = 'Later'`); err != nil {
+		t.Fatal(err)
+	}
 	code, out = e.runOnce("parked", "-json")
 	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["id"] != float64(parked) || v[0]["lastError"] != "payload over the stream's limit" {
 		t.Errorf("parked -json exited %d, want row %d:\n%s", code, parked, out)

@@ -93,17 +93,39 @@ const (
 	passIdle  = "$idle"
 )
 
-// claimRows takes up to batchSize rows still to publish (not sent, not parked),
-// lowest id first, and locks them for the rest of the transaction. SKIP
+// releaseDue begins each claim: it releases up to a batch of scheduled rows
+// whose time to deliver has come (migration 7), lowest deliver_at first,
+// by clearing their deliver_at. A data-modifying WITH runs to its end
+// whether or not the query reads it, and its changes are not seen by the
+// query's own snapshot: the claim does not take the rows it releases. They
+// are the next pass's, in their place by id, and the trigger outbox_released
+// notifies the relays when this pass commits (an empty pass commits too).
+// SKIP LOCKED passes over a row that another relay is releasing. It finds
+// the due rows through outbox_scheduled, which is empty while nothing is
+// scheduled: one lookup a pass. Being an UPDATE, it makes the claim take
+// ROW EXCLUSIVE on the table, as the producers' inserts and the mark do,
+// where a SELECT ... FOR UPDATE alone takes ROW SHARE: a session that holds
+// SHARE (a plain CREATE INDEX) holds up the claim, not only the mark, until
+// the pass's context ends it (twice the budget), and nothing is published
+// meanwhile, nor republished.
+const releaseDue = `
+WITH released AS (
+    UPDATE outbox SET deliver_at = NULL
+    WHERE id IN (SELECT id FROM outbox WHERE sent_at IS NULL AND deliver_at <= now()
+                 ORDER BY deliver_at LIMIT ` + batchSize + ` FOR UPDATE SKIP LOCKED))`
+
+// claimRows takes up to batchSize rows still to publish (not sent, not
+// parked, not scheduled for later), lowest id first, and locks them for the
+// rest of the transaction. SKIP
 // LOCKED passes over rows that another relay's open transaction holds, so
 // relays running at the same time claim disjoint rows instead of waiting for
 // each other. Rows of transactions that have not committed are not seen at
 // all.
-const claimRows = `
+const claimRows = releaseDue + `
 SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
        COALESCE(traceparent, ''), COALESCE(tracestate, ''), ` + walPositions + `
 FROM outbox
-WHERE sent_at IS NULL AND parked_at IS NULL
+WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at IS NULL
   AND ` + passLimits + `
 ORDER BY id
 LIMIT ` + batchSize + `
@@ -111,7 +133,7 @@ FOR UPDATE SKIP LOCKED`
 
 // claimRuns is claimRows for a relay with order per aggregate: it does not claim
 // a row when an earlier row of its aggregate is held back (outbox_held:
-// parked, or failed to publish), so that the rows of a stuck aggregate do
+// parked, failed to publish, or scheduled for later), so that the rows of a stuck aggregate do
 // not fill the batch of every pass. Whether any row is held is asked once
 // (an InitPlan), and only if one is, of each row. Nor does it claim a row
 // whose retry_at (migration 6) is still to come: a failed publish's
@@ -142,20 +164,21 @@ FOR UPDATE SKIP LOCKED`
 // waiting, as the claim before these did (it took one row of each
 // aggregate, and walked past an aggregate's whole backlog to do so: 9 ms a
 // pass with 1,000 rows of one aggregate, 188 ms with 50,000).
-const claimRuns = `
+const claimRuns = releaseDue + `
 SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
        COALESCE(traceparent, ''), COALESCE(tracestate, ''), ` + walPositions + `,
        (SELECT count(*) || ' ' || COALESCE(max(id), 0)
-        FROM (SELECT id FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL ORDER BY id LIMIT ` + batchSize + `) f) AS unsent_head
+        FROM (SELECT id FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at IS NULL
+              ORDER BY id LIMIT ` + batchSize + `) f) AS unsent_head
 FROM outbox o
-WHERE sent_at IS NULL AND parked_at IS NULL
+WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at IS NULL
   AND (aggregate IS NULL
        OR (SELECT NOT EXISTS (SELECT FROM outbox WHERE aggregate IS NOT NULL
-                              AND sent_at IS NULL AND (parked_at IS NOT NULL OR attempts > 0)))
+                              AND sent_at IS NULL AND (parked_at IS NOT NULL OR attempts > 0 OR deliver_at IS NOT NULL)))
        OR NOT EXISTS (
            SELECT FROM outbox h
            WHERE h.aggregate = o.aggregate AND h.id < o.id
-             AND h.sent_at IS NULL AND (h.parked_at IS NOT NULL OR h.attempts > 0)))
+             AND h.sent_at IS NULL AND (h.parked_at IS NOT NULL OR h.attempts > 0 OR h.deliver_at IS NOT NULL)))
   AND (retry_at IS NULL OR retry_at <= now())
   AND ` + passLimits + `
 ORDER BY id

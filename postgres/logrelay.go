@@ -61,6 +61,14 @@ var ErrSlotOfAnotherDatabase = errors.New("postgres: the replication slot belong
 // delivered is marked, beside the stream, and the table is counted and
 // cleaned up as the polling relay's.
 //
+// A row written with a time to deliver still to come (Event.DeliverAt) is
+// passed over: the log carries it at its commit, too soon, and does not
+// carry its release. A polling pass (OutboxRelay's PublishPending or Run,
+// at least once a PollInterval) releases it at its time and publishes it;
+// the log relay publishes the aggregate's later events as they commit,
+// before it, so an aggregate whose order matters is not scheduled where a
+// log relay runs.
+//
 // Its place in the log is the slot's: the server keeps every record from the
 // slot's position on, and sends again, after a reconnect or a restart, every
 // transaction that committed after it. The relay moves the position (a standby

@@ -291,9 +291,15 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 			if !ok {
 				return fmt.Errorf("log relay: an insert into relation %d, which the server never described", m.RelationID)
 			}
-			msg, err := decodeRow(rel, m.Tuple)
+			msg, scheduled, err := decodeRow(rel, m.Tuple)
 			if err != nil {
 				return err
+			}
+			if scheduled {
+				// Written with a time to deliver still to come: the log
+				// carries it now, too soon. A polling pass releases it at
+				// its time and publishes it (see LogRelay).
+				return nil
 			}
 			s.txn = append(s.txn, msg)
 			s.tables = append(s.tables, pgx.Identifier{rel.Namespace, rel.RelationName}.Sanitize())
@@ -469,11 +475,11 @@ func (s *stream) tell(ctx context.Context) error {
 }
 
 // decodeRow is an inserted outbox row as a Message, from pgoutput's text
-// form of its columns.
-func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (Message, error) {
-	var msg Message
+// form of its columns, and whether it was written with a time to deliver
+// (migration 7's deliver_at, set only for a time still to come).
+func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (msg Message, scheduled bool, err error) {
 	if tuple == nil || len(tuple.Columns) != len(rel.Columns) {
-		return msg, fmt.Errorf("log relay: a row of %s.%s that does not match its description", rel.Namespace, rel.RelationName)
+		return msg, false, fmt.Errorf("log relay: a row of %s.%s that does not match its description", rel.Namespace, rel.RelationName)
 	}
 	var traceparent, tracestate string
 	for i, col := range tuple.Columns {
@@ -481,7 +487,6 @@ func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (Mess
 			continue // NULL ('n'); an insert sends no unchanged TOAST ('u')
 		}
 		v := string(col.Data)
-		var err error
 		switch rel.Columns[i].Name {
 		case "id":
 			msg.ID, err = strconv.ParseInt(v, 10, 64)
@@ -499,11 +504,13 @@ func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (Mess
 			traceparent = v
 		case "tracestate":
 			tracestate = v
+		case "deliver_at":
+			scheduled = true
 		}
 		if err != nil {
-			return msg, fmt.Errorf("log relay: column %s: %w", rel.Columns[i].Name, err)
+			return msg, false, fmt.Errorf("log relay: column %s: %w", rel.Columns[i].Name, err)
 		}
 	}
 	msg.TraceContext = claimedTraceContext(traceparent, tracestate)
-	return msg, nil
+	return msg, scheduled, nil
 }

@@ -25,12 +25,13 @@ import (
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
-// A session holds SHARE on the outbox, as a plain CREATE INDEX does: the
-// claim goes through, the broker accepts, and the mark waits out the pass's
-// limits (statement_timeout and lock_timeout, both the budget). Run counts
+// A trigger stalls every mark of the outbox (a pg_sleep longer than the
+// pass's budget, as a trigger that hangs on something of its own would):
+// the claim goes through, the broker accepts, and the mark waits out the
+// pass's limit (statement_timeout, the budget). Run counts
 // no progress for such a pass: it backs off, doubling, and logs each failure
 // at level Error with what the broker accepted and what was marked. After
-// four failed passes the lock goes, and the fifth pass marks: each message
+// four failed passes the trigger goes, and the fifth pass marks: each message
 // was published five times, once a backoff, and no more. With PerAggregate
 // the same. (Caught: progress counted before the mark, which republished
 // the claim in a loop with no wait and, with PerAggregate, no log line.)
@@ -39,8 +40,9 @@ func TestStuckMarkRepublishesOnceABackoffAndSaysWhy(t *testing.T) {
 		t.Run(fmt.Sprintf("PerAggregate=%v", perAggregate), func(t *testing.T) {
 			db := newDatabase(t)
 			place(t, db, 100, 200, 300)
-			lock := begin(t, db)
-			if _, err := lock.Exec(`LOCK TABLE outbox IN SHARE MODE`); err != nil {
+			if _, err := db.Exec(`CREATE FUNCTION stall() RETURNS trigger LANGUAGE plpgsql AS $$
+				BEGIN PERFORM pg_sleep(10); RETURN NULL; END $$;
+				CREATE TRIGGER stall BEFORE UPDATE OF sent_at ON outbox FOR EACH STATEMENT EXECUTE FUNCTION stall()`); err != nil {
 				t.Fatal(err)
 			}
 
@@ -67,7 +69,9 @@ func TestStuckMarkRepublishesOnceABackoffAndSaysWhy(t *testing.T) {
 					return false
 				}
 				if backoffs = append(backoffs, d); len(backoffs) == stuck {
-					lock.Rollback()
+					if _, err := db.Exec(`DROP TRIGGER stall ON outbox`); err != nil {
+						t.Error(err)
+					}
 				}
 				return true
 			})

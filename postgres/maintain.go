@@ -28,29 +28,39 @@ var ErrNotParked = errors.New("postgres: no parked outbox row with that id")
 
 // Lag is how far the relays are behind, as [Outbox.ReadLag] measures it.
 type Lag struct {
-	// Unsent is how many rows wait to be published (not sent, not parked).
+	// Unsent is how many rows wait to be published (not sent, not parked,
+	// and not scheduled for a time still to come).
 	Unsent int64
 	// Oldest is how long the oldest of them has waited, from the start of
-	// the transaction that wrote it; zero when none waits.
+	// the transaction that wrote it, or from its time to deliver if it had
+	// one; zero when none waits.
 	Oldest time.Duration
 	// Parked is how many rows are parked: set aside after too many
 	// rejections, and published only once put back with Unpark.
 	Parked int64
 	// Failing is how many of the Unsent rows failed FailingAfter publishes
 	// or more: messages that hold up the outbox, or their aggregates.
-	Failing int64
+	Failing int64 // Scheduled is how many rows wait for their time to deliver
+	// (Event.DeliverAt), still to come: not lag.
+	Scheduled int64
 }
 
-// readLag counts through the two partial indexes, so its cost follows the
+// readLag counts through the three partial indexes, so its cost follows the
 // rows still waiting (and the dead entries vacuum has not yet removed), not
-// the sent rows the table keeps.
+// the sent rows the table keeps. A scheduled row whose time has come, and
+// that no pass has released yet, is lag from that time.
 const readLag = `
+WITH due AS (SELECT created_at, attempts FROM outbox
+             WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at IS NULL
+             UNION ALL
+             SELECT deliver_at, attempts FROM outbox
+             WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at <= clock_timestamp())
 SELECT count(*),
        COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8,
        (SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL),
-       count(*) FILTER (WHERE attempts >= $1)
-FROM outbox
-WHERE sent_at IS NULL AND parked_at IS NULL`
+       count(*) FILTER (WHERE attempts >= $1),
+       (SELECT count(*) FROM outbox WHERE sent_at IS NULL AND deliver_at > clock_timestamp())
+FROM due`
 
 // ReadLag measures the outbox in one query, for a gauge.
 //
@@ -69,7 +79,7 @@ func (o *Outbox[T]) ReadLag(ctx context.Context) (Lag, error) {
 	}
 	var lag Lag
 	var seconds float64
-	if err := o.db.queryRow(ctx, o.t.sql.readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing); err != nil {
+	if err := o.db.queryRow(ctx, o.t.sql.readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing, &lag.Scheduled); err != nil {
 		return Lag{}, fmt.Errorf("read the lag of %s: %w", o.t.table, err)
 	}
 	lag.Oldest = time.Duration(seconds * float64(time.Second))

@@ -55,6 +55,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -306,6 +307,15 @@ type Event struct {
 	// from 1. Without an Aggregate, Seq must be 0.
 	Aggregate string
 	Seq       int64
+	// DeliverAt, if not zero and still to come when the row is written, is
+	// the earliest time the event may go to the broker: no relay claims the
+	// row before it. A relay with order per aggregate (the default) holds
+	// the aggregate's later events behind it too, so they go out after it;
+	// a relay with WholeTable, and the log relay, publish them as they come
+	// (see LogRelay). The row is then released by a relay's pass, at its
+	// place by id: it goes out within a pass or so of its time, as any
+	// other row after its commit. A time already passed is no time at all.
+	DeliverAt time.Time
 }
 
 // Write adds e to the outbox as an unsent row, inside tx (the caller's
@@ -357,6 +367,11 @@ var ErrInvalidPayload = errors.New("postgres: payload is not valid JSON")
 // written.
 var ErrInvalidSeq = errors.New("postgres: an aggregate's seq starts at 1")
 
+// ErrInvalidDeliverAt is returned, wrapped, by [Outbox.Write] for an
+// Event.DeliverAt outside the years 1 to 9999, which RFC 3339 cannot write.
+// Nothing is written.
+var ErrInvalidDeliverAt = errors.New("postgres: time to deliver out of range")
+
 // rowQuerier runs a statement that returns one row: all that writing an
 // event needs.
 type rowQuerier interface {
@@ -376,6 +391,9 @@ func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, err
 	if e.Aggregate == "" && e.Seq != 0 {
 		return 0, fmt.Errorf("%w: seq %d of no aggregate", ErrInvalidSeq, e.Seq)
 	}
+	if y := e.DeliverAt.Year(); !e.DeliverAt.IsZero() && (y < 1 || y > 9999) {
+		return 0, fmt.Errorf("%w: %s", ErrInvalidDeliverAt, e.DeliverAt)
+	}
 	data, err := encodePayload(e.Payload)
 	if err != nil {
 		return 0, fmt.Errorf("encode %s payload: %w", e.Type, err)
@@ -384,11 +402,18 @@ func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, err
 	var id int64
 	// Without a trace the row's trace columns are NULL, their default: the
 	// statement then names only the columns of migration 1, and writes on
-	// a database that migration 3 has not reached yet.
-	if parent, state := storedTraceContext(ctx); parent != "" {
+	// a database that migration 3 has not reached yet; and only a scheduled
+	// row needs migration 7's column.
+	parent, state := storedTraceContext(ctx)
+	switch {
+	case !e.DeliverAt.IsZero():
+		err = tx.queryRow(ctx, o.sql.insertScheduledRow, e.Type, string(data), aggregate, e.Seq,
+			sql.NullString{String: parent, Valid: parent != ""}, sql.NullString{String: state, Valid: state != ""},
+			e.DeliverAt).Scan(&id)
+	case parent != "":
 		err = tx.queryRow(ctx, o.sql.insertTracedRow, e.Type, string(data), aggregate, e.Seq,
 			parent, sql.NullString{String: state, Valid: state != ""}).Scan(&id)
-	} else {
+	default:
 		err = tx.queryRow(ctx, o.sql.insertRow, e.Type, string(data), aggregate, e.Seq).Scan(&id)
 	}
 	if err != nil {
@@ -416,10 +441,14 @@ func encodePayload(payload any) ([]byte, error) {
 }
 
 // insertRow and insertTracedRow write an outbox row, the second with the
-// trace context of the transaction that writes it.
+// trace context of the transaction that writes it; insertScheduledRow
+// writes one with a time to deliver too, which it keeps only if the time is
+// still to come.
 const (
-	insertRow       = `INSERT INTO outbox (type, payload, aggregate, seq) VALUES ($1, $2, $3, NULLIF($4, 0)) RETURNING id`
-	insertTracedRow = `INSERT INTO outbox (type, payload, aggregate, seq, traceparent, tracestate) VALUES ($1, $2, $3, NULLIF($4, 0), $5, $6) RETURNING id`
+	insertRow          = `INSERT INTO outbox (type, payload, aggregate, seq) VALUES ($1, $2, $3, NULLIF($4, 0)) RETURNING id`
+	insertTracedRow    = `INSERT INTO outbox (type, payload, aggregate, seq, traceparent, tracestate) VALUES ($1, $2, $3, NULLIF($4, 0), $5, $6) RETURNING id`
+	insertScheduledRow = `INSERT INTO outbox (type, payload, aggregate, seq, traceparent, tracestate, deliver_at)
+VALUES ($1, $2, $3, NULLIF($4, 0), $5, $6, CASE WHEN $7::timestamptz > clock_timestamp() THEN $7::timestamptz END) RETURNING id`
 )
 
 // routable reports whether t is words of letters, digits, '_' and '-'

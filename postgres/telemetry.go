@@ -312,10 +312,10 @@ func (t *relayTelemetry) endPass(ctx context.Context, span trace.Span, start tim
 	span.End()
 }
 
-// ObserveLag reports [Outbox.ReadLag]'s figures as four observable gauges of
+// ObserveLag reports [Outbox.ReadLag]'s figures as five observable gauges of
 // the meter provider mp (nil means otel's global one), each read by one query
 // per collection: outbox.oldest_unsent.age in seconds, the one to alert on, and
-// outbox.unsent, outbox.parked and outbox.failing in messages, each with the
+// outbox.unsent, outbox.parked, outbox.failing and outbox.scheduled in messages, each with the
 // attribute outbox.table. Unregister the returned Registration to stop. A
 // collection whose query fails reports nothing, and the error goes to otel's
 // error handler. The attribute outbox.table sets two outboxes' gauges apart.
@@ -330,12 +330,14 @@ func (o *Outbox[T]) ObserveLag(mp metric.MeterProvider) (metric.Registration, er
 	age, err1 := meter.Float64ObservableGauge("outbox.oldest_unsent.age", metric.WithUnit("s"),
 		metric.WithDescription("How long the oldest unsent, unparked outbox row has waited; 0 when none waits."))
 	unsent, err2 := meter.Int64ObservableGauge("outbox.unsent", metric.WithUnit("{message}"),
-		metric.WithDescription("Outbox rows waiting to be published: not sent, not parked."))
+		metric.WithDescription("Outbox rows waiting to be published: not sent, not parked, not scheduled for later."))
 	parked, err3 := meter.Int64ObservableGauge("outbox.parked", metric.WithUnit("{message}"),
 		metric.WithDescription("Outbox rows parked after too many rejections."))
 	failing, err4 := meter.Int64ObservableGauge("outbox.failing", metric.WithUnit("{message}"),
 		metric.WithDescription("Unsent rows that failed FailingAfter publishes or more."))
-	if err := errors.Join(err1, err2, err3, err4); err != nil {
+	scheduled, err5 := meter.Int64ObservableGauge("outbox.scheduled", metric.WithUnit("{message}"),
+		metric.WithDescription("Outbox rows waiting for a time to deliver still to come."))
+	if err := errors.Join(err1, err2, err3, err4, err5); err != nil {
 		return nil, fmt.Errorf("outbox lag gauges: %w", err)
 	}
 	return meter.RegisterCallback(func(ctx context.Context, obs metric.Observer) error {
@@ -350,8 +352,9 @@ func (o *Outbox[T]) ObserveLag(mp metric.MeterProvider) (metric.Registration, er
 		obs.ObserveInt64(unsent, lag.Unsent, table)
 		obs.ObserveInt64(parked, lag.Parked, table)
 		obs.ObserveInt64(failing, lag.Failing, table)
+		obs.ObserveInt64(scheduled, lag.Scheduled, table)
 		return nil
-	}, age, unsent, parked, failing)
+	}, age, unsent, parked, failing, scheduled)
 }
 
 // tracer is the package's tracer from otel's global provider, for the

@@ -133,6 +133,82 @@ func TestARejectedMessageWaitsForItsNextAttempt(t *testing.T) {
 	}
 }
 
+// An event written for an hour from now stays in the outbox while the
+// orders placed after it reach the queue; once its time has come (the test
+// moves it into the past), a pass releases it and the next confirms it into
+// the queue, last, with its row's key as MessageId. (Caught: the relay
+// before the time to deliver, which had no DeliverAt.)
+func TestAScheduledEventReachesTheQueueAtItsTime(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	top := declare(t, node.URL(), 0)
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := ob.Write(ctx, tx, postgres.Event{Type: "ReminderDue", Payload: map[string]int{"orderId": 7},
+		DeliverAt: time.Now().Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	var key string
+	if err := db.QueryRow(`SELECT message_key FROM outbox WHERE id = $1`, id).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	relay := newRelay(t, db, newPublisher(t, node.URL(), top, maxMessageSize))
+	for pass := 1; pass <= 2; pass++ {
+		if _, err := shop.NewOrderService(db).PlaceOrder(ctx, int64(pass*100)); err != nil {
+			t.Fatal(err)
+		}
+		n, err := relay.PublishPending(ctx)
+		t.Logf("pass %d: published %d, error %v", pass, n, err)
+		if n != 1 || err != nil {
+			t.Fatalf("pass %d = %d, %v; want the order alone", pass, n, err)
+		}
+	}
+	if n := queued(t, node.URL(), top.Queue); n != 2 {
+		t.Fatalf("the queue holds %d messages before the reminder's time, want the 2 orders", n)
+	}
+	if _, err := db.Exec(`UPDATE outbox SET deliver_at = now() - interval '1 second' WHERE id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if _, err := relay.PublishPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ch, closing := channel(t, node.URL())
+	defer closing()
+	if n := queued(t, node.URL(), top.Queue); n != 3 {
+		t.Fatalf("the queue holds %d messages after the reminder's time, want 3", n)
+	}
+	deliveries, err := ch.Consume(top.Queue, "", true, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []amqp.Delivery
+	for len(got) < 3 {
+		select {
+		case d := <-deliveries:
+			got = append(got, d)
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("%d of the queue's 3 messages delivered within 2m", len(got))
+		}
+	}
+	last := got[2]
+	t.Logf("last: %s %s %s", last.Type, last.MessageId, last.Body)
+	if last.Type != "ReminderDue" || last.MessageId != key || !strings.Contains(string(last.Body), `"orderId":7`) {
+		t.Errorf("the last message is %s %s %s, want ReminderDue with the row's key %s and its payload", last.Type, last.MessageId, last.Body, key)
+	}
+}
+
 // What can never be published is a rejection, and what follows it flows: a
 // message over the node's max_message_size, refused by the Publisher before
 // it is sent when it knows the limit, and by the server, which closes the
