@@ -542,6 +542,15 @@ func ack(err error, what string, msg jetstream.Msg) error {
 	return nil
 }
 
+// ownHeader reports whether a header of that name is one a Publisher or
+// JetStream sets itself (Nats-*, Outbox-*, Content-Type, traceparent,
+// tracestate), not one of the team's.
+func ownHeader(name string) bool {
+	lower := strings.ToLower(name)
+	return strings.HasPrefix(lower, "nats-") || strings.HasPrefix(lower, "outbox-") ||
+		lower == "content-type" || lower == "traceparent" || lower == "tracestate"
+}
+
 // errNotOutbox is what decode wraps: the message was not published by a
 // Publisher.
 var errNotOutbox = errors.New("not an outbox message")
@@ -561,6 +570,15 @@ func decode(msg jetstream.Msg, prefix string) (postgres.Message, error) {
 				m.TraceContext = map[string]string{}
 			}
 			m.TraceContext[k] = v
+		}
+	}
+	m.ContentType = h.Get(HeaderContentType)
+	for k, v := range h { // the rest are the team's own
+		if !ownHeader(k) && len(v) > 0 {
+			if m.Headers == nil {
+				m.Headers = map[string]string{}
+			}
+			m.Headers[k] = v[0]
 		}
 	}
 	var err error

@@ -23,7 +23,9 @@ import (
 // Each message goes to SubjectPrefix + its type, with its key as
 // Nats-Msg-Id, so that the stream stores a message once however often the
 // relay publishes it within the duplicate window, and with its id,
-// aggregate and seq in headers (HeaderID, HeaderAggregate, HeaderSeq).
+// aggregate and seq in headers (HeaderID, HeaderAggregate, HeaderSeq),
+// beside the payload's content type (HeaderContentType) when it is not
+// JSON and the team's own headers.
 // Publish, PublishBatch and PublishSequence return only once the stream has
 // acknowledged the messages. What an ack promises is the stream's and the server's to choose:
 // with one replica, the server wrote the message (on disk only with
@@ -351,6 +353,12 @@ func (p *Publisher) natsMsg(msg postgres.Message) *nats.Msg {
 		m.Header.Set(HeaderSeq, strconv.FormatInt(msg.Seq, 10))
 	}
 	for k, v := range msg.TraceContext { // traceparent, tracestate: W3C's names
+		m.Header.Set(k, v)
+	}
+	if msg.ContentType != "" { // JSON's when absent
+		m.Header.Set(HeaderContentType, msg.ContentType)
+	}
+	for k, v := range msg.Headers { // the team's own, none of the names above (postgres.ErrInvalidHeader)
 		m.Header.Set(k, v)
 	}
 	return m

@@ -40,12 +40,15 @@ const DefaultDuplicateWindow = 2 * time.Minute
 const DefaultMaxAge = 7 * 24 * time.Hour
 
 // The headers a published message carries besides Nats-Msg-Id (the
-// message's key): the outbox row's id, and the message's aggregate and seq
-// when it has them.
+// message's key): the outbox row's id, the message's aggregate and seq
+// when it has them, and its payload's media type when it is not JSON
+// (postgres.Event.ContentType). The team's own headers (Event.Headers) go
+// beside these, as they were written, and come back in Message.Headers.
 const (
-	HeaderID        = "Outbox-Id"
-	HeaderAggregate = "Outbox-Aggregate"
-	HeaderSeq       = "Outbox-Seq"
+	HeaderID          = "Outbox-Id"
+	HeaderAggregate   = "Outbox-Aggregate"
+	HeaderSeq         = "Outbox-Seq"
+	HeaderContentType = "Content-Type"
 )
 
 // StreamConfig is the stream the outbox publishes to: every subject under

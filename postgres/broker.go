@@ -12,7 +12,15 @@ import (
 type Message struct {
 	ID      int64  // the row's id: unique in one database, in the order rows were inserted
 	Type    string // the event type, such as "UserRegistered"; see [ErrInvalidEventType]
-	Payload string // the event as JSON, byte for byte as Outbox.Write encoded it
+	Payload string // the event as JSON, byte for byte as Outbox.Write encoded it; bytes if ContentType says so
+
+	// ContentType is the payload's media type when it is not JSON
+	// (Event.ContentType): empty for JSON.
+	ContentType string
+
+	// Headers are the team's own headers (Event.Headers), which a broker
+	// carries unchanged; nil for none.
+	Headers map[string]string
 
 	// Key names the message where consumers meet: a UUID the row was given at
 	// insert, unique across producers, and kept by every copy a re-send makes.

@@ -5,6 +5,7 @@ package postgres
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -506,6 +507,17 @@ func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (msg 
 			tracestate = v
 		case "deliver_at":
 			scheduled = true
+		case "body": // bytea's text form: \x and two hex digits a byte (bytea_output = hex, the default)
+			hexDigits, ok := strings.CutPrefix(v, `\x`)
+			var b []byte
+			if b, err = hex.DecodeString(hexDigits); err == nil && !ok {
+				err = errors.New("not in bytea's hex form (is the server's bytea_output escape?)")
+			}
+			msg.Payload = string(b)
+		case "content_type":
+			msg.ContentType = v
+		case "headers":
+			msg.Headers, err = decodeHeaders(v)
 		}
 		if err != nil {
 			return msg, false, fmt.Errorf("log relay: column %s: %w", rel.Columns[i].Name, err)

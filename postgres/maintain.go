@@ -178,7 +178,7 @@ type ParkedMessage struct {
 
 // listParked returns up to $1 parked rows, lowest id first.
 const listParked = `
-SELECT id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
+SELECT id, message_key, type, ` + bodyColumns + `, COALESCE(aggregate, ''), COALESCE(seq, 0),
        attempts, rejections, COALESCE(last_error, ''), parked_at
 FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY id LIMIT $1`
 
@@ -197,8 +197,13 @@ func (o *Outbox[T]) ListParked(ctx context.Context, limit int) ([]ParkedMessage,
 	var parked []ParkedMessage
 	for rows.Next() {
 		var p ParkedMessage
-		if err := rows.Scan(&p.ID, &p.Key, &p.Type, &p.Payload, &p.Aggregate, &p.Seq, &p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt); err != nil {
+		var body rowBody
+		if err := rows.Scan(append(append([]any{&p.ID, &p.Key, &p.Type}, body.dest()...),
+			&p.Aggregate, &p.Seq, &p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt)...); err != nil {
 			return nil, fmt.Errorf("list parked outbox rows: %w", err)
+		}
+		if err := body.setOn(&p.Message); err != nil {
+			return nil, fmt.Errorf("list parked outbox rows: row %d: %w", p.ID, err)
 		}
 		parked = append(parked, p)
 	}
@@ -229,7 +234,7 @@ func (o *Outbox[T]) Unpark(ctx context.Context, id int64) error {
 // dropParked deletes the parked row $1 and returns it.
 const dropParked = `
 DELETE FROM outbox WHERE id = $1 AND parked_at IS NOT NULL AND sent_at IS NULL
-RETURNING id, message_key, type, payload, COALESCE(aggregate, ''), COALESCE(seq, 0),
+RETURNING id, message_key, type, ` + bodyColumns + `, COALESCE(aggregate, ''), COALESCE(seq, 0),
           attempts, rejections, COALESCE(last_error, ''), parked_at`
 
 // DropParked deletes the parked row id, for good: a message that no consumer
@@ -246,8 +251,12 @@ func (o *Outbox[T]) DropParked(ctx context.Context, id int64) (ParkedMessage, er
 		return ParkedMessage{}, err
 	}
 	var p ParkedMessage
-	err := o.db.queryRow(ctx, o.t.sql.dropParked, id).Scan(&p.ID, &p.Key, &p.Type, &p.Payload, &p.Aggregate, &p.Seq,
-		&p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt)
+	var body rowBody
+	err := o.db.queryRow(ctx, o.t.sql.dropParked, id).Scan(append(append([]any{&p.ID, &p.Key, &p.Type}, body.dest()...),
+		&p.Aggregate, &p.Seq, &p.Attempts, &p.Rejections, &p.LastError, &p.ParkedAt)...)
+	if err == nil {
+		err = body.setOn(&p.Message) // the row is deleted whatever its headers
+	}
 	switch {
 	case errors.Is(err, sql.ErrNoRows), errors.Is(err, pgx.ErrNoRows):
 		return ParkedMessage{}, fmt.Errorf("drop row %d of %s: %w", id, o.t.table, ErrNotParked)

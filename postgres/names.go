@@ -9,8 +9,9 @@ import (
 
 // tables is one outbox table of a database and everything named after
 // it: the table, its indexes (<table>_unsent, <table>_parked,
-// <table>_unsent_by_aggregate, <table>_held, <table>_scheduled), its NOTIFY
-// triggers and function (<table>_notify, <table>_released), the channel they notify and Run listens on
+// <table>_unsent_by_aggregate, <table>_held, <table>_scheduled), its check
+// <table>_payload_or_body, its NOTIFY triggers and function
+// (<table>_notify, <table>_released), the channel they notify and Run listens on
 // (<table>), the publication of its inserts for the log relay
 // (<table>_inserts), the log relay's default slot (<table>), and the
 // record of its migrations (<table>_migrations). The consumer's tables,
@@ -25,7 +26,7 @@ type tables struct {
 // statements are the package's statements with an outbox's names written
 // in.
 type statements struct {
-	insertRow, insertTracedRow, insertScheduledRow string
+	insertRow, insertTracedRow, insertFullRow      string
 	claimRows, claimRuns, checkRuns, markSent      string
 	recordFailure, readLag, deleteSent, listParked string
 	unpark, dropParked                             string
@@ -52,7 +53,7 @@ func newTables(table string) (*tables, error) {
 	}
 	o := &tables{table: table}
 	o.sql = statements{
-		insertRow: o.named(insertRow), insertTracedRow: o.named(insertTracedRow), insertScheduledRow: o.named(insertScheduledRow),
+		insertRow: o.named(insertRow), insertTracedRow: o.named(insertTracedRow), insertFullRow: o.named(insertFullRow),
 		claimRows: o.named(claimRows), claimRuns: o.named(claimRuns), checkRuns: o.named(checkRuns),
 		markSent: o.named(markSent), recordFailure: o.named(recordFailure),
 		readLag: o.named(readLag), deleteSent: o.named(deleteSent), listParked: o.named(listParked),
@@ -80,7 +81,7 @@ var tableName = regexp.MustCompile(`^[a-z][a-z0-9_]{0,39}$`)
 
 // outboxName matches the names the package's SQL gives the default
 // outbox's objects, each a whole word.
-var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_scheduled|_released|_notify|_inserts|_migrations)?\b`)
+var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_scheduled|_released|_payload_or_body|_notify|_inserts|_migrations)?\b`)
 
 // named is query with the default outbox's names replaced by o's: the
 // table, its indexes, trigger, function, channel, publication and record

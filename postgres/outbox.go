@@ -300,8 +300,22 @@ type Event struct {
 	Type string
 	// Payload is the event's body, stored as JSON: a []byte or
 	// json.RawMessage is taken as JSON text already (and must be valid),
-	// anything else goes through json.Marshal.
+	// anything else goes through json.Marshal. With a ContentType that is
+	// not JSON's, it is bytes instead, a []byte or a string, stored and
+	// delivered byte for byte.
 	Payload any
+	// ContentType is the payload's media type, such as
+	// "application/x-protobuf" or "application/avro": empty means JSON
+	// ("application/json"). The brokers carry it (RabbitMQ's content_type,
+	// a NATS header Content-Type) and Message.ContentType gives it back.
+	ContentType string
+	// Headers are the team's own headers, such as a tenant or a schema
+	// version, which every broker carries unchanged beside the payload and
+	// Message.Headers gives back: at most MaxHeaders, each name 1 to
+	// MaxHeaderNameLen bytes of letters, digits, '-', '_' and '.', none of
+	// the brokers' own names, each value UTF-8 text of at most
+	// MaxHeaderValueLen bytes (see ErrInvalidHeader).
+	Headers map[string]string
 	// Aggregate, if not empty, is the entity whose events must keep their
 	// order, such as "account/17", and Seq the event's number among them,
 	// from 1. Without an Aggregate, Seq must be 0.
@@ -312,9 +326,10 @@ type Event struct {
 	// row before it. A relay with order per aggregate (the default) holds
 	// the aggregate's later events behind it too, so they go out after it;
 	// a relay with WholeTable, and the log relay, publish them as they come
-	// (see LogRelay). The row is then released by a relay's pass, at its
-	// place by id: it goes out within a pass or so of its time, as any
-	// other row after its commit. A time already passed is no time at all.
+	// (see LogRelay). The first relay pass after its time releases the row,
+	// at its place by id, and the next publishes it: Run passes at least
+	// every PollInterval, and at once after a release. A time already
+	// passed is no time at all.
 	DeliverAt time.Time
 }
 
@@ -327,7 +342,10 @@ type Event struct {
 // An event that is not valid is refused before any statement is sent, and
 // nothing is written: a type no broker can route ([ErrInvalidEventType]),
 // JSON text that is not valid ([ErrInvalidPayload]), a Seq below 1 with an
-// Aggregate, or one without ([ErrInvalidSeq]).
+// Aggregate, or one without ([ErrInvalidSeq]), a header a broker cannot
+// carry ([ErrInvalidHeader]), a content type that is not a media type
+// ([ErrInvalidContentType]), a time to deliver out of range
+// ([ErrInvalidDeliverAt]).
 //
 // With an Aggregate, the caller must hold the aggregate's row lock in tx
 // (SELECT ... FOR UPDATE, or an UPDATE of its row) from before this write
@@ -358,8 +376,10 @@ const MaxEventTypeLen = 200
 
 // ErrInvalidPayload is returned, wrapped, by [Outbox.Write] for a payload given
 // as JSON text ([]byte or json.RawMessage) that is not valid JSON: stored, it
-// would reach every consumer as a message none can read. Nothing is written.
-var ErrInvalidPayload = errors.New("postgres: payload is not valid JSON")
+// would reach every consumer as a message none can read; and for a payload
+// of a content type that is not JSON's that is neither a []byte nor a
+// string. Nothing is written.
+var ErrInvalidPayload = errors.New("postgres: invalid payload")
 
 // ErrInvalidSeq is returned, wrapped, by [Outbox.Write] for a seq below 1 with
 // an aggregate, or any seq without one: an aggregate's events are numbered from
@@ -394,9 +414,22 @@ func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, err
 	if y := e.DeliverAt.Year(); !e.DeliverAt.IsZero() && (y < 1 || y > 9999) {
 		return 0, fmt.Errorf("%w: %s", ErrInvalidDeliverAt, e.DeliverAt)
 	}
-	data, err := encodePayload(e.Payload)
+	if err := checkContentType(e.ContentType); err != nil {
+		return 0, err
+	}
+	headers, err := checkHeaders(e.Headers)
 	if err != nil {
-		return 0, fmt.Errorf("encode %s payload: %w", e.Type, err)
+		return 0, err
+	}
+	var data, body []byte
+	contentType := e.ContentType
+	if isJSON(contentType) {
+		contentType = "" // JSON's, the default
+		if data, err = encodePayload(e.Payload); err != nil {
+			return 0, fmt.Errorf("encode %s payload: %w", e.Type, err)
+		}
+	} else if body, err = bytesPayload(e.Payload, e.ContentType); err != nil {
+		return 0, err
 	}
 	aggregate := sql.NullString{String: e.Aggregate, Valid: e.Aggregate != ""}
 	var id int64
@@ -406,10 +439,14 @@ func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, err
 	// row needs migration 7's column.
 	parent, state := storedTraceContext(ctx)
 	switch {
-	case !e.DeliverAt.IsZero():
-		err = tx.queryRow(ctx, o.sql.insertScheduledRow, e.Type, string(data), aggregate, e.Seq,
-			sql.NullString{String: parent, Valid: parent != ""}, sql.NullString{String: state, Valid: state != ""},
-			e.DeliverAt).Scan(&id)
+	case !e.DeliverAt.IsZero() || headers != nil || body != nil:
+		var deliverAt any // NULL
+		if !e.DeliverAt.IsZero() {
+			deliverAt = e.DeliverAt
+		}
+		err = tx.queryRow(ctx, o.sql.insertFullRow, e.Type, nullString(string(data)), body,
+			nullString(contentType), nullString(string(headers)), aggregate, e.Seq,
+			nullString(parent), nullString(state), deliverAt).Scan(&id)
 	case parent != "":
 		err = tx.queryRow(ctx, o.sql.insertTracedRow, e.Type, string(data), aggregate, e.Seq,
 			parent, sql.NullString{String: state, Valid: state != ""}).Scan(&id)
@@ -435,21 +472,42 @@ func encodePayload(payload any) ([]byte, error) {
 		return json.Marshal(payload)
 	}
 	if !json.Valid(raw) {
-		return nil, fmt.Errorf("%w: %.40q", ErrInvalidPayload, raw)
+		return nil, fmt.Errorf("%w: not valid JSON: %.40q", ErrInvalidPayload, raw)
 	}
 	return raw, nil
 }
 
 // insertRow and insertTracedRow write an outbox row, the second with the
-// trace context of the transaction that writes it; insertScheduledRow
-// writes one with a time to deliver too, which it keeps only if the time is
-// still to come.
+// trace context of the transaction that writes it; insertFullRow writes
+// every column an Event can fill: a payload that is bytes (body, with its
+// content_type), the team's headers, and a time to deliver, which it keeps
+// only if the time is still to come.
 const (
-	insertRow          = `INSERT INTO outbox (type, payload, aggregate, seq) VALUES ($1, $2, $3, NULLIF($4, 0)) RETURNING id`
-	insertTracedRow    = `INSERT INTO outbox (type, payload, aggregate, seq, traceparent, tracestate) VALUES ($1, $2, $3, NULLIF($4, 0), $5, $6) RETURNING id`
-	insertScheduledRow = `INSERT INTO outbox (type, payload, aggregate, seq, traceparent, tracestate, deliver_at)
-VALUES ($1, $2, $3, NULLIF($4, 0), $5, $6, CASE WHEN $7::timestamptz > clock_timestamp() THEN $7::timestamptz END) RETURNING id`
+	insertRow       = `INSERT INTO outbox (type, payload, aggregate, seq) VALUES ($1, $2, $3, NULLIF($4, 0)) RETURNING id`
+	insertTracedRow = `INSERT INTO outbox (type, payload, aggregate, seq, traceparent, tracestate) VALUES ($1, $2, $3, NULLIF($4, 0), $5, $6) RETURNING id`
+	insertFullRow   = `INSERT INTO outbox (type, payload, body, content_type, headers, aggregate, seq, traceparent, tracestate, deliver_at)
+VALUES ($1, $2, $3, $4, $5::jsonb, $6, NULLIF($7, 0), $8, $9,
+        CASE WHEN $10::timestamptz > clock_timestamp() THEN $10::timestamptz END) RETURNING id`
 )
+
+// nullString is s, or NULL if empty.
+func nullString(s string) sql.NullString { return sql.NullString{String: s, Valid: s != ""} }
+
+// bytesPayload is payload as the bytes of a content type that is not JSON:
+// a []byte or a string, as it is.
+func bytesPayload(payload any, contentType string) ([]byte, error) {
+	switch p := payload.(type) {
+	case []byte:
+		if p == nil {
+			p = []byte{}
+		}
+		return p, nil
+	case string:
+		return []byte(p), nil
+	default:
+		return nil, fmt.Errorf("%w: a %T for content type %s, which takes a []byte or a string", ErrInvalidPayload, payload, contentType)
+	}
+}
 
 // routable reports whether t is words of letters, digits, '_' and '-'
 // joined by single dots, at most MaxEventTypeLen bytes.

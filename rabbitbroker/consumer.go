@@ -7,6 +7,7 @@ import (
 	"hash/fnv"
 	"log/slog"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -477,6 +478,9 @@ var errNotOutbox = errors.New("not an outbox message")
 // decode is d as a Publisher published it.
 func decode(d amqp.Delivery) (postgres.Message, error) {
 	m := postgres.Message{Type: d.Type, Payload: string(d.Body), Key: d.MessageId}
+	if d.ContentType != "application/json" {
+		m.ContentType = d.ContentType
+	}
 	str := func(k string) string { s, _ := d.Headers[k].(string); return s }
 	m.Aggregate = str(HeaderAggregate)
 	for _, k := range []string{"traceparent", "tracestate"} {
@@ -485,6 +489,16 @@ func decode(d amqp.Delivery) (postgres.Message, error) {
 				m.TraceContext = map[string]string{}
 			}
 			m.TraceContext[k] = v
+		}
+	}
+	for k, v := range d.Headers { // the rest are the team's own, as the Publisher put them: strings
+		lower := strings.ToLower(k)
+		if s, ok := v.(string); ok && !strings.HasPrefix(lower, "outbox-") && !strings.HasPrefix(lower, "x-") &&
+			lower != "traceparent" && lower != "tracestate" { // x-*: RabbitMQ's own, as x-delivery-count
+			if m.Headers == nil {
+				m.Headers = map[string]string{}
+			}
+			m.Headers[k] = s
 		}
 	}
 	var err error

@@ -16,7 +16,10 @@ import (
 )
 
 // The headers a Publisher puts on each message beside its properties (the
-// key is its message_id, the type its routing key and its type property).
+// key is its message_id, the type its routing key and its type property,
+// the payload's media type its content_type: application/json unless the
+// event said otherwise). The team's own headers (postgres.Event.Headers)
+// go beside these, as they were written, and come back in Message.Headers.
 const (
 	HeaderID        = "outbox-id"        // the row's id
 	HeaderAggregate = "outbox-aggregate" // the row's aggregate, if any
@@ -183,9 +186,16 @@ func (p *Publisher) send(ctx context.Context, msg postgres.Message) (*inflight, 
 	for k, v := range msg.TraceContext { // traceparent, tracestate: W3C's names
 		headers[k] = v
 	}
+	for k, v := range msg.Headers { // the team's own, none of the names above (postgres.ErrInvalidHeader)
+		headers[k] = v
+	}
+	contentType := msg.ContentType
+	if contentType == "" {
+		contentType = "application/json"
+	}
 	pub := amqp.Publishing{
 		Headers:      headers,
-		ContentType:  "application/json",
+		ContentType:  contentType,
 		DeliveryMode: amqp.Persistent,
 		MessageId:    msg.Key,
 		Type:         msg.Type,
