@@ -543,11 +543,11 @@ func ack(err error, what string, msg jetstream.Msg) error {
 }
 
 // ownHeader reports whether a header of that name is one a Publisher or
-// JetStream sets itself (Nats-*, Outbox-*, Content-Type, traceparent,
-// tracestate), not one of the team's.
+// JetStream sets itself (Nats-*, Outbox-*, CloudEvents' ce-*,
+// content-type, traceparent, tracestate), not one of the team's.
 func ownHeader(name string) bool {
 	lower := strings.ToLower(name)
-	return strings.HasPrefix(lower, "nats-") || strings.HasPrefix(lower, "outbox-") ||
+	return strings.HasPrefix(lower, "nats-") || strings.HasPrefix(lower, "outbox-") || strings.HasPrefix(lower, "ce-") ||
 		lower == "content-type" || lower == "traceparent" || lower == "tracestate"
 }
 
@@ -572,7 +572,9 @@ func decode(msg jetstream.Msg, prefix string) (postgres.Message, error) {
 			m.TraceContext[k] = v
 		}
 	}
-	m.ContentType = h.Get(HeaderContentType)
+	if ct := h.Get(HeaderContentType); ct != "application/json" { // which a CloudEvent carries
+		m.ContentType = ct
+	}
 	for k, v := range h { // the rest are the team's own
 		if !ownHeader(k) && len(v) > 0 {
 			if m.Headers == nil {

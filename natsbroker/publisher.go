@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -53,7 +55,37 @@ import (
 type Publisher struct {
 	js         jetstream.JetStream
 	prefix     string // of the subjects, as its Names say
+	ceSource   string // CloudEvents' source, if it publishes CloudEvents
 	duplicates atomic.Int64
+}
+
+// UseCloudEvents makes p publish each message as a CloudEvent too, in the
+// binary content mode of the CloudEvents NATS protocol binding (spec 1.0):
+// beside its own headers, a message carries ce-specversion 1.0, ce-id its
+// key, ce-type its type, ce-source source, ce-subject its aggregate (if
+// any), ce-time when it was written, and content-type its payload's media
+// type (application/json for JSON), so that a consumer that knows
+// CloudEvents and not this package, such as the CloudEvents Go SDK, reads
+// it as an event. source names the producer: a URI-reference such as
+// "/shop" or "https://shop.example.com". A source that is empty or not a
+// URI-reference is refused with an error, and p is left as it was. Call it
+// before the first publish. Without it (the default) p publishes no
+// CloudEvents attributes.
+func (p *Publisher) UseCloudEvents(source string) error {
+	if err := checkSource(source); err != nil {
+		return err
+	}
+	p.ceSource = source
+	return nil
+}
+
+// checkSource says what is wrong with a CloudEvents source, if anything.
+func checkSource(source string) error {
+	if _, err := url.Parse(source); source == "" || err != nil ||
+		strings.ContainsFunc(source, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
+		return fmt.Errorf("natsbroker: CloudEvents source %q: want a URI-reference, such as /shop", source)
+	}
+	return nil
 }
 
 // NewPublisher returns a Publisher that publishes through js, created by
@@ -358,8 +390,36 @@ func (p *Publisher) natsMsg(msg postgres.Message) *nats.Msg {
 	if msg.ContentType != "" { // JSON's when absent
 		m.Header.Set(HeaderContentType, msg.ContentType)
 	}
-	for k, v := range msg.Headers { // the team's own, none of the names above (postgres.ErrInvalidHeader)
+	for k, v := range msg.Headers { // the team's own, none of the names above or below (postgres.ErrInvalidHeader)
 		m.Header.Set(k, v)
 	}
+	if p.ceSource != "" {
+		setCloudEvent(m.Header, msg, p.ceSource)
+	}
 	return m
+}
+
+// setCloudEvent sets on h the headers of msg as a CloudEvent in binary
+// content mode: the NATS binding's ce- prefix before each attribute's name,
+// and datacontenttype as content-type.
+func setCloudEvent(h nats.Header, msg postgres.Message, source string) {
+	id := msg.Key
+	if id == "" { // a message published without an outbox
+		id = strconv.FormatInt(msg.ID, 10)
+	}
+	h.Set("ce-specversion", "1.0")
+	h.Set("ce-id", id)
+	h.Set("ce-type", msg.Type)
+	h.Set("ce-source", source)
+	if msg.Aggregate != "" {
+		h.Set("ce-subject", msg.Aggregate)
+	}
+	if !msg.Time.IsZero() {
+		h.Set("ce-time", msg.Time.UTC().Format(time.RFC3339Nano))
+	}
+	contentType := msg.ContentType
+	if contentType == "" {
+		contentType = "application/json"
+	}
+	h.Set(HeaderContentType, contentType)
 }

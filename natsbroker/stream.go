@@ -48,7 +48,7 @@ const (
 	HeaderID          = "Outbox-Id"
 	HeaderAggregate   = "Outbox-Aggregate"
 	HeaderSeq         = "Outbox-Seq"
-	HeaderContentType = "Content-Type"
+	HeaderContentType = "content-type"
 )
 
 // StreamConfig is the stream the outbox publishes to: every subject under

@@ -62,9 +62,9 @@ func isRefused(err error) bool {
 // server that did not answer, worth trying again.
 func dialBroker(ctx context.Context, c config) (broker, error) {
 	if c.broker == "rabbitmq" {
-		return dialRabbit(ctx, c.rabbit)
+		return dialRabbit(ctx, c.rabbit, c.cloudEvents)
 	}
-	return dialNATS(c.nats)
+	return dialNATS(c.nats, c.cloudEvents)
 }
 
 // tlsConfig is a client's TLS configuration from PEM files: the CA's
@@ -108,16 +108,22 @@ func refusedTLS(err error) bool {
 // natsBroker is JetStream, over a connection that reconnects for ever once
 // made.
 type natsBroker struct {
-	nc     *nats.Conn
-	js     jetstream.JetStream
-	names  natsbroker.Names
-	stream jetstream.StreamConfig
+	nc          *nats.Conn
+	js          jetstream.JetStream
+	names       natsbroker.Names
+	stream      jetstream.StreamConfig
+	cloudEvents string // the source, if the publisher sends CloudEvents
 }
 
-func dialNATS(n natsConfig) (broker, error) {
+func dialNATS(n natsConfig, cloudEvents string) (broker, error) {
 	names, err := natsbroker.NewNames(n.stream, n.prefix)
 	if err != nil {
 		return nil, err
+	}
+	if cloudEvents != "" {
+		if err := names.NewPublisher(nil).UseCloudEvents(cloudEvents); err != nil {
+			return nil, refusal{fmt.Errorf("-cloudevents-source: %w", err)}
+		}
 	}
 	opts := []nats.Option{nats.Name(n.name), nats.MaxReconnects(-1), nats.Timeout(5 * time.Second)}
 	secured := n.ca != "" || n.cert != "" || n.serverName != "" || strings.Contains(n.urls, "tls://")
@@ -160,7 +166,7 @@ func dialNATS(n natsConfig) (broker, error) {
 	}
 	stream := names.StreamConfig(0)
 	stream.Replicas = n.replicas
-	return &natsBroker{nc: nc, js: js, names: names, stream: stream}, nil
+	return &natsBroker{nc: nc, js: js, names: names, stream: stream, cloudEvents: cloudEvents}, nil
 }
 
 func (b *natsBroker) Provision(ctx context.Context) (string, error) {
@@ -177,7 +183,13 @@ func (b *natsBroker) Check(ctx context.Context) error {
 	return natsbroker.CheckStream(ctx, b.js, b.stream)
 }
 
-func (b *natsBroker) Publisher() postgres.MessageBroker { return b.names.NewPublisher(b.js) }
+func (b *natsBroker) Publisher() postgres.MessageBroker {
+	p := b.names.NewPublisher(b.js)
+	if b.cloudEvents != "" {
+		_ = p.UseCloudEvents(b.cloudEvents) // dialNATS checked it
+	}
+	return p
+}
 
 func (b *natsBroker) CheckRetention(ctx context.Context, retention time.Duration) error {
 	if retention == 0 {
@@ -243,7 +255,7 @@ type rabbitBroker struct {
 	conn *amqp.Connection
 }
 
-func dialRabbit(ctx context.Context, r rabbitConfig) (broker, error) {
+func dialRabbit(ctx context.Context, r rabbitConfig, cloudEvents string) (broker, error) {
 	cfg := amqp.Config{Heartbeat: 10 * time.Second, Locale: "en_US", Vhost: r.vhost, Properties: amqp.NewConnectionProperties()}
 	cfg.Properties.SetClientConnectionName(r.name)
 	if strings.HasPrefix(r.url, "amqps://") {
@@ -265,6 +277,12 @@ func dialRabbit(ctx context.Context, r rabbitConfig) (broker, error) {
 	}
 	b.conn = conn
 	b.publisher = rabbitbroker.NewPublisher(b.dial, r.topology.Exchange, r.maxMessageSize)
+	if cloudEvents != "" {
+		if err := b.publisher.UseCloudEvents(cloudEvents); err != nil {
+			conn.Close()
+			return nil, refusal{fmt.Errorf("-cloudevents-source: %w", err)}
+		}
+	}
 	return b, nil
 }
 

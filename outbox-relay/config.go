@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net/url"
 	"os"
 	"regexp"
 	"strconv"
@@ -25,8 +26,9 @@ type config struct {
 	relay postgres.RelayConfig    // polling mode's settings (the loggers and meters are run's)
 	log   postgres.LogRelayConfig // log mode's
 
-	nats   natsConfig
-	rabbit rabbitConfig
+	nats        natsConfig
+	rabbit      rabbitConfig
+	cloudEvents string // the CloudEvents source the publisher sets; none if empty
 
 	retention, cleanupEvery time.Duration
 	sweepEvery              time.Duration // log mode: how often unsent rows older than it are swept; 0 never
@@ -197,6 +199,7 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.str(&c.table, "table", "OUTBOX_TABLE", postgres.DefaultTable, "the outbox table")
 	s.str(&c.http, "http", "OUTBOX_HTTP_ADDR", "", "address of /healthz, /readyz and /metrics; none if empty")
 	s.boolean(&c.json, "json", "OUTBOX_JSON", false, "the commands' output as JSON, one value a line")
+	s.str(&c.cloudEvents, "cloudevents-source", "OUTBOX_CLOUDEVENTS_SOURCE", "", "publish each message as a CloudEvent too (binary mode), with this source, a URI-reference such as /shop; none if empty")
 
 	// The polling relay's settings; 0 means the package's default.
 	r := &c.relay
@@ -340,6 +343,9 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	}
 	if c.broker == "rabbitmq" {
 		errs = append(errs, c.rabbit.check()...)
+	}
+	if _, err := url.Parse(c.cloudEvents); err != nil || strings.ContainsFunc(c.cloudEvents, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
+		errs = append(errs, fmt.Errorf("-cloudevents-source (OUTBOX_CLOUDEVENTS_SOURCE) %q: want a URI-reference, such as /shop", c.cloudEvents))
 	}
 	r := c.replay
 	if given := r.Aggregate != "" || !r.From.IsZero() || !r.To.IsZero() || r.NewKeys; given && cmd != "replay" {

@@ -36,6 +36,8 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 		{[]string{"-max-backoff", "1 minute"}, "", "-max-backoff (OUTBOX_MAX_BACKOFF)"},
 		{nil, "OUTBOX_POLL_ONLY=yes please", "-poll-only (OUTBOX_POLL_ONLY)"},
 		{[]string{"-retry-delay", "-1s"}, "", "-retry-delay (OUTBOX_RETRY_DELAY)"},
+		{[]string{"-cloudevents-source", "/shop two"}, "", `-cloudevents-source (OUTBOX_CLOUDEVENTS_SOURCE) "/shop two": want a URI-reference`},
+		{nil, "OUTBOX_CLOUDEVENTS_SOURCE=%zz", `-cloudevents-source (OUTBOX_CLOUDEVENTS_SOURCE) "%zz"`},
 		{[]string{"-from", "yesterday"}, "", "-from (OUTBOX_REPLAY_FROM) \"yesterday\": want a time as RFC 3339"},
 		{[]string{"-aggregate", "order/1"}, "", "-aggregate, -from, -to and -new-keys are for replay, not run"},
 		{[]string{"-retry-delay", "10s", "-max-retry-delay", "5s"}, "", "-max-retry-delay 5s is below -retry-delay 10s"},

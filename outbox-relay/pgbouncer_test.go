@@ -119,7 +119,8 @@ pidfile = %s
 // The relay with -poll-only behind a real PgBouncer in transaction
 // pooling, with the producers behind it too (pgx's simple protocol, since
 // PgBouncer 1.18 keeps no prepared statements across transactions):
-// every row reaches the stream exactly once, in order, as without it; a
+// every row reaches the stream exactly once, in order, as without it, and
+// (-cloudevents-source /shop) as a CloudEvent with its key as ce-id; a
 // SIGTERM stops it cleanly. migrate goes to PostgreSQL itself: its
 // advisory lock is a session's. (Caught: no flag for PollOnly, which the
 // docs tell a team behind PgBouncer to set.)
@@ -155,7 +156,7 @@ func TestRelayProcessBehindPgBouncerInTransactionMode(t *testing.T) {
 	}
 	write(0, 100)
 	addr := freeAddr(t)
-	p := e.start("run", "-database", pooled, "-poll-only", "-poll-interval", "50ms", "-http", addr)
+	p := e.start("run", "-database", pooled, "-poll-only", "-poll-interval", "50ms", "-http", addr, "-cloudevents-source", "/shop")
 	waitFor(t, "/readyz 200 behind PgBouncer", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
 	write(100, 100)
 	waitFor(t, "the 200 rows in the stream", func() bool { return e.streamMsgs() >= 200 })
@@ -181,6 +182,9 @@ func TestRelayProcessBehindPgBouncerInTransactionMode(t *testing.T) {
 		m, err := s.GetMsg(context.Background(), seq)
 		if err != nil {
 			t.Fatal(err)
+		}
+		if m.Header.Get("ce-id") != m.Header.Get("Nats-Msg-Id") || m.Header.Get("ce-source") != "/shop" || m.Header.Get("ce-specversion") != "1.0" {
+			t.Errorf("stream message %d is no CloudEvent of source /shop with its key as id (-cloudevents-source /shop): %v", seq, m.Header)
 		}
 		agg, n := m.Header.Get(natsbroker.HeaderAggregate), m.Header.Get(natsbroker.HeaderSeq)
 		got, _ := strconv.ParseInt(n, 10, 64)

@@ -229,9 +229,10 @@ func TestRelayProcessToATLSOnlyJetStream(t *testing.T) {
 // The relay to RabbitMQ over amqps, as a user of its own whose password
 // is in a file, with a client certificate: migrate declares the exchange
 // and the queues, run checks them and relays, SIGTERM mid-traffic and a
-// second run lose nothing (every row's key in the queue; RabbitMQ keeps no
-// record of what it took, so a copy in flight at the stop may be there
-// twice, for the consumer to drop by key). A wrong password or a
+// second run lose nothing (every row's key in the queue, each message a
+// CloudEvent of -cloudevents-source /shop with that key as
+// cloudEvents:id; RabbitMQ keeps no record of what it took, so a copy in
+// flight at the stop may be there twice, for the consumer to drop by key). A wrong password or a
 // certificate the node does not trust is refused, naming the flags, and
 // publishes nothing; the password is never printed. (Caught: a relay
 // process for JetStream only.)
@@ -255,6 +256,7 @@ func TestRelayProcessToRabbitMQOverAMQPS(t *testing.T) {
 	tlsArgs := []string{"-broker", "rabbitmq", "-rabbitmq", node.TLSURL(), "-rabbitmq-ca", authority.File,
 		"-rabbitmq-cert", cert, "-rabbitmq-key", key, "-rabbitmq-server-name", "localhost", "-rabbitmq-user", "relay"}
 	good := secretFile(t, password)
+	notEvents := 0                    // messages in the queue whose cloudEvents:id is not their key
 	queued := func() map[string]int { // each key in the queue, and how many times, read without taking them
 		conn, err := amqp.Dial(node.URL())
 		if err != nil {
@@ -278,6 +280,9 @@ func TestRelayProcessToRabbitMQOverAMQPS(t *testing.T) {
 			select {
 			case d := <-deliveries:
 				keys[d.MessageId]++
+				if id, _ := d.Headers["cloudEvents:id"].(string); id != d.MessageId || d.Headers["cloudEvents:source"] != "/shop" {
+					notEvents++
+				}
 			case <-time.After(generous):
 				t.Fatalf("the queue said it held %d messages, and gave %d", q.Messages, len(keys))
 			}
@@ -304,7 +309,7 @@ func TestRelayProcessToRabbitMQOverAMQPS(t *testing.T) {
 
 	e.args = append(tlsArgs, "-rabbitmq-password-file", good)
 	addr := freeAddr(t)
-	first := e.start("run", "-http", addr)
+	first := e.start("run", "-http", addr, "-cloudevents-source", "/shop")
 	waitFor(t, "/readyz to answer 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
 	stop := make(chan struct{})
 	produced := make(chan int, 1)
@@ -338,7 +343,7 @@ func TestRelayProcessToRabbitMQOverAMQPS(t *testing.T) {
 	}
 	_, metrics := get("http://" + addr + "/metrics")
 	noSecret(t, "/metrics", metrics, password)
-	second := e.start("run")
+	second := e.start("run", "-cloudevents-source", "/shop")
 	close(stop)
 	n := <-produced
 	if n < 0 {
@@ -346,7 +351,11 @@ func TestRelayProcessToRabbitMQOverAMQPS(t *testing.T) {
 	}
 	total := 5 + n
 	waitFor(t, "every row sent", func() bool { return e.count(`SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0 })
+	notEvents = 0
 	keys := queued()
+	if notEvents != 0 {
+		t.Errorf("%d messages in the queue are no CloudEvent of source /shop with their key as id (-cloudevents-source /shop)", notEvents)
+	}
 	var rows []string
 	r, err := e.db.Query(`SELECT message_key FROM outbox`)
 	if err != nil {

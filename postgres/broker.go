@@ -3,6 +3,7 @@ package postgres
 import (
 	"context"
 	"errors"
+	"time"
 )
 
 // Message is an outbox row as the relay publishes it and a consumer
@@ -21,6 +22,11 @@ type Message struct {
 	// Headers are the team's own headers (Event.Headers), which a broker
 	// carries unchanged; nil for none.
 	Headers map[string]string
+
+	// Time is when the event was written: its row's created_at, the start of
+	// the transaction that wrote it. Zero for a message published without
+	// an outbox.
+	Time time.Time
 
 	// Key names the message where consumers meet: a UUID the row was given at
 	// insert, unique across producers, and kept by every copy a re-send makes.

@@ -122,7 +122,7 @@ WITH released AS (
 // each other. Rows of transactions that have not committed are not seen at
 // all.
 const claimRows = releaseDue + `
-SELECT id, message_key, type, ` + bodyColumns + `, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
+SELECT id, message_key, type, ` + bodyColumns + `, created_at, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
        COALESCE(traceparent, ''), COALESCE(tracestate, ''), ` + walPositions + `
 FROM outbox
 WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at IS NULL
@@ -165,7 +165,7 @@ FOR UPDATE SKIP LOCKED`
 // aggregate, and walked past an aggregate's whole backlog to do so: 9 ms a
 // pass with 1,000 rows of one aggregate, 188 ms with 50,000).
 const claimRuns = releaseDue + `
-SELECT id, message_key, type, ` + bodyColumns + `, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
+SELECT id, message_key, type, ` + bodyColumns + `, created_at, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
        COALESCE(traceparent, ''), COALESCE(tracestate, ''), ` + walPositions + `,
        (SELECT count(*) || ' ' || COALESCE(max(id), 0)
         FROM (SELECT id FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at IS NULL
@@ -257,7 +257,7 @@ func claim(ctx context.Context, tx txn, query string, batch int, limit, idle str
 	var m claimed
 	var traceparent, tracestate, headText string
 	var body rowBody
-	dest := append(append([]any{&m.ID, &m.Key, &m.Type}, body.dest()...), &m.Aggregate, &m.Seq, &m.rejections,
+	dest := append(append([]any{&m.ID, &m.Key, &m.Type}, body.dest()...), &m.Time, &m.Aggregate, &m.Seq, &m.rejections,
 		&traceparent, &tracestate, &wal.flushed, &wal.inserted) // the WAL's the same in every row
 	if perAggregate {
 		dest = append(dest, &headText) // and so is the head

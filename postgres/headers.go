@@ -17,10 +17,11 @@ import (
 // a name that is not 1 to [MaxHeaderNameLen] bytes of letters, digits, '-',
 // '_' and '.' (NATS refuses ':' and spaces in a name, and both brokers
 // compare names byte for byte); a name this package's brokers use for
-// themselves (Outbox-*, Nats-*, RabbitMQ's x-*, CloudEvents' ce-* and
-// ce_*, Content-Type, traceparent, tracestate, in any case); a value longer than [MaxHeaderValueLen] bytes,
-// not UTF-8, or holding a control character (a line break would end a
-// NATS header); or more than [MaxHeaders] of them. Nothing is written.
+// themselves (Outbox-*, Nats-*, RabbitMQ's x-*, CloudEvents' ce-*, ce_*
+// and cloudEvents_*, content-type, traceparent, tracestate, in any case); a
+// value longer than [MaxHeaderValueLen] bytes, not UTF-8, or holding a
+// control character (a line break would end a NATS header); or more than
+// [MaxHeaders] of them. Nothing is written.
 var ErrInvalidHeader = errors.New("postgres: header no broker can carry")
 
 // ErrInvalidContentType is returned, wrapped, by [Outbox.Write] for an
@@ -39,7 +40,7 @@ const (
 // reservedHeaders are the prefixes, in lower case, of the header names the
 // brokers of this repository set themselves: a team's header of the same
 // name would be overwritten, or would overwrite one.
-var reservedHeaders = []string{"outbox-", "nats-", "x-", "ce-", "ce_", "content-type", "traceparent", "tracestate"}
+var reservedHeaders = []string{"outbox-", "nats-", "x-", "ce-", "ce_", "cloudevents_", "content-type", "traceparent", "tracestate"}
 
 // checkHeaders says what is wrong with headers, if anything, and returns
 // them as a JSON object, or nil for none.

@@ -12,6 +12,7 @@ import (
 	"maps"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -35,6 +36,9 @@ func wantTeamEvents(t *testing.T, msgs []postgres.Message) {
 	}
 	for i, m := range msgs {
 		t.Logf("delivered: %q %q %v", m.Payload, m.ContentType, m.Headers)
+		if m.Time.IsZero() || time.Since(m.Time) > time.Hour || time.Until(m.Time) > time.Minute {
+			t.Errorf("message %d: Time %v, want its row's created_at, a moment ago", i+1, m.Time)
+		}
 		if !maps.Equal(m.Headers, teamEvents[i].Headers) {
 			t.Errorf("message %d has headers %v, want %v", i+1, m.Headers, teamEvents[i].Headers)
 		}

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -121,6 +122,7 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 		relay:     r,
 		conn:      conn,
 		relations: map[uint32]*pglogrepl.RelationMessage{},
+		types:     pgtype.NewMap(),
 		every:     every,
 		replyIn:   orDefault(r.cfg.ReplyTimeout, 10*time.Second),
 	}
@@ -178,12 +180,13 @@ type stream struct {
 	relay     *LogRelay
 	conn      *pgconn.PgConn
 	relations map[uint32]*pglogrepl.RelationMessage
-	txn       []Message // the rows of the transaction being read, not yet published: at most streamRows
-	tables    []string  // each txn row's table, as an SQL identifier
-	txnBytes  int       // the payloads' bytes in txn: at most about streamBytes
-	inTxn     bool      // a BEGIN was read and its COMMIT not yet
-	txnDone   int       // rows of the transaction being read published already
-	sentIDs   []int64   // rows published and not yet handed to the marks, and their tables
+	types     *pgtype.Map // decodes the text form of the columns; not safe for concurrent use
+	txn       []Message   // the rows of the transaction being read, not yet published: at most streamRows
+	tables    []string    // each txn row's table, as an SQL identifier
+	txnBytes  int         // the payloads' bytes in txn: at most about streamBytes
+	inTxn     bool        // a BEGIN was read and its COMMIT not yet
+	txnDone   int         // rows of the transaction being read published already
+	sentIDs   []int64     // rows published and not yet handed to the marks, and their tables
 	sentIn    []string
 	marks     *marks        // unless Unmarked, the marking of what was delivered
 	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
@@ -292,7 +295,7 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 			if !ok {
 				return fmt.Errorf("log relay: an insert into relation %d, which the server never described", m.RelationID)
 			}
-			msg, scheduled, err := decodeRow(rel, m.Tuple)
+			msg, scheduled, err := decodeRow(s.types, rel, m.Tuple)
 			if err != nil {
 				return err
 			}
@@ -478,7 +481,7 @@ func (s *stream) tell(ctx context.Context) error {
 // decodeRow is an inserted outbox row as a Message, from pgoutput's text
 // form of its columns, and whether it was written with a time to deliver
 // (migration 7's deliver_at, set only for a time still to come).
-func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (msg Message, scheduled bool, err error) {
+func decodeRow(types *pgtype.Map, rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (msg Message, scheduled bool, err error) {
 	if tuple == nil || len(tuple.Columns) != len(rel.Columns) {
 		return msg, false, fmt.Errorf("log relay: a row of %s.%s that does not match its description", rel.Namespace, rel.RelationName)
 	}
@@ -516,6 +519,10 @@ func decodeRow(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (msg 
 			msg.Payload = string(b)
 		case "content_type":
 			msg.ContentType = v
+		case "created_at": // timestamptz's text form; in a DateStyle other than ISO, none
+			if types.Scan(pgtype.TimestamptzOID, pgtype.TextFormatCode, col.Data, &msg.Time) != nil {
+				msg.Time = time.Time{}
+			}
 		case "headers":
 			msg.Headers, err = decodeHeaders(v)
 		}

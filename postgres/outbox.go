@@ -307,7 +307,7 @@ type Event struct {
 	// ContentType is the payload's media type, such as
 	// "application/x-protobuf" or "application/avro": empty means JSON
 	// ("application/json"). The brokers carry it (RabbitMQ's content_type,
-	// a NATS header Content-Type) and Message.ContentType gives it back.
+	// a NATS header content-type) and Message.ContentType gives it back.
 	ContentType string
 	// Headers are the team's own headers, such as a tenant or a schema
 	// version, which every broker carries unchanged beside the payload and

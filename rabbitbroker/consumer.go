@@ -494,7 +494,7 @@ func decode(d amqp.Delivery) (postgres.Message, error) {
 	for k, v := range d.Headers { // the rest are the team's own, as the Publisher put them: strings
 		lower := strings.ToLower(k)
 		if s, ok := v.(string); ok && !strings.HasPrefix(lower, "outbox-") && !strings.HasPrefix(lower, "x-") &&
-			lower != "traceparent" && lower != "tracestate" { // x-*: RabbitMQ's own, as x-delivery-count
+			!strings.HasPrefix(lower, "cloudevents:") && lower != "traceparent" && lower != "tracestate" { // x-*: RabbitMQ's own, as x-delivery-count
 			if m.Headers == nil {
 				m.Headers = map[string]string{}
 			}

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -81,6 +83,7 @@ type Publisher struct {
 	dial     func() (*amqp.Connection, error)
 	exchange string
 	maxSize  int
+	ceSource string // CloudEvents' source, if it publishes CloudEvents
 
 	opening sync.Mutex // held while a connection is dialled or a channel opened
 
@@ -94,6 +97,31 @@ var (
 	_ postgres.BatchPublisher  = (*Publisher)(nil)
 	_ postgres.MessagingSystem = (*Publisher)(nil)
 )
+
+// UseCloudEvents makes p publish each message as a CloudEvent too, in the
+// binary content mode of the CloudEvents AMQP protocol binding (spec 1.0),
+// as AMQP 0-9-1 carries it: beside its own headers, a message carries the
+// headers cloudEvents:specversion 1.0, cloudEvents:id its key,
+// cloudEvents:type its type, cloudEvents:source source,
+// cloudEvents:subject its aggregate (if any) and cloudEvents:time when it
+// was written, and its content_type says its payload's media type, as it
+// always does. source names the producer: a URI-reference such as "/shop"
+// or "https://shop.example.com". A source that is empty or not a
+// URI-reference is refused with an error, and p is left as it was. Call it
+// before the first publish. Without it (the default) p publishes no
+// CloudEvents attributes.
+func (p *Publisher) UseCloudEvents(source string) error {
+	if _, err := url.Parse(source); source == "" || err != nil ||
+		strings.ContainsFunc(source, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
+		return fmt.Errorf("rabbitbroker: CloudEvents source %q: want a URI-reference, such as /shop", source)
+	}
+	p.ceSource = source
+	return nil
+}
+
+// CloudEventsPrefix begins the name of each CloudEvents attribute's header,
+// as the AMQP binding names its application properties.
+const CloudEventsPrefix = "cloudEvents:"
 
 // DefaultMaxMessageSize is RabbitMQ's own max_message_size, 128 MiB.
 const DefaultMaxMessageSize = 128 << 20
@@ -188,6 +216,22 @@ func (p *Publisher) send(ctx context.Context, msg postgres.Message) (*inflight, 
 	}
 	for k, v := range msg.Headers { // the team's own, none of the names above (postgres.ErrInvalidHeader)
 		headers[k] = v
+	}
+	if p.ceSource != "" {
+		id := msg.Key
+		if id == "" { // a message published without an outbox
+			id = strconv.FormatInt(msg.ID, 10)
+		}
+		headers[CloudEventsPrefix+"specversion"] = "1.0"
+		headers[CloudEventsPrefix+"id"] = id
+		headers[CloudEventsPrefix+"type"] = msg.Type
+		headers[CloudEventsPrefix+"source"] = p.ceSource
+		if msg.Aggregate != "" {
+			headers[CloudEventsPrefix+"subject"] = msg.Aggregate
+		}
+		if !msg.Time.IsZero() {
+			headers[CloudEventsPrefix+"time"] = msg.Time.UTC().Format(time.RFC3339Nano)
+		}
 	}
 	contentType := msg.ContentType
 	if contentType == "" {
