@@ -358,8 +358,8 @@ func TestRelayProcessReadinessAndOperatorCommands(t *testing.T) {
 }
 
 // -mode log runs the log relay: migrate creates its slot, run streams the
-// rows committed after it, marks them, and cleans them up, and SIGTERM
-// stops it cleanly.
+// rows committed after it, marks them, and cleans them up, its sweep
+// delivers what the log cannot, and SIGTERM stops it cleanly.
 func TestRelayProcessInLogMode(t *testing.T) {
 	e := newEnv(t)
 	// A row committed before the slot existed, which the log never
@@ -399,6 +399,20 @@ func TestRelayProcessInLogMode(t *testing.T) {
 	waitFor(t, "the process to log its sweep", func() bool {
 		return strings.Contains(p.stderr.String(), `"msg":"outbox-relay: swept unsent rows the log relay had not delivered","published":1`)
 	})
+	// A row written for an hour on, which the log relay passes over: once
+	// its time has come (moved a minute into the past, rather than
+	// waited for), a sweep releases it and publishes it.
+	if err := postgres.Transaction(ctx, e.db, func(ctx context.Context, tx *sql.Tx) error {
+		_, err := e.outbox.Write(ctx, tx, postgres.Event{Type: "ReminderDue", Payload: map[string]int{"orderId": 7},
+			DeliverAt: time.Now().Add(time.Hour)})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.db.Exec(`UPDATE outbox SET deliver_at = now() - interval '1 minute' WHERE deliver_at IS NOT NULL`); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the scheduled row swept once its time came", func() bool { return e.streamMsgs() == 22 })
 	waitFor(t, "the delivered rows marked and cleaned up", func() bool { return e.count(`SELECT count(*) FROM outbox`) == 0 })
 	if _, body := get("http://" + addr + "/metrics"); !strings.Contains(body, `outbox_relay="log"`) ||
 		!strings.Contains(body, "messaging_client_sent_messages_total") {
@@ -425,7 +439,7 @@ func TestRelayProcessInLogMode(t *testing.T) {
 		}
 	}
 	again := e.start("run", "-mode", "log")
-	waitFor(t, "the 5 rows committed without a slot in the stream", func() bool { return e.streamMsgs() == 26 })
+	waitFor(t, "the 5 rows committed without a slot in the stream", func() bool { return e.streamMsgs() == 27 })
 	waitFor(t, "the relay to log its recovery", func() bool {
 		return strings.Contains(again.stderr.String(), `"msg":"outbox-relay: slot recovered"`)
 	})

@@ -244,11 +244,14 @@ func runLog(ctx context.Context, r *postgres.LogRelay, log *slog.Logger) error {
 
 // sweep publishes, with a polling pass, the unsent rows the log relay
 // cannot carry, since the log holds only inserts it has not yet confirmed:
-// rows put back with unpark (Outbox.Unpark), and rows committed before the
-// slot existed. Every sweepEvery, once the oldest unsent row has waited
-// longer than that (the log relay marks what it delivers within a moment,
-// so a row that old is one it missed, or it is behind), it runs passes
-// until one is not full. A row the log relay also sends goes twice, as at
+// rows put back with unpark (Outbox.Unpark) or a replay, rows committed
+// before the slot existed, and rows written with a time to deliver
+// (Event.DeliverAt), once it has come. Every sweepEvery, once the oldest
+// unsent row has waited longer than that (the log relay marks what it
+// delivers within a moment, so a row that old is one it missed, or it is
+// behind; a scheduled row counts from its time), it runs passes until one
+// after the first is not full: the first releases the scheduled rows whose
+// time has come, which the next publishes. A row the log relay also sends goes twice, as at
 // least once allows: consumers drop the copy by its key.
 func sweep(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], publisher postgres.MessageBroker, h *health, log *slog.Logger) {
 	// PollOnly: the sweep only passes, on the pool's connections.
@@ -278,14 +281,14 @@ func sweep(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx
 			continue
 		}
 		total := 0
-		for {
+		for pass := 1; ; pass++ {
 			n, err := relay.PublishPending(ctx)
 			total += n
 			if err != nil {
 				log.Warn("outbox-relay: sweep: a polling pass failed", "err", err, "published", total)
 				break
 			}
-			if n < relay.Config().BatchSize {
+			if n < relay.Config().BatchSize && pass > 1 {
 				break
 			}
 		}
