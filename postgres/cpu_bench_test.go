@@ -89,11 +89,12 @@ func claimedIDs(rows pgx.Rows) ([]int64, error) {
 	for rows.Next() {
 		var m postgres.Message
 		var rejections int
-		var parent, state string
+		var parent, state, headers string
+		var body []byte
 		var flushed bool
 		var inserted string
-		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq, &rejections,
-			&parent, &state, &flushed, &inserted); err != nil {
+		if err := rows.Scan(&m.ID, &m.Key, &m.Type, &m.Payload, &body, &m.ContentType, &headers, &m.Time,
+			&m.Aggregate, &m.Seq, &rejections, &parent, &state, &flushed, &inserted); err != nil {
 			return nil, err
 		}
 		if err := (discard{}).Publish(context.Background(), m); err != nil {

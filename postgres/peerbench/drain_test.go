@@ -320,9 +320,11 @@ func (p *barePass) pass(ctx context.Context) (int, error) {
 		dest := []any{&m.ID, &m.Key, &m.Type, &m.Payload, &m.Aggregate, &m.Seq}
 		if p.relayColumns {
 			var rejections int
-			var traceparent, tracestate, walInserted, head string
+			var traceparent, tracestate, walInserted, head, headers string
+			var body []byte
 			var walFlushed bool
-			dest = append(dest, &rejections, &traceparent, &tracestate, &walFlushed, &walInserted)
+			dest = []any{&m.ID, &m.Key, &m.Type, &m.Payload, &body, &m.ContentType, &headers, &m.Time, &m.Aggregate, &m.Seq,
+				&rejections, &traceparent, &tracestate, &walFlushed, &walInserted}
 			if len(rows.FieldDescriptions()) > len(dest) {
 				dest = append(dest, &head)
 			}
