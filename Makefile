@@ -192,7 +192,7 @@ measure-hot:
 # team might adopt instead, and against the least a relay's pass sends (the
 # claim and the mark on a bare pgx connection): BenchmarkDrain in
 # postgres/peerbench, a module of its own so that watermill is no dependency
-# of postgres/. Six rounds, each a drain of 5,000 and one of 20,000 orders
+# of postgres/. Six rounds, each a drain of 2,000, one of 5,000 and one of 20,000 orders
 # (PEERBENCH_ORDERS) by every contender in turn and their ratios, and in the
 # first the plan of watermill's query for a batch (logged); then benchstat's
 # medians; into postgres/figures/measure-watermill.txt

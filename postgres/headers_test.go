@@ -177,3 +177,27 @@ func writeEventPgx(t *testing.T, pool *pgxpool.Pool, ob *postgres.Outbox[postgre
 	}
 	return id
 }
+
+// The table itself refuses a row, written by hand, that no relay could
+// read: a header that is not a string, headers that are not an object, a
+// row with both a JSON payload and bytes, or with neither. (Caught:
+// migration 8 without its checks, where such a row stopped every pass.)
+func TestTheTableRefusesRowsNoRelayCouldRead(t *testing.T) {
+	db := newDatabase(t)
+	for _, insert := range []string{
+		`INSERT INTO outbox (type, payload, headers) VALUES ('A', '{}', '{"Tenant": 1}')`,
+		`INSERT INTO outbox (type, payload, headers) VALUES ('A', '{}', '["Tenant"]')`,
+		`INSERT INTO outbox (type, payload, body) VALUES ('A', '{}', '\x01')`,
+		`INSERT INTO outbox (type) VALUES ('A')`,
+	} {
+		_, err := db.Exec(insert)
+		t.Logf("%s: %v", insert, err)
+		if err == nil || !strings.Contains(err.Error(), "23514") {
+			t.Errorf("%s = %v, want a check violation (23514)", insert, err)
+		}
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox`).Scan(&n); err != nil || n != 0 {
+		t.Fatalf("%d rows after the refusals (%v), want 0", n, err)
+	}
+}

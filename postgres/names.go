@@ -9,8 +9,8 @@ import (
 
 // tables is one outbox table of a database and everything named after
 // it: the table, its indexes (<table>_unsent, <table>_parked,
-// <table>_unsent_by_aggregate, <table>_held, <table>_scheduled), its check
-// <table>_payload_or_body, its NOTIFY triggers and function
+// <table>_unsent_by_aggregate, <table>_held, <table>_scheduled), its checks
+// <table>_payload_or_body and <table>_headers_strings, its NOTIFY triggers and function
 // (<table>_notify, <table>_released), the channel they notify and Run listens on
 // (<table>), the publication of its inserts for the log relay
 // (<table>_inserts), the log relay's default slot (<table>), and the
@@ -81,7 +81,7 @@ var tableName = regexp.MustCompile(`^[a-z][a-z0-9_]{0,39}$`)
 
 // outboxName matches the names the package's SQL gives the default
 // outbox's objects, each a whole word.
-var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_scheduled|_released|_payload_or_body|_notify|_inserts|_migrations)?\b`)
+var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_scheduled|_released|_payload_or_body|_headers_strings|_notify|_inserts|_migrations)?\b`)
 
 // named is query with the default outbox's names replaced by o's: the
 // table, its indexes, trigger, function, channel, publication and record

@@ -13,7 +13,9 @@
 -- The two indexes are made again with the column in their predicates: each
 -- CREATE INDEX reads the whole table and blocks its writes while it does,
 -- and the relays' claims wait for this migration's transaction. On a large
--- outbox, run it in a quiet moment.
+-- outbox, run it in a quiet moment. A query of your own that reads the
+-- unsent rows through outbox_unsent must now say deliver_at IS NULL too, or
+-- the server no longer uses the index for it.
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS deliver_at timestamptz;
 
 DROP INDEX IF EXISTS outbox_unsent;
