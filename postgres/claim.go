@@ -101,8 +101,11 @@ const (
 // are the next pass's, in their place by id, and the trigger outbox_released
 // notifies the relays when this pass commits (an empty pass commits too).
 // SKIP LOCKED passes over a row that another relay is releasing. It finds
-// the due rows through outbox_scheduled, which is empty while nothing is
-// scheduled: one lookup a pass. Being an UPDATE, it makes the claim take
+// the due rows through outbox_scheduled, by time, which is empty while
+// nothing is scheduled: one lookup a pass. (While both are empty the server
+// may plan it on outbox_held, which holds the scheduled rows too, as
+// cheaply; a connection's plan kept from then is made again when
+// autovacuum analyzes the table.) Being an UPDATE, it makes the claim take
 // ROW EXCLUSIVE on the table, as the producers' inserts and the mark do,
 // where a SELECT ... FOR UPDATE alone takes ROW SHARE: a session that holds
 // SHARE (a plain CREATE INDEX) holds up the claim, not only the mark, until
