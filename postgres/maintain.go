@@ -40,7 +40,8 @@ type Lag struct {
 	Parked int64
 	// Failing is how many of the Unsent rows failed FailingAfter publishes
 	// or more: messages that hold up the outbox, or their aggregates.
-	Failing int64 // Scheduled is how many rows wait for their time to deliver
+	Failing int64
+	// Scheduled is how many rows wait for their time to deliver
 	// (Event.DeliverAt), still to come: not lag.
 	Scheduled int64
 }

@@ -475,5 +475,8 @@ type planNode struct {
 	Rows     float64    `json:"Actual Rows"`
 	Removed  float64    `json:"Rows Removed by Filter"`
 	Loops    float64    `json:"Actual Loops"`
+	Subplan  string     `json:"Subplan Name"` // "CTE released" for a WITH's plan
+	Hit      int64      `json:"Shared Hit Blocks"`
+	Read     int64      `json:"Shared Read Blocks"`
 	Plans    []planNode `json:"Plans"`
 }

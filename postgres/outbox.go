@@ -435,8 +435,9 @@ func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, err
 	var id int64
 	// Without a trace the row's trace columns are NULL, their default: the
 	// statement then names only the columns of migration 1, and writes on
-	// a database that migration 3 has not reached yet; and only a scheduled
-	// row needs migration 7's column.
+	// a database that migration 3 has not reached yet; and only an event
+	// with a time to deliver, headers or bytes needs the columns of
+	// migrations 7 and 8.
 	parent, state := storedTraceContext(ctx)
 	switch {
 	case !e.DeliverAt.IsZero() || headers != nil || body != nil:
@@ -449,7 +450,7 @@ func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, err
 			nullString(parent), nullString(state), deliverAt).Scan(&id)
 	case parent != "":
 		err = tx.queryRow(ctx, o.sql.insertTracedRow, e.Type, string(data), aggregate, e.Seq,
-			parent, sql.NullString{String: state, Valid: state != ""}).Scan(&id)
+			parent, nullString(state)).Scan(&id)
 	default:
 		err = tx.queryRow(ctx, o.sql.insertRow, e.Type, string(data), aggregate, e.Seq).Scan(&id)
 	}
