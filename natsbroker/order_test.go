@@ -194,26 +194,8 @@ func TestAScheduledEventReachesTheStreamAtItsTime(t *testing.T) {
 	db := newDatabase(t)
 	b := startBroker(t, nil)
 	_, stream := setUp(t, connect(t, b.url()), 0, 0)
-	ob, err := postgres.OpenDB(db, postgres.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := db.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	id, err := ob.Write(ctx, tx, postgres.Event{Type: "ReminderDue", Payload: map[string]int{"orderId": 7},
+	id, key := writeEvent(t, db, postgres.Event{Type: "ReminderDue", Payload: map[string]int{"orderId": 7},
 		DeliverAt: time.Now().Add(time.Hour)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	var key string
-	if err := db.QueryRow(`SELECT message_key FROM outbox WHERE id = $1`, id).Scan(&key); err != nil {
-		t.Fatal(err)
-	}
 	relay := newRelay(t, db, newPublisher(t, connect(t, b.url())))
 	stored := func() uint64 {
 		t.Helper()

@@ -142,26 +142,8 @@ func TestAScheduledEventReachesTheQueueAtItsTime(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	top := declare(t, node.URL(), 0)
-	ob, err := postgres.OpenDB(db, postgres.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := db.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	id, err := ob.Write(ctx, tx, postgres.Event{Type: "ReminderDue", Payload: map[string]int{"orderId": 7},
+	id, key := writeEvent(t, db, postgres.Event{Type: "ReminderDue", Payload: map[string]int{"orderId": 7},
 		DeliverAt: time.Now().Add(time.Hour)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	var key string
-	if err := db.QueryRow(`SELECT message_key FROM outbox WHERE id = $1`, id).Scan(&key); err != nil {
-		t.Fatal(err)
-	}
 	relay := newRelay(t, db, newPublisher(t, node.URL(), top, maxMessageSize))
 	for pass := 1; pass <= 2; pass++ {
 		if _, err := shop.NewOrderService(db).PlaceOrder(ctx, int64(pass*100)); err != nil {

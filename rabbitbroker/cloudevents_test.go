@@ -6,7 +6,6 @@ package rabbitbroker_test
 import (
 	"bytes"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"strings"
 	"testing"
@@ -106,31 +105,18 @@ func TestCloudEventsAreReadByTheSDK(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	top := declare(t, node.URL(), 0)
-	ob, err := postgres.OpenDB(db, postgres.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
 	events := []postgres.Event{
 		{Type: "OrderPlaced", Payload: map[string]int{"orderId": 1}, Aggregate: "order/1", Seq: 1},
 		{Type: "OrderPlaced", Payload: map[string]int{"orderId": 7}, Aggregate: "order/7", Seq: 1},
 		{Type: "PlanChanged", Payload: []byte{0x08, 0x96, 0x01, 0x00, 0xff}, ContentType: "application/x-protobuf"},
 		{Type: "ItemPicked", Payload: json.RawMessage(`{"item":3}`)},
 	}
-	write := func(e postgres.Event) {
-		t.Helper()
-		if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
-			_, err := ob.Write(ctx, tx, e)
-			return err
-		}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	write(events[0])
+	writeEvent(t, db, events[0])
 	if n, err := newRelay(t, db, newPublisher(t, node.URL(), top, maxMessageSize)).PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("the default relay's pass = %d, %v; want the first event", n, err)
 	}
 	for _, e := range events[1:] {
-		write(e)
+		writeEvent(t, db, e)
 	}
 	pub := newPublisher(t, node.URL(), top, maxMessageSize)
 	for _, bad := range []string{"", "/shop two", "/shop\n", "%zz"} {

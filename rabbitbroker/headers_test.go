@@ -48,10 +48,6 @@ func TestTeamHeadersAndBytesReachTheConsumer(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
 	top := declare(t, node.URL(), 0)
-	ob, err := postgres.OpenDB(db, postgres.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
 	events := []postgres.Event{
 		{Type: "PlanChanged", Payload: map[string]int{"accountId": 7}, Headers: map[string]string{"Tenant": "acme", "schema-version": "3"}},
 		{Type: "PlanChanged", Payload: []byte{0x08, 0x96, 0x01, 0x00, 0xff}, ContentType: "application/x-protobuf",
@@ -59,12 +55,7 @@ func TestTeamHeadersAndBytesReachTheConsumer(t *testing.T) {
 		{Type: "PlanChanged", Payload: json.RawMessage(`{"accountId":9}`)},
 	}
 	for _, e := range events {
-		if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
-			_, err := ob.Write(ctx, tx, e)
-			return err
-		}); err != nil {
-			t.Fatal(err)
-		}
+		writeEvent(t, db, e)
 	}
 	if n, err := newRelay(t, db, newPublisher(t, node.URL(), top, maxMessageSize)).PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("pass = %d, %v; want the three", n, err)
@@ -89,4 +80,25 @@ func TestTeamHeadersAndBytesReachTheConsumer(t *testing.T) {
 	if got[2].Payload != `{"accountId":9}` || got[2].Headers != nil {
 		t.Errorf("message 3: %q %v, want the JSON and no headers", got[2].Payload, got[2].Headers)
 	}
+}
+
+// writeEvent writes e through Outbox.Write in a transaction of its own and
+// returns the row's id and key.
+func writeEvent(t *testing.T, db *sql.DB, e postgres.Event) (id int64, key string) {
+	t.Helper()
+	ctx := context.Background()
+	ob, err := postgres.OpenDB(db, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+		id, err = ob.Write(ctx, tx, e)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRow(`SELECT message_key FROM outbox WHERE id = $1`, id).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	return id, key
 }
