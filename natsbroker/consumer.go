@@ -542,15 +542,6 @@ func ack(err error, what string, msg jetstream.Msg) error {
 	return nil
 }
 
-// ownHeader reports whether a header of that name is one a Publisher or
-// JetStream sets itself (Nats-*, Outbox-*, CloudEvents' ce-*,
-// content-type, traceparent, tracestate), not one of the team's.
-func ownHeader(name string) bool {
-	lower := strings.ToLower(name)
-	return strings.HasPrefix(lower, "nats-") || strings.HasPrefix(lower, "outbox-") || strings.HasPrefix(lower, "ce-") ||
-		lower == "content-type" || lower == "traceparent" || lower == "tracestate"
-}
-
 // errNotOutbox is what decode wraps: the message was not published by a
 // Publisher.
 var errNotOutbox = errors.New("not an outbox message")
@@ -576,7 +567,7 @@ func decode(msg jetstream.Msg, prefix string) (postgres.Message, error) {
 		m.ContentType = ct
 	}
 	for k, v := range h { // the rest are the team's own
-		if !ownHeader(k) && len(v) > 0 {
+		if !postgres.ReservedHeader(k) && len(v) > 0 {
 			if m.Headers == nil {
 				m.Headers = map[string]string{}
 			}

@@ -40,7 +40,21 @@ const (
 // reservedHeaders are the prefixes, in lower case, of the header names the
 // brokers of this repository set themselves: a team's header of the same
 // name would be overwritten, or would overwrite one.
-var reservedHeaders = []string{"outbox-", "nats-", "x-", "ce-", "ce_", "cloudevents_", "content-type", "traceparent", "tracestate"}
+var reservedHeaders = []string{"outbox-", "nats-", "x-", "ce-", "ce_", "cloudevents_", "cloudevents:", "content-type", "traceparent", "tracestate"}
+
+// ReservedHeader reports whether name, in any case, names a header that
+// this repository's publishers or the brokers set themselves (see
+// [ErrInvalidHeader]): Event.Headers may not hold one, and a consumer
+// leaves them out of Message.Headers, which are the team's own.
+func ReservedHeader(name string) bool {
+	lower := strings.ToLower(name)
+	for _, r := range reservedHeaders {
+		if strings.HasPrefix(lower, r) {
+			return true
+		}
+	}
+	return false
+}
 
 // checkHeaders says what is wrong with headers, if anything, and returns
 // them as a JSON object, or nil for none.
@@ -56,11 +70,8 @@ func checkHeaders(headers map[string]string) ([]byte, error) {
 			return nil, fmt.Errorf("%w: name %.80q: want 1 to %d bytes of letters, digits, '-', '_' and '.'",
 				ErrInvalidHeader, name, MaxHeaderNameLen)
 		}
-		lower := strings.ToLower(name)
-		for _, r := range reservedHeaders {
-			if strings.HasPrefix(lower, r) {
-				return nil, fmt.Errorf("%w: name %q: the brokers' own (%s...)", ErrInvalidHeader, name, r)
-			}
+		if ReservedHeader(name) {
+			return nil, fmt.Errorf("%w: name %q: one the brokers set themselves", ErrInvalidHeader, name)
 		}
 		if len(value) > MaxHeaderValueLen {
 			return nil, fmt.Errorf("%w: %s: a value of %d bytes, at most %d", ErrInvalidHeader, name, len(value), MaxHeaderValueLen)

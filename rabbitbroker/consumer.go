@@ -7,7 +7,6 @@ import (
 	"hash/fnv"
 	"log/slog"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -492,9 +491,7 @@ func decode(d amqp.Delivery) (postgres.Message, error) {
 		}
 	}
 	for k, v := range d.Headers { // the rest are the team's own, as the Publisher put them: strings
-		lower := strings.ToLower(k)
-		if s, ok := v.(string); ok && !strings.HasPrefix(lower, "outbox-") && !strings.HasPrefix(lower, "x-") &&
-			!strings.HasPrefix(lower, "cloudevents:") && lower != "traceparent" && lower != "tracestate" { // x-*: RabbitMQ's own, as x-delivery-count
+		if s, ok := v.(string); ok && !postgres.ReservedHeader(k) { // RabbitMQ's own x-delivery-count among those left out
 			if m.Headers == nil {
 				m.Headers = map[string]string{}
 			}
