@@ -119,11 +119,10 @@ WITH released AS (
 
 // claimRows takes up to batchSize rows still to publish (not sent, not
 // parked, not scheduled for later), lowest id first, and locks them for the
-// rest of the transaction. SKIP
-// LOCKED passes over rows that another relay's open transaction holds, so
-// relays running at the same time claim disjoint rows instead of waiting for
-// each other. Rows of transactions that have not committed are not seen at
-// all.
+// rest of the transaction. SKIP LOCKED passes over rows that another
+// relay's open transaction holds, so relays running at the same time claim
+// disjoint rows instead of waiting for each other. Rows of transactions
+// that have not committed are not seen at all.
 const claimRows = releaseDue + `
 SELECT id, message_key, type, ` + bodyColumns + `, created_at, COALESCE(aggregate, ''), COALESCE(seq, 0), rejections,
        COALESCE(traceparent, ''), COALESCE(tracestate, ''), ` + walPositions + `
@@ -134,10 +133,10 @@ ORDER BY id
 LIMIT ` + batchSize + `
 FOR UPDATE SKIP LOCKED`
 
-// claimRuns is claimRows for a relay with order per aggregate: it does not claim
-// a row when an earlier row of its aggregate is held back (outbox_held:
-// parked, failed to publish, or scheduled for later), so that the rows of a stuck aggregate do
-// not fill the batch of every pass. Whether any row is held is asked once
+// claimRuns is claimRows for a relay with order per aggregate: it does not
+// claim a row when an earlier row of its aggregate is held back
+// (outbox_held: parked, failed to publish, or scheduled for later), so that
+// the rows of a stuck aggregate do not fill the batch of every pass. Whether any row is held is asked once
 // (an InitPlan), and only if one is, of each row. Nor does it claim a row
 // whose retry_at (migration 6) is still to come: a failed publish's
 // backoff. Such a row is among the few that failed, all in outbox_held, so
