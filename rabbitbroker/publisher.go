@@ -350,10 +350,14 @@ func (p *Publisher) drop(cc *confirmChannel) {
 
 // failed says what err, from handing msg to the channel, means: it may pass.
 func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error) error {
-	if ctx.Err() != nil {
+	switch {
+	case errors.Is(err, amqp.ErrClosed): // closed before the write began
+		return fmt.Errorf("message %s: not sent, its channel closed: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
+	case ctx.Err() != nil && errors.Is(err, ctx.Err()): // the client looks at ctx before it writes
 		return fmt.Errorf("message %s: not sent before the context ended: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
+	default: // the write failed on its way: part of it may have gone
+		return fmt.Errorf("message %s: its write failed, so whether RabbitMQ took it is unknown: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
 	}
-	return fmt.Errorf("message %s: %w: %w", msg.Key, postgres.ErrBrokerUnavailable, err)
 }
 
 // channel returns the open confirm channel, dialling and opening one if
