@@ -71,7 +71,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 10s .
 
 # Ten rounds of every benchmark into bench.txt (about 45 s on 2 cores), then
-# each pair's ratio; the benchmarks' doc comments in example_test.go state
+# each pair's ratio; the benchmarks' doc comments in outbox_test.go state
 # the claims the ratios check. A round runs each pair one right after the
 # other, so that the two sides of a ratio meet the same machine (-count would
 # run all rounds of one side first). The test binary is built once. benchstat
@@ -270,7 +270,7 @@ rabbitbroker: rabbitmq-server
 # interleaved rounds), then the delay from an order's commit to its
 # delivery and to its reservation at 100, 300 and 1,000 orders a second, and
 # how busy the machine's CPUs were (once).
-measure-rabbitbroker: rabbitbroker
+measure-rabbitbroker: rabbitmq-server
 	cd rabbitbroker && $(GO) test -c -o ../measure-rabbitbroker.test .
 	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \
@@ -321,14 +321,6 @@ page:
 	postgres/with-server.sh bash -c 'cd shop && OUTBOX_SCREENSHOT=$(if $(SCREENSHOT),$(abspath $(SCREENSHOT))) \
 		$(GO) test -tags browser -count=1 -run "^TestPage" -v .'
 
-# The natsbroker figures, into natsbroker/figures/measure-natsbroker.txt (and
-# benchstat's ratios into measure-natsbroker.stat.txt beside it): the relay's
-# drain rate to JetStream, waiting for each ack against the asynchronous
-# batch, through one server, one that syncs to disk before each ack
-# (sync_interval: always) and a replicated cluster of three, and the cost
-# of tracing on the relay's drain (six interleaved rounds, then the ratios),
-# and the delay from an order's commit to its reservation, end to end (once:
-# 300 orders).
 # The knee of the whole pipeline (BenchmarkKnee): orders offered at rising
 # rates, 3 s each, through clients, a relay, JetStream and the warehouse's
 # consumer, on one server and a cluster of three, with each relay; into
@@ -343,6 +335,14 @@ knee:
 	@! grep -E '^(--- )?FAIL' natsbroker/figures/knee.txt
 	cd shop/kneeplot && $(GO) run . ../../natsbroker/figures/knee.txt ../../natsbroker/figures/knee.png
 
+# The natsbroker figures, into natsbroker/figures/measure-natsbroker.txt (and
+# benchstat's ratios into measure-natsbroker.stat.txt beside it): the relay's
+# drain rate to JetStream, waiting for each ack against the asynchronous
+# batch, through one server, one that syncs to disk before each ack
+# (sync_interval: always) and a replicated cluster of three, and the cost
+# of tracing on the relay's drain (six interleaved rounds, then the ratios),
+# and the delay from an order's commit to its reservation, end to end (once:
+# 300 orders).
 measure-natsbroker:
 	cd natsbroker && $(GO) test -c -o ../measure-natsbroker.test .
 	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5 6; do \

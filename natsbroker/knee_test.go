@@ -22,7 +22,7 @@ import (
 
 // kneeRates are the rates, in orders a second, that BenchmarkKnee offers
 // in turn, each for kneeStep.
-var kneeRates = []int{100, 200, 300, 400, 500, 600, 700, 800, 1000, 1500, 2000, 3000, 4000}
+var kneeRates = []int{100, 200, 300, 400, 500, 600, 700, 800, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 8000}
 
 const kneeStep = 3 * time.Second
 

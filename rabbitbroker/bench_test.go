@@ -67,8 +67,9 @@ type publishOnly struct{ postgres.MessageBroker }
 // returns), end to end, at a steady rate: 8 clients place 100, 300 or
 // 1,000 orders a second together for 3 s, Run is woken by each commit's
 // NOTIFY and publishes with confirms in flight to the shared node, and a
-// Consumer feeds the warehouse, one message at a time or four aggregates at
-// once (Concurrency, with a prefetch of 40). It reports the rate at which
+// Consumer feeds the warehouse, one message at a time, four aggregates at
+// once (Concurrency, with a prefetch of 40), or one worker applying up to 32
+// messages a transaction (MaxBatch, Warehouse.HandleBatch). It reports the rate at which
 // orders were placed; how busy the machine's CPUs were meanwhile, all its
 // processes (PostgreSQL, the node, this binary); and the median and the
 // p99 from commit to delivery (the handler's first call) and to
@@ -76,14 +77,21 @@ type publishOnly struct{ postgres.MessageBroker }
 func BenchmarkLatency(b *testing.B) {
 	for _, rate := range []int{100, 300, 1000} {
 		for _, workers := range []int{1, 4} {
-			b.Run(fmt.Sprintf("rate=%d/concurrency=%d", rate, workers), func(b *testing.B) { latency(b, rate, workers) })
+			b.Run(fmt.Sprintf("rate=%d/concurrency=%d", rate, workers), func(b *testing.B) { latency(b, rate, workers, 1) })
 		}
+		b.Run(fmt.Sprintf("rate=%d/batch=%d", rate, latencyBatch), func(b *testing.B) { latency(b, rate, 1, latencyBatch) })
 	}
 }
 
+// latencyBatch is the MaxBatch of BenchmarkLatency's batch consumer: one
+// worker applying what it holds, up to 32 messages, in one transaction
+// (Warehouse.HandleBatch), acked with one multiple ack.
+const latencyBatch = 32
+
 // latency is BenchmarkLatency at rate orders a second, the consumer with
-// workers workers.
-func latency(b *testing.B, rate, workers int) {
+// workers workers, each handing the warehouse up to maxBatch messages at
+// once.
+func latency(b *testing.B, rate, workers, maxBatch int) {
 	const clients, seconds = 8, 3
 	orders := rate * seconds
 	db := newDatabase(b)
@@ -93,7 +101,7 @@ func latency(b *testing.B, rate, workers int) {
 	goRun(b, relay.Run)
 	l := &latencies{committed: map[int64]time.Time{}, delivered: map[int64]time.Time{}, applied: map[int64]time.Time{}, w: shop.NewWarehouse(db)}
 	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, l)
-	c.Concurrency, c.Prefetch = workers, 40
+	c.Concurrency, c.Prefetch, c.MaxBatch = workers, 40, maxBatch
 	goRun(b, c.Run)
 	service := shop.NewOrderService(db)
 	// One order through the whole pipeline first, outside the measure: the
@@ -184,6 +192,38 @@ func (l *latencies) Handle(ctx context.Context, msg postgres.Message) (bool, err
 		l.mu.Unlock()
 	}
 	return ok, err
+}
+
+// HandleBatch is Handle for a batch, applied in one transaction: each
+// order's delivery is noted before it, its reservation after its commit.
+func (l *latencies) HandleBatch(ctx context.Context, msgs []postgres.Message) ([]bool, error) {
+	ids := make([]int64, len(msgs))
+	l.mu.Lock()
+	for i, msg := range msgs {
+		var o shop.Order
+		if json.Unmarshal([]byte(msg.Payload), &o) != nil {
+			ids[i] = -1
+			continue
+		}
+		ids[i] = o.ID
+		if _, seen := l.delivered[o.ID]; !seen {
+			l.delivered[o.ID] = time.Now()
+		}
+	}
+	l.mu.Unlock()
+	applied, err := l.w.HandleBatch(ctx, msgs)
+	if err != nil {
+		return nil, err
+	}
+	now := time.Now()
+	l.mu.Lock()
+	for i, ok := range applied {
+		if ok && ids[i] >= 0 {
+			l.applied[ids[i]] = now
+		}
+	}
+	l.mu.Unlock()
+	return applied, nil
 }
 
 // delays are the orders' times from commit to the moment of at (delivered
