@@ -55,12 +55,23 @@ func applyBatch[T any](t *testing.T, ob *postgres.Outbox[T], check *sql.DB, effe
 	msg := func(key, aggregate string, seq int64) postgres.Message {
 		return postgres.Message{Type: "Moved", Payload: "{}", Key: key, Aggregate: aggregate, Seq: seq}
 	}
-	var refuse string // apply fails for this key, as a malformed payload would
-	apply := func(ctx context.Context, tx T, m postgres.Message) error {
-		if m.Key == refuse {
-			return fmt.Errorf("decode: %w", postgres.ErrMalformedMessage)
+	var refuse string    // apply fails for this key, as a malformed payload would
+	var calls [][]string // the keys apply was given, call by call
+	apply := func(ctx context.Context, tx T, msgs []postgres.Message) error {
+		var keys []string
+		for _, m := range msgs {
+			keys = append(keys, m.Key)
 		}
-		return effect(ctx, tx, m.Key)
+		calls = append(calls, keys)
+		for _, m := range msgs {
+			if m.Key == refuse {
+				return fmt.Errorf("message %s: decode: %w", m.Key, postgres.ErrMalformedMessage)
+			}
+			if err := effect(ctx, tx, m.Key); err != nil {
+				return err
+			}
+		}
+		return nil
 	}
 	effects := func() []string {
 		t.Helper()
@@ -94,12 +105,19 @@ func applyBatch[T any](t *testing.T, ob *postgres.Outbox[T], check *sql.DB, effe
 	if n := count(t, check, `SELECT count(DISTINCT xmin::text) FROM effects`); n != 1 {
 		t.Fatalf("the batch's effects were written by %d transactions, want 1", n)
 	}
+	if want := [][]string{{"c", "a-1", "a-2", "b-1"}}; fmt.Sprint(calls) != fmt.Sprint(want) {
+		t.Fatalf("apply was called with %v, want once, with %v (the copy of b-1 left out)", calls, want)
+	}
 
-	// Delivered again, every message is a duplicate and nothing changes.
-	before := state()
+	// Delivered again, every message is a duplicate, apply is not called,
+	// and nothing changes.
+	before, calls := state(), nil
 	applied, err = ob.ApplyBatch(ctx, batch, nil, apply)
 	if err != nil || slices.Contains(applied, true) || len(applied) != len(batch) {
 		t.Fatalf("the batch again: applied %v, %v; want all false", applied, err)
+	}
+	if calls != nil {
+		t.Fatalf("the batch again: apply called with %v, want not at all", calls)
 	}
 	if after := state(); after != before {
 		t.Fatalf("the batch again changed %s into %s", before, after)
@@ -179,9 +197,9 @@ func TestApplyBatchesThatShareAggregatesDoNotDeadlock(t *testing.T) {
 	}
 	var mu sync.Mutex
 	applied := map[string]int{}
-	apply := func(ctx context.Context, tx postgres.SQLTx, m postgres.Message) error {
+	apply := func(ctx context.Context, tx postgres.SQLTx, msgs []postgres.Message) error {
 		// Hold the locks a while, as a real effect does.
-		_, err := tx.ExecContext(ctx, `SELECT pg_sleep(0.001)`)
+		_, err := tx.ExecContext(ctx, `SELECT pg_sleep(0.01)`)
 		return err
 	}
 	for round := int64(1); round <= 20; round++ {

@@ -592,6 +592,48 @@ func TestWarehouseRefusesBadMessagesAndRecordsNothing(t *testing.T) {
 	wantReservations(t, db)
 }
 
+// The warehouse's batch writes what one message at a time writes: orders
+// placed reserved, orders cancelled released, also one placed and cancelled
+// in the same batch, in two statements for the batch; a batch with a
+// payload that is not an order writes nothing and names that message.
+func TestWarehouseBatchReservesWhatOneAtATimeDoes(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	warehouse := shop.NewWarehouse(db)
+	event := func(typ string, id, total, seq int64) postgres.Message {
+		return postgres.Message{Type: typ, Payload: fmt.Sprintf(`{"orderId":%d,"totalCents":%d}`, id, total),
+			Key: fmt.Sprintf("%s-%d", typ, id), Aggregate: shop.OrderAggregate(id), Seq: seq}
+	}
+	if ok, err := warehouse.Handle(ctx, event(shop.OrderPlaced, 1, 100, 1)); !ok || err != nil {
+		t.Fatalf("Handle of order 1: %v, %v", ok, err)
+	}
+	batch := []postgres.Message{
+		event(shop.OrderPlaced, 2, 200, 1),
+		event(shop.OrderCancelled, 3, 300, 2), // delivered before its order: applied after it
+		event(shop.OrderPlaced, 3, 300, 1),
+		event(shop.OrderCancelled, 1, 100, 2), // order 1 was reserved one at a time
+		event(shop.OrderPlaced, 4, 400, 1),
+		{Type: "CustomerRegistered", Payload: `{}`, Key: "customer-9"},
+	}
+	applied, err := warehouse.HandleBatch(ctx, batch)
+	if err != nil || !slices.Equal(applied, []bool{true, true, true, true, true, true}) {
+		t.Fatalf("HandleBatch: %v, %v; want every message applied", applied, err)
+	}
+	wantReservations(t, db, shop.Order{ID: 2, TotalCents: 200}, shop.Order{ID: 4, TotalCents: 400})
+
+	before := count(t, db, `SELECT count(*) FROM processed_messages`)
+	bad := []postgres.Message{event(shop.OrderPlaced, 5, 500, 1), {Type: shop.OrderPlaced, Payload: `[1]`, Key: "bad",
+		Aggregate: shop.OrderAggregate(6), Seq: 1}}
+	if applied, err := warehouse.HandleBatch(ctx, bad); applied != nil || !errors.Is(err, postgres.ErrMalformedMessage) ||
+		!strings.Contains(err.Error(), "message bad: decode OrderPlaced payload: ") {
+		t.Errorf("HandleBatch with a payload that is not an order = %v, %v; want nil and ErrMalformedMessage naming bad", applied, err)
+	}
+	wantReservations(t, db, shop.Order{ID: 2, TotalCents: 200}, shop.Order{ID: 4, TotalCents: 400})
+	if after := count(t, db, `SELECT count(*) FROM processed_messages`); after != before {
+		t.Errorf("the refused batch recorded %d keys", after-before)
+	}
+}
+
 // ---- Helpers ----
 
 var errRefused = errors.New("message refused")

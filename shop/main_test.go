@@ -17,7 +17,9 @@ import (
 
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
+	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 // TestShopOverHTTP drives the shop's wiring, serve, over loopback HTTP
@@ -360,5 +362,29 @@ func TestWarehouseDropsEveryCopyOfAReplay(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(body), `outbox_result="duplicate"`) {
 		t.Errorf("/metrics counts no duplicate:\n%.2000s", body)
+	}
+}
+
+// The shop's log in natsbroker/REFERENCE.md begins with the line migrate
+// prints: its schema versions are today's, not those of the run before a
+// migration was added.
+func TestTheShopsLogInTheReferenceIsAtTodaysSchema(t *testing.T) {
+	doc, err := os.ReadFile("../natsbroker/REFERENCE.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("shop: database at outbox schema version %d and shop schema version %d,",
+		postgres.SchemaVersion, shop.SchemaVersion)
+	var found int
+	for line := range strings.Lines(string(doc)) {
+		if strings.HasPrefix(line, "shop: database at ") {
+			found++
+			if !strings.HasPrefix(line, want) {
+				t.Errorf("natsbroker/REFERENCE.md shows %q; migrate prints %q today: run the shop again and copy its log", strings.TrimSpace(line), want)
+			}
+		}
+	}
+	if found == 0 {
+		t.Error("natsbroker/REFERENCE.md shows no line of migrate's; the test looks for the shop's log there")
 	}
 }

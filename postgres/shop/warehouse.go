@@ -65,7 +65,7 @@ func (w *Warehouse) HandleBatch(ctx context.Context, msgs []postgres.Message) (a
 	if w.err != nil {
 		return nil, w.err
 	}
-	return w.outbox.ApplyBatch(ctx, msgs, last, reserve)
+	return w.outbox.ApplyBatch(ctx, msgs, last, reserveAll)
 }
 
 // last reports whether msg is its order's last event: CancelOrder refuses
@@ -79,9 +79,9 @@ func reserve(ctx context.Context, tx postgres.SQLTx, msg postgres.Message) error
 	if msg.Type != OrderPlaced && msg.Type != OrderCancelled {
 		return nil
 	}
-	var order Order
-	if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
-		return fmt.Errorf("message %s: decode %s payload: %w: %w", msg.Key, msg.Type, postgres.ErrMalformedMessage, err)
+	order, err := decodeOrder(msg)
+	if err != nil {
+		return err
 	}
 	effect := `INSERT INTO reservations (order_id, total_cents) VALUES ($1, $2)`
 	if msg.Type == OrderCancelled {
@@ -91,6 +91,51 @@ func reserve(ctx context.Context, tx postgres.SQLTx, msg postgres.Message) error
 		return fmt.Errorf("message %s: %s: %w", msg.Key, msg.Type, err)
 	}
 	return nil
+}
+
+// reserveAll writes the effects of msgs in tx in two statements, however
+// many they are: one INSERT for the orders placed, then one DELETE for
+// those cancelled (an order cancelled in the same batch was placed before
+// its cancellation, so its row goes too). A payload that is not an order
+// fails the batch before anything is written, naming its message.
+func reserveAll(ctx context.Context, tx postgres.SQLTx, msgs []postgres.Message) error {
+	var placed, totals, cancelled []int64
+	for _, msg := range msgs {
+		if msg.Type != OrderPlaced && msg.Type != OrderCancelled {
+			continue
+		}
+		order, err := decodeOrder(msg)
+		if err != nil {
+			return err
+		}
+		if msg.Type == OrderPlaced {
+			placed, totals = append(placed, order.ID), append(totals, order.TotalCents)
+		} else {
+			cancelled = append(cancelled, order.ID)
+		}
+	}
+	if len(placed) > 0 {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO reservations (order_id, total_cents)
+			SELECT * FROM unnest($1::bigint[], $2::bigint[])`, placed, totals); err != nil {
+			return fmt.Errorf("%s of %d orders: %w", OrderPlaced, len(placed), err)
+		}
+	}
+	if len(cancelled) > 0 {
+		if _, err := tx.ExecContext(ctx, `DELETE FROM reservations WHERE order_id = ANY($1::bigint[])`, cancelled); err != nil {
+			return fmt.Errorf("%s of %d orders: %w", OrderCancelled, len(cancelled), err)
+		}
+	}
+	return nil
+}
+
+// decodeOrder reads the order msg carries, or says which message does not
+// carry one.
+func decodeOrder(msg postgres.Message) (Order, error) {
+	var order Order
+	if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
+		return Order{}, fmt.Errorf("message %s: decode %s payload: %w: %w", msg.Key, msg.Type, postgres.ErrMalformedMessage, err)
+	}
+	return order, nil
 }
 
 // ForgetProcessed is [postgres.Outbox.ForgetProcessed] on the warehouse's
