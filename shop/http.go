@@ -144,7 +144,7 @@ func newHandler(db *sql.DB, ob *postgres.Outbox[postgres.SQLTx], orders orderPla
 			return
 		}
 		view := map[string]any{"unsent": lag.Unsent, "parked": lag.Parked, "failing": lag.Failing,
-			"oldestWaitSeconds": lag.Oldest.Seconds(), "blocking": nil}
+			"scheduled": lag.Scheduled, "oldestWaitSeconds": lag.Oldest.Seconds(), "blocking": nil}
 		var b struct {
 			ID        int64  `json:"id"`
 			Key       string `json:"key"`

@@ -70,6 +70,7 @@ func TestShopOverHTTP(t *testing.T) {
 	}
 	var view struct {
 		Unsent, Parked, Failing int
+		Scheduled               *int
 		Blocking                *struct {
 			ID        int64
 			Attempts  int
@@ -81,9 +82,9 @@ func TestShopOverHTTP(t *testing.T) {
 	got := get(t, base+"/outbox")
 	t.Logf("GET /outbox with the broker down answered in %v", time.Since(asked))
 	if json.Unmarshal([]byte(got), &view) != nil || view.Unsent != 1 || view.Parked != 0 ||
-		view.Blocking == nil || view.Blocking.ID != 2 || view.Blocking.Attempts == 0 ||
+		view.Scheduled == nil || *view.Scheduled != 0 || view.Blocking == nil || view.Blocking.ID != 2 || view.Blocking.Attempts == 0 ||
 		!strings.Contains(view.Blocking.LastError, "message broker unavailable") || view.Consumer["error"] == nil {
-		t.Errorf("GET /outbox while the broker is down = %s, want 1 unsent, 0 parked, row 2 blocking with the broker's error, the consumer unreachable", got)
+		t.Errorf("GET /outbox while the broker is down = %s, want 1 unsent, 0 parked, 0 scheduled, row 2 blocking with the broker's error, the consumer unreachable", got)
 	}
 	call(t, "POST", base+"/broker/up", "", 200, `{"broker":"up"}`)
 	waitFor(t, "order 2 reserved", func() bool {
