@@ -26,7 +26,7 @@
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
-#   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 3 min)
+#   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 7 min)
 #   make measure-rabbitbroker                rabbitbroker/README.md's drain figures beside JetStream's, and the latency at 100, 300 and 1,000 orders a second
 #
 # make test without T does the same as with it; a T naming another pattern
