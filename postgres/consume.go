@@ -118,8 +118,8 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 // consumer pays one durable commit for the batch instead of one a message,
 // four statements for the batch's records instead of four a message, and
 // as many statements for its effects as apply makes: write them in bulk
-// (the example's warehouse makes one INSERT for every order the batch
-// places). apply is not called when every message is a duplicate.
+// (one INSERT for all the rows the batch adds, not one a message). apply
+// is not called when every message is a duplicate.
 // applied[i] reports whether msgs[i] was applied (false: a duplicate,
 // also of a copy earlier in the same batch). last, if not nil, says which
 // messages are their aggregate's last event, as ApplyOnce's last does.
