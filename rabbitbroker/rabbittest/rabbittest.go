@@ -188,11 +188,15 @@ func StartCluster(k int, o Options) (*Cluster, error) {
 	for _, n := range c.Nodes {
 		go func() { errs <- n.start() }()
 	}
-	for range k {
+	var failed []error
+	for range k { // every start ended before any node is removed
 		if err := <-errs; err != nil {
-			c.Remove()
-			return nil, err
+			failed = append(failed, err)
 		}
+	}
+	if failed != nil {
+		c.Remove()
+		return nil, errors.Join(failed...)
 	}
 	for _, n := range c.Nodes[1:] {
 		for _, args := range [][]string{{"stop_app"}, {"join_cluster", c.Nodes[0].Name}, {"start_app"}} {
@@ -340,6 +344,9 @@ func (n *Node) startOnce() error {
 		select {
 		case <-exited:
 			n.cmd = nil
+			if taken(filepath.Join(n.Dir, "server.out"), from) {
+				return fmt.Errorf("%w: node %s could not listen: %s", errPortTaken, n.Name, n.tail())
+			}
 			return fmt.Errorf("rabbittest: node %s exited while starting: %s", n.Name, n.tail())
 		case <-time.After(200 * time.Millisecond):
 		}
@@ -458,7 +465,13 @@ func (n *Node) Remove() error {
 // says that a port it would listen on was in use.
 func taken(file string, from int64) bool {
 	b, err := os.ReadFile(file)
-	return err == nil && int64(len(b)) > from && strings.Contains(string(b[from:]), "eaddrinuse")
+	if err != nil || int64(len(b)) <= from {
+		return false
+	}
+	out := string(b[from:])
+	// eaddrinuse: a listener's port; dist_port_already_used: the
+	// distribution port, which the node checks before it starts.
+	return strings.Contains(out, "eaddrinuse") || strings.Contains(out, "dist_port_already_used")
 }
 
 // Log is the end of the node's log file, at most the last 4 KB: its
