@@ -240,6 +240,7 @@ func (c *Cluster) Remove() error {
 func (n *Node) env() []string {
 	return append(os.Environ(),
 		"HOME="+n.Dir,
+		"ERL_CRASH_DUMP="+filepath.Join(n.Dir, "erl_crash.dump"), // never in the folder the test runs in
 		"RABBITMQ_NODENAME="+n.Name,
 		"RABBITMQ_NODE_IP_ADDRESS=127.0.0.1",
 		fmt.Sprint("RABBITMQ_NODE_PORT=", n.Port),
@@ -321,7 +322,7 @@ func (n *Node) startOnce() error {
 	}
 	from := info.Size() // where this start's output begins
 	n.cmd = exec.Command(filepath.Join(Bin, "rabbitmq-server"))
-	n.cmd.Env, n.cmd.Stdout, n.cmd.Stderr = n.env(), out, out
+	n.cmd.Env, n.cmd.Stdout, n.cmd.Stderr, n.cmd.Dir = n.env(), out, out, n.Dir
 	n.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL} // its own group, so that Stop reaches what it spawned
 	if err := n.cmd.Start(); err != nil {
 		return err
