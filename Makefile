@@ -17,8 +17,8 @@
 #   make rabbitbroker                        the rabbitbroker/ module's tests: RabbitMQ (Debian's, installed if missing) on throwaway nodes, a throwaway PostgreSQL (-race)
 #   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps and PgBouncer (Debian's, installed if missing)
 #   make lint                                staticcheck (fetched through the Go module proxy), every module
-#   make fuzz [FUZZTIME=3m]                  the root package's model-based fuzz test, for a while
-#   make bench                               the root package's benchmarks, and each pair's ratio (benchstat)
+#   make fuzz [FUZZTIME=3m]                  the lesson's model-based fuzz test (lessoncheck/), for a while
+#   make bench                               the lesson's benchmarks (lessoncheck/), and each pair's ratio (benchstat)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side, six runs, medians and spreads (about 3 min)
@@ -57,6 +57,7 @@ test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
 	$(GO) vet ./...
 	$(GO) test $(RACE) -cover -count=1 ./...
+	cd lessoncheck && $(GO) vet ./... && $(GO) test $(RACE) -count=1 ./...
 
 pattern:
 	@if [ "$(T)" != "$(PATTERN)" ]; then \
@@ -68,16 +69,16 @@ example:
 	$(GO) test -count=1 -run '^Example(_crashPoints)?$$'
 
 fuzz:
-	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 10s .
+	cd lessoncheck && $(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 10s .
 
 # Ten rounds of every benchmark into bench.txt (about 45 s on 2 cores), then
-# each pair's ratio; the benchmarks' doc comments in outbox_test.go state
+# each pair's ratio; the benchmarks' doc comments in lessoncheck/bench_test.go state
 # the claims the ratios check. A round runs each pair one right after the
 # other, so that the two sides of a ratio meet the same machine (-count would
 # run all rounds of one side first). The test binary is built once. benchstat
 # is fetched through the module proxy, never a dependency.
 bench:
-	$(GO) test -c -o bench.test .
+	cd lessoncheck && $(GO) test -c -o ../bench.test .
 	for round in 1 2 3 4 5 6 7 8 9 10; do \
 		./bench.test -test.run '^$$' -test.bench . -test.benchmem -test.benchtime 200ms || exit 1; \
 	done | tee bench.txt
@@ -89,6 +90,7 @@ bench:
 
 lint:
 	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd lessoncheck && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd postgres && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd natsbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd shop && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...

@@ -34,9 +34,9 @@ import (
 //     entry points over one database, wired by a root (newHandler, runRelay,
 //     startApp).
 //
-// The application's tests (bad input over HTTP, the load test) and the
-// benchmarks that make bench compares are in outbox_test.go, apart from the
-// scenario.
+// The application's tests (bad input over HTTP, the load test) are in
+// outbox_test.go, and the benchmarks that make bench compares in
+// lessoncheck/, apart from the scenario.
 //
 //	POST /orders: handler -> OrderService.PlaceOrder -> Database.Transaction
 //	background:   ticker  -> OutboxRelay.PublishPending -> outbox -> broker
