@@ -136,8 +136,9 @@ FOR UPDATE SKIP LOCKED`
 // claimRuns is claimRows for a relay with order per aggregate: it does not
 // claim a row when an earlier row of its aggregate is held back
 // (outbox_held: parked, failed to publish, or scheduled for later), so that
-// the rows of a stuck aggregate do not fill the batch of every pass. Whether any row is held is asked once
-// (an InitPlan), and only if one is, of each row. Nor does it claim a row
+// the rows of a stuck aggregate do not fill the batch of every pass.
+// Whether any row is held is asked once (an InitPlan), and only if one is,
+// of each row. Nor does it claim a row
 // whose retry_at (migration 6) is still to come: a failed publish's
 // backoff. Such a row is among the few that failed, all in outbox_held, so
 // it costs the claim no more than a held row does.
