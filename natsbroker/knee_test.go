@@ -30,7 +30,7 @@ const kneeStep = 3 * time.Second
 const kneeClients = 32
 
 // kneeBatch is the MaxBatch of BenchmarkKnee's batch consumer.
-const kneeBatch = 32
+const kneeBatch = 64
 
 // BenchmarkKnee offers orders at rising rates through the whole pipeline:
 // 32 clients placing orders (OrderService, one transaction each), a relay

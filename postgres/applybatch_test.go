@@ -179,6 +179,96 @@ func applyBatch[T any](t *testing.T, ob *postgres.Outbox[T], check *sql.DB, effe
 	}
 }
 
+// TestApplyBatchWritesAPositionItStartsOnce: an aggregate whose first
+// message is in the batch gets its position row inserted once, with the
+// Seq the batch takes it to, not inserted, locked and moved (three writes);
+// one seen before is locked and moved. The counts are the batch's own
+// transaction's, read in apply (pg_stat_xact_user_tables), each batch on
+// a connection of its own, since a session's counts not yet reported add
+// up. A key recorded before stops an aggregate the batch starts where its
+// message is, as it does one seen before. (Before, every position was
+// made at 0 and then moved: "1 inserted, 1 updated" for c.)
+func TestApplyBatchWritesAPositionItStartsOnce(t *testing.T) {
+	name := newBlankDatabase(t)
+	db := open(t, name, "")
+	fresh := open(t, name, "")
+	fresh.SetMaxIdleConns(0) // a connection for each batch
+	ob, err := postgres.OpenDB(fresh, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	msg := func(key, aggregate string, seq int64) postgres.Message {
+		return postgres.Message{Type: "Moved", Payload: "{}", Key: key, Aggregate: aggregate, Seq: seq}
+	}
+	var written string // the batch's inserts and updates of positions, as apply saw them
+	apply := func(ctx context.Context, tx postgres.SQLTx, msgs []postgres.Message) error {
+		var ins, upd int64
+		err := tx.QueryRowContext(ctx, `SELECT coalesce(sum(n_tup_ins), 0), coalesce(sum(n_tup_upd), 0)
+			FROM pg_stat_xact_user_tables WHERE relname = 'aggregate_positions'`).Scan(&ins, &upd)
+		written = fmt.Sprintf("%d inserted, %d updated", ins, upd)
+		return err
+	}
+	positions := func() string {
+		t.Helper()
+		rows, err := db.Query(`SELECT aggregate || '=' || seq || CASE WHEN closed THEN ' closed' ELSE '' END
+			FROM aggregate_positions ORDER BY aggregate`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := scanStrings(rows)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(got, ", ")
+	}
+	last := func(m postgres.Message) bool { return m.Key == "b-1" }
+
+	if _, err := ob.ApplyBatch(ctx, []postgres.Message{msg("c-1", "c", 1), msg("c-2", "c", 2)}, nil, apply); err != nil {
+		t.Fatal(err)
+	}
+	if want := "1 inserted, 0 updated"; written != want {
+		t.Fatalf("a batch starting c wrote its position %s, want %s", written, want)
+	}
+	// a starts, with two messages, b starts and ends, c goes on.
+	applied, err := ob.ApplyBatch(ctx, []postgres.Message{msg("a-2", "a", 2), msg("c-3", "c", 3), msg("b-1", "b", 1), msg("a-1", "a", 1)}, last, apply)
+	if err != nil || !slices.Equal(applied, []bool{true, true, true, true}) {
+		t.Fatalf("applied %v, %v; want all", applied, err)
+	}
+	if want := "2 inserted, 1 updated"; written != want {
+		t.Errorf("positions %s, want %s: a and b each inserted once, c moved", written, want)
+	}
+	if got, want := positions(), "a=2, b=1 closed, c=3"; got != want {
+		t.Errorf("positions %s, want %s", got, want)
+	}
+
+	// d-1's key was recorded before, for a message of no aggregate: d stops
+	// at 0, and e-2 behind the copy whose key was recorded is refused.
+	if _, err := ob.ApplyBatch(ctx, []postgres.Message{msg("k", "", 0)}, nil, apply); err != nil {
+		t.Fatal(err)
+	}
+	applied, err = ob.ApplyBatch(ctx, []postgres.Message{msg("e-1", "e", 1), msg("k", "d", 1)}, nil, apply)
+	if err != nil || !slices.Equal(applied, []bool{true, false}) {
+		t.Fatalf("e-1 and a recorded key starting d: applied %v, %v; want e-1 alone", applied, err)
+	}
+	if got, want := positions(), "a=2, b=1 closed, c=3, d=0, e=1"; got != want {
+		t.Errorf("positions %s, want %s: d left at 0", got, want)
+	}
+	if _, err := ob.ApplyBatch(ctx, []postgres.Message{msg("f-1", "f", 1), msg("k", "f", 2), msg("f-3", "f", 3)}, nil, apply); !errors.Is(err, postgres.ErrOutOfOrder) || !strings.Contains(err.Error(), "f-3") {
+		t.Fatalf("f-3 behind a copy whose key was recorded: %v, want ErrOutOfOrder naming f-3", err)
+	}
+	applied, err = ob.ApplyBatch(ctx, []postgres.Message{msg("f-1", "f", 1), msg("k", "f", 2)}, nil, apply)
+	if err != nil || !slices.Equal(applied, []bool{true, false}) {
+		t.Fatalf("f-1 and a recorded key: applied %v, %v; want f-1 alone", applied, err)
+	}
+	if got, want := positions(), "a=2, b=1 closed, c=3, d=0, e=1, f=1"; got != want {
+		t.Errorf("positions %s, want %s: f stopped at f-1", got, want)
+	}
+}
+
 // Two consumers apply the same messages of ten aggregates at once, one in
 // the order of the aggregates and one in reverse, twenty rounds: neither
 // fails (a deadlock would be an error) and each message applies once.

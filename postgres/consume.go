@@ -116,10 +116,12 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 // it drops each message whose key (or aggregate position) was applied
 // before, calls apply once with all the others, and commits once, so a
 // consumer pays one durable commit for the batch instead of one a message,
-// four statements for the batch's records instead of four a message, and
-// as many statements for its effects as apply makes: write them in bulk
-// (one INSERT for all the rows the batch adds, not one a message). apply
-// is not called when every message is a duplicate.
+// at most four statements for the batch's records instead of four a
+// message, and as many statements for its effects as apply makes: write
+// them in bulk (one INSERT for all the rows the batch adds, not one a
+// message). The position of an aggregate whose first message (Seq 1) is
+// in the batch is written once, where ApplyOnce makes, locks and moves
+// it. apply is not called when every message is a duplicate.
 // applied[i] reports whether msgs[i] was applied (false: a duplicate,
 // also of a copy earlier in the same batch). last, if not nil, says which
 // messages are their aggregate's last event, as ApplyOnce's last does.
@@ -135,9 +137,9 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 // [ErrMalformedMessage]) before anything is written.
 //
 // apply gets the messages to apply with each aggregate's in the order of
-// their Seq, and the batch locks the aggregates' positions in the order of
-// their names: two batches that share aggregates wait for each other
-// instead of deadlocking. Delivery order between different aggregates
+// their Seq. The batch makes the positions of the aggregates it starts,
+// then locks the others, each in the order of their names: two batches
+// that share aggregates wait for each other instead of deadlocking. Delivery order between different aggregates
 // carries no meaning, so nothing is lost by it. apply gets ctx with
 // ApplyBatch's span, "apply batch", with messaging.batch.message_count.
 func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Message) bool, apply func(ctx context.Context, tx T, msgs []Message) error) (applied []bool, err error) {
@@ -184,7 +186,7 @@ func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Me
 	if _, err := t.execN(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
 		return nil, err
 	}
-	positions, err := lockPositions(ctx, t, msgs, order)
+	positions, made, err := lockPositions(ctx, t, msgs, order, last)
 	if err != nil {
 		return nil, err
 	}
@@ -236,7 +238,7 @@ func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Me
 		}
 		moved[m.Aggregate] = m
 	}
-	if err := movePositions(ctx, t, moved, last); err != nil {
+	if err := movePositions(ctx, t, moved, made, last); err != nil {
 		return nil, err
 	}
 	applied = make([]bool, len(msgs))
@@ -259,41 +261,84 @@ func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Me
 }
 
 // lockPositions returns the last seq applied of each aggregate of msgs (0
-// for one never seen), holding their row locks in tx, taken in the order
-// of the aggregates' names.
-func lockPositions(ctx context.Context, tx stmts, msgs []Message, order []int) (map[string]int64, error) {
-	var aggregates []string
-	for _, i := range order { // sorted by aggregate
-		if a := msgs[i].Aggregate; a != "" && (len(aggregates) == 0 || aggregates[len(aggregates)-1] != a) {
-			aggregates = append(aggregates, a)
+// for one never seen), holding their row locks in tx. An aggregate with
+// no row yet whose first message is in the batch (Seq 1) gets its row
+// here, written once with the Seq the batch takes it to if every message
+// applies, instead of made, locked and moved (three writes); made holds
+// the message each such row was written for. The rows are made, then the
+// others locked, each in the order of the aggregates' names.
+func lockPositions(ctx context.Context, tx stmts, msgs []Message, order []int, last func(Message) bool) (positions map[string]int64, made map[string]Message, err error) {
+	var aggregates []string       // each aggregate once, by name
+	reach := map[string]Message{} // an aggregate the batch starts: the message it reaches
+	for _, i := range order {     // sorted by aggregate, then Seq
+		m := msgs[i]
+		if m.Aggregate == "" {
+			continue
+		}
+		if len(aggregates) == 0 || aggregates[len(aggregates)-1] != m.Aggregate {
+			aggregates = append(aggregates, m.Aggregate)
+			if m.Seq == 1 {
+				reach[m.Aggregate] = m
+			}
+			continue
+		}
+		if r, ok := reach[m.Aggregate]; ok && m.Seq == r.Seq+1 {
+			reach[m.Aggregate] = m
 		}
 	}
-	positions := make(map[string]int64, len(aggregates))
+	positions = make(map[string]int64, len(aggregates))
+	made = make(map[string]Message, len(reach))
 	if len(aggregates) == 0 {
-		return positions, nil
+		return positions, made, nil
 	}
-	if _, err := tx.execN(ctx, `INSERT INTO aggregate_positions (aggregate, seq)
-		SELECT a, 0 FROM unnest($1::text[]) AS a ORDER BY a ON CONFLICT DO NOTHING`, aggregates); err != nil {
-		return nil, fmt.Errorf("positions of %d aggregates: %w", len(aggregates), err)
+	if len(reach) > 0 {
+		var names []string
+		var seqs []int64
+		var closed []bool
+		for _, a := range aggregates {
+			if m, ok := reach[a]; ok {
+				names, seqs, closed = append(names, a), append(seqs, m.Seq), append(closed, last != nil && last(m))
+			}
+		}
+		// A row another transaction is making waits here for it, and is
+		// then locked below as one made before.
+		got, err := queryStrings(ctx, tx, `INSERT INTO aggregate_positions (aggregate, seq, applied_at, closed)
+			SELECT a, s, clock_timestamp(), c FROM unnest($1::text[], $2::bigint[], $3::bool[]) AS v(a, s, c) ORDER BY a
+			ON CONFLICT DO NOTHING RETURNING aggregate`, names, seqs, closed)
+		if err != nil {
+			return nil, nil, fmt.Errorf("positions of %d aggregates: %w", len(names), err)
+		}
+		for _, a := range got {
+			made[a], positions[a] = reach[a], 0
+		}
+	}
+	var rest []string
+	for _, a := range aggregates {
+		if _, ok := made[a]; !ok {
+			rest = append(rest, a)
+		}
+	}
+	if len(rest) == 0 {
+		return positions, made, nil
 	}
 	rows, err := tx.query(ctx, `SELECT aggregate, seq FROM aggregate_positions
-		WHERE aggregate = ANY($1::text[]) ORDER BY aggregate FOR UPDATE`, aggregates)
+		WHERE aggregate = ANY($1::text[]) ORDER BY aggregate FOR UPDATE`, rest)
 	if err != nil {
-		return nil, fmt.Errorf("positions of %d aggregates: %w", len(aggregates), err)
+		return nil, nil, fmt.Errorf("positions of %d aggregates: %w", len(rest), err)
 	}
 	defer rows.Close()
 	for rows.Next() {
 		var a string
 		var seq int64
 		if err := rows.Scan(&a, &seq); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		positions[a] = seq
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("positions of %d aggregates: %w", len(aggregates), err)
+		return nil, nil, fmt.Errorf("positions of %d aggregates: %w", len(rest), err)
 	}
-	return positions, nil
+	return positions, made, nil
 }
 
 // recordKeys records the keys of msgs[candidates] in processed_messages, in
@@ -309,36 +354,58 @@ func recordKeys(ctx context.Context, tx stmts, msgs []Message, candidates []int)
 	}
 	// Under READ COMMITTED a key another transaction is recording waits
 	// here for it, then counts as recorded before.
-	rows, err := tx.query(ctx, `INSERT INTO processed_messages (message_key)
+	got, err := queryStrings(ctx, tx, `INSERT INTO processed_messages (message_key)
 		SELECT unnest($1::text[]) ON CONFLICT DO NOTHING RETURNING message_key`, keys)
 	if err != nil {
 		return nil, fmt.Errorf("record %d messages: %w", len(keys), err)
 	}
-	defer rows.Close()
-	for rows.Next() {
-		var k string
-		if err := rows.Scan(&k); err != nil {
-			return nil, err
-		}
+	for _, k := range got {
 		fresh[k] = true
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("record %d messages: %w", len(keys), err)
 	}
 	return fresh, nil
 }
 
-// movePositions sets each aggregate's position to the Seq of its message
-// in moved, in one statement.
-func movePositions(ctx context.Context, tx stmts, moved map[string]Message, last func(Message) bool) error {
-	if len(moved) == 0 {
-		return nil
+// queryStrings runs query in tx and returns the text column of its rows.
+func queryStrings(ctx context.Context, tx stmts, query string, args ...any) ([]string, error) {
+	rows, err := tx.query(ctx, query, args...)
+	if err != nil {
+		return nil, err
 	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
+// movePositions sets each aggregate's position to the Seq of its message
+// in moved, in one statement: the rows locked, and those lockPositions
+// made whose message is not the one moved (a key recorded before stopped
+// the aggregate short of it), which go back to where the batch left them.
+func movePositions(ctx context.Context, tx stmts, moved, made map[string]Message, last func(Message) bool) error {
 	var aggregates []string
 	var seqs []int64
 	var closed []bool
+	set := func(a string, seq int64, m Message, ok bool) {
+		aggregates, seqs, closed = append(aggregates, a), append(seqs, seq), append(closed, ok && last != nil && last(m))
+	}
 	for a, m := range moved {
-		aggregates, seqs, closed = append(aggregates, a), append(seqs, m.Seq), append(closed, last != nil && last(m))
+		if r, ok := made[a]; !ok || r.Key != m.Key {
+			set(a, m.Seq, m, true)
+		}
+	}
+	for a := range made {
+		if _, ok := moved[a]; !ok {
+			set(a, 0, Message{}, false)
+		}
+	}
+	if len(aggregates) == 0 {
+		return nil
 	}
 	if _, err := tx.execN(ctx, `UPDATE aggregate_positions p
 		SET seq = v.seq, applied_at = clock_timestamp(), closed = v.closed
