@@ -31,6 +31,10 @@ var ClaimRunsQuery = strings.NewReplacer(
 	passIdle, "'"+millis(2*DefaultPassTimeout)+"'",
 ).Replace(claimRuns)
 
+// LogMarkQuery is the log relay's mark of rows of the outbox sent: $1 the
+// ids.
+var LogMarkQuery = fmt.Sprintf(logMark, "outbox")
+
 // FlushWALPgx is the flush a pass on a pgx pool makes the server do, on one
 // of p's connections.
 func FlushWALPgx(ctx context.Context, p *pgxpool.Pool) error { return pgxPool{p}.exec(ctx, flushWAL) }

@@ -105,3 +105,50 @@ func TestClaimIsPlannedOncePerConnection(t *testing.T) {
 		})
 	}
 }
+
+// The log relay's mark finds the rows it is given by their ids. Its check
+// that a row is still unsent once matched the partial indexes of unsent
+// rows, and a plan made while the statistics said that next to no row is
+// unsent (the usual state of an outbox whose relay keeps up) read one of
+// them whole for each mark: before a vacuum it holds an entry for every row
+// written since the last, sent or not, so that a mark grew slower as the
+// table did. The test takes the statistics of 2,000 rows all sent, writes
+// 20,000 unsent, marks 1,000 of them in ten marks of 100 on one connection,
+// on the generic plan (which the server chose for the marks under make
+// measure-relays' load, and is made to choose here), and counts the entries
+// any index but the primary key gave (pg_stat_user_indexes): none, where
+// the check as it was read 196,400.
+func TestLogMarkFindsItsRowsByID(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	db.SetMaxOpenConns(1)
+	for _, q := range []string{
+		`INSERT INTO outbox (type, payload, sent_at) SELECT 'OrderPlaced', '{}', now() FROM generate_series(1, 2000)`,
+		`ANALYZE outbox`,
+		`INSERT INTO outbox (type, payload) SELECT 'OrderPlaced', '{}' FROM generate_series(1, 20000)`,
+		`SET plan_cache_mode = force_generic_plan`,
+	} {
+		if _, err := db.ExecContext(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range int64(10) {
+		ids := make([]int64, 100)
+		for j := range ids {
+			ids[j] = 2001 + 100*i + int64(j)
+		}
+		var marked int
+		var unseen string
+		if err := db.QueryRowContext(ctx, postgres.LogMarkQuery, ids).Scan(&marked, &unseen); err != nil || marked != 100 || unseen != "" {
+			t.Fatalf("mark %d = %d, %q, %v; want 100, \"\", <nil>", i+1, marked, unseen, err)
+		}
+	}
+	// Read once the statistics hold the marks' 1,000 lookups of the primary
+	// key (each backend sends its counts a while after its transactions end).
+	read := waitForQuery(t, db, `SELECT sum(idx_tup_read) FILTER (WHERE indexrelname <> 'outbox_pkey')
+		FROM pg_stat_user_indexes WHERE relname = 'outbox'
+		HAVING sum(idx_scan) FILTER (WHERE indexrelname = 'outbox_pkey') >= 1000`)
+	if read != 0 {
+		t.Errorf("ten marks of 100 rows read %d entries of the outbox's other indexes, want 0", read)
+	}
+}
