@@ -192,3 +192,34 @@ func TestLogRelayMarksEveryRowItDeliversUnderConcurrentClients(t *testing.T) {
 	}
 	t.Logf("marks that found a row not yet visible and tried again: %d", strings.Count(logs.String(), "found fewer rows than it delivered"))
 }
+
+// The log relay's mark sets sent_at of the rows it is given that are still
+// unsent, and leaves as they are a row parked meanwhile (its sent_at stays
+// NULL: a parked row was never published) and a row marked already (its
+// sent_at stays the first). A row that does not exist is named, not
+// marked.
+func TestLogMarkLeavesParkedAndSentRowsAsTheyAre(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	if _, err := db.ExecContext(ctx, `INSERT INTO outbox (id, type, payload, parked_at, sent_at) OVERRIDING SYSTEM VALUE VALUES
+		(1, 'OrderPlaced', '{}', NULL, NULL),
+		(2, 'OrderPlaced', '{}', now(), NULL),
+		(3, 'OrderPlaced', '{}', NULL, '2000-01-01 00:00:00+00')`); err != nil {
+		t.Fatal(err)
+	}
+	var marked int
+	var unseen string
+	if err := db.QueryRowContext(ctx, postgres.LogMarkQuery, []int64{1, 2, 3, 99}).Scan(&marked, &unseen); err != nil || marked != 1 || unseen != "99" {
+		t.Fatalf("mark = %d, %q, %v; want 1, \"99\", <nil>", marked, unseen, err)
+	}
+	var got string
+	if err := db.QueryRowContext(ctx, `SELECT string_agg(id || ':' || CASE
+			WHEN sent_at IS NULL THEN 'unsent'
+			WHEN sent_at = '2000-01-01 00:00:00+00' THEN 'sent before'
+			ELSE 'sent now' END, ', ' ORDER BY id) FROM outbox`).Scan(&got); err != nil {
+		t.Fatal(err)
+	}
+	if want := "1:sent now, 2:unsent, 3:sent before"; got != want {
+		t.Errorf("rows after the mark: %s, want %s", got, want)
+	}
+}
