@@ -2,6 +2,7 @@ package postgres_test
 
 import (
 	"context"
+	"database/sql"
 	"syscall"
 	"testing"
 	"time"
@@ -15,17 +16,21 @@ import (
 // BenchmarkPassCPU is the client's share of a relay pass, per message, in
 // passes of 100 rows to a broker that keeps nothing: the CPU time of the
 // test process (user and system, from getrusage) as well as the wall time.
-// pass=relay is OutboxRelay.PublishPending, through database/sql and pgx's
-// stdlib driver; pass=relay-pgx the same relay on a pgxpool.Pool
-// (Open, then NewRelay); both over the whole table, whose claim the bare
-// loops send. pass=pgx is the same statements on one pgx.Conn, one round
-// trip each (BEGIN, the claim, the mark, COMMIT), and pass=pgx-pipelined
+// pass=relay is OutboxRelay.PublishPending on a *sql.DB of pgx's stdlib
+// driver, each pass on the pgx connection beneath one of its connections;
+// pass=relay-pgx the same relay on a pgxpool.Pool (Open, then NewRelay);
+// both over the whole table, whose claim the bare loops send. pass=pgx is
+// the same statements on one pgx.Conn, one round trip each (BEGIN, the
+// claim, the mark, COMMIT); pass=sql the same through database/sql's Tx on
+// the relay's *sql.DB, as the relay sent them before it took the pgx
+// connection beneath (each column handed over as a driver.Value and
+// converted again); and pass=pgx-pipelined
 // sends BEGIN with the claim, and the mark with COMMIT, in one round trip
 // each, as pgx's Batch does; neither checks the log's flush, which the
 // relay's claim reads and, with producers that commit synchronously, finds
 // done. Rows are written in chunks of 1,000 with the timer stopped.
 func BenchmarkPassCPU(b *testing.B) {
-	for _, kind := range []string{"relay", "relay-pgx", "pgx", "pgx-pipelined"} {
+	for _, kind := range []string{"relay", "relay-pgx", "pgx", "sql", "pgx-pipelined"} {
 		b.Run("pass="+kind, func(b *testing.B) {
 			ctx := context.Background()
 			name := newDatabaseName(b)
@@ -44,6 +49,7 @@ func BenchmarkPassCPU(b *testing.B) {
 				"relay":         func() (int, error) { return relay.PublishPending(ctx) },
 				"relay-pgx":     func() (int, error) { return relayPgx.PublishPending(ctx) },
 				"pgx":           func() (int, error) { return pgxPass(ctx, conn) },
+				"sql":           func() (int, error) { return sqlPass(ctx, db) },
 				"pgx-pipelined": func() (int, error) { return pgxPipelinedPass(ctx, conn) },
 			}[kind]
 			var cpu time.Duration
@@ -83,8 +89,15 @@ func cpuTime(b *testing.B) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// claimed reads a claim's rows as the relay does, and returns their ids.
-func claimedIDs(rows pgx.Rows) ([]int64, error) {
+// claimedRows is pgx.Rows or *sql.Rows.
+type claimedRows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+}
+
+// claimedIDs reads a claim's rows as the relay does, and returns their ids.
+func claimedIDs(rows claimedRows) ([]int64, error) {
 	var ids []int64
 	for rows.Next() {
 		var m postgres.Message
@@ -123,6 +136,29 @@ func pgxPass(ctx context.Context, conn *pgx.Conn) (int, error) {
 		return 0, err
 	}
 	return len(ids), tx.Commit(ctx)
+}
+
+func sqlPass(ctx context.Context, db *sql.DB) (int, error) {
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return 0, err
+	}
+	defer tx.Rollback()
+	rows, err := tx.QueryContext(ctx, postgres.ClaimQuery)
+	if err != nil {
+		return 0, err
+	}
+	ids, err := claimedIDs(rows)
+	if cerr := rows.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return 0, err
+	}
+	if _, err := tx.ExecContext(ctx, postgres.MarkSent, ids); err != nil {
+		return 0, err
+	}
+	return len(ids), tx.Commit()
 }
 
 func pgxPipelinedPass(ctx context.Context, conn *pgx.Conn) (int, error) {

@@ -51,6 +51,10 @@ var Backoff = backoff
 // as $1, for a benchmark of another design.
 func SetMark(r *OutboxRelay, query string) { r.mark = query }
 
+// SetLogRelaySent has f called with each transaction's commit time and the
+// time the server sent it to r, both by the server's clock.
+func SetLogRelaySent(r *LogRelay, f func(commit, sent time.Time)) { r.sent = f }
+
 // SetListenWait makes Run's listener wait through f, before it listens
 // again after its connection failed, instead of sleeping.
 func SetListenWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool) {

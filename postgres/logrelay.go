@@ -104,6 +104,7 @@ type LogRelay struct {
 	connConfig *pgconn.Config
 	broker     MessageBroker
 	wait       func(ctx context.Context, d time.Duration) bool // a seam for the tests
+	sent       func(commit, sent time.Time)                    // a seam for the measurements: each transaction's commit, and when the server sent it
 }
 
 // LogRelayConfig configures a [LogRelay]: [Outbox.NewLogRelay] checks it,

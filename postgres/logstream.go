@@ -288,6 +288,9 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 		case *pglogrepl.RelationMessage:
 			s.relations[m.RelationID] = m
 		case *pglogrepl.BeginMessage:
+			if s.relay.sent != nil {
+				s.relay.sent(m.CommitTime, x.ServerTime)
+			}
 			s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
 			s.inTxn, s.txnDone, s.sentIDs, s.sentIn = true, 0, s.sentIDs[:0], s.sentIn[:0]
 		case *pglogrepl.InsertMessage:

@@ -8,11 +8,13 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 )
@@ -36,7 +38,6 @@ type passResult struct {
 
 // pass is PublishPending, reporting more.
 func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
-	batch, budget := r.cfg.BatchSize, r.cfg.PassTimeout
 	tel, start := r.telemetry(), time.Now()
 	var span trace.Span // started once the claim found rows: an empty pass makes no trace
 	defer func() { tel.endPass(ctx, span, start, res, err) }()
@@ -52,12 +53,31 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	// transaction lives under a context that the caller cannot cancel, so
 	// that what the broker accepted can still be marked, and that ends at
 	// twice the budget whatever happens.
-	pubCtx, cancelPub := context.WithTimeout(ctx, budget)
+	pubCtx, cancelPub := context.WithTimeout(ctx, r.cfg.PassTimeout)
 	defer cancelPub()
-	txCtx, cancelTx := context.WithTimeout(context.WithoutCancel(ctx), 2*budget)
+	txCtx, cancelTx := context.WithTimeout(context.WithoutCancel(ctx), 2*r.cfg.PassTimeout)
 	defer cancelTx()
 
-	tx, err := r.db.begin(txCtx)
+	// The pass's transaction is on one connection, through pgx even on a
+	// *sql.DB (pool.onConn).
+	var ran bool
+	err = r.db.onConn(txCtx, func(begin beginFunc) error {
+		ran = true
+		res, err = r.passOn(ctx, pubCtx, txCtx, begin, start, &span)
+		return err
+	})
+	if !ran {
+		return res, fmt.Errorf("begin relay pass: %w", err)
+	}
+	return res, err
+}
+
+// passOn is a pass's transaction, begun by begin: its claim, its
+// publishes under pubCtx and the rest under txCtx, and its span, started
+// at start once the claim found rows.
+func (r *OutboxRelay) passOn(ctx, pubCtx, txCtx context.Context, begin beginFunc, start time.Time, span *trace.Span) (res passResult, err error) {
+	batch, budget := r.cfg.BatchSize, r.cfg.PassTimeout
+	tx, err := begin(txCtx)
 	if err != nil {
 		return res, fmt.Errorf("begin relay pass: %w", err)
 	}
@@ -90,7 +110,7 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	res.claimed, res.full = len(msgs), len(msgs) == batch
 	if len(msgs) > 0 {
 		// The publishes' context carries the pass's span, their link.
-		pubCtx, span = tel.tracer.Start(pubCtx, "outbox relay pass", trace.WithTimestamp(start))
+		pubCtx, *span = r.telemetry().tracer.Start(pubCtx, "outbox relay pass", trace.WithTimestamp(start))
 	}
 	if len(msgs) > 0 && !wal.flushed {
 		var err error
@@ -215,8 +235,9 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 // why says, for an error of the pass's transaction, what happened to it
 // when the error itself does not: the pass ran past twice its budget (its
 // transaction's context ended), or its session is gone (the server ended
-// it, or a pooler, or the network did) and with it everything the pass
-// wrote.
+// it, or a pooler, or the network did: the server's error says so, or the
+// driver could not send the statement, or the network failed) and with it
+// everything the pass wrote.
 // (A commit whose outcome is unknown says so itself.)
 func why(txCtx context.Context, err error) string {
 	code := sqlState(err)
@@ -225,7 +246,8 @@ func why(txCtx context.Context, err error) string {
 		return ""
 	case txCtx.Err() != nil:
 		return " (the pass ran past twice its budget, PassTimeout: a broker slower than the budget?)"
-	case errors.Is(err, driver.ErrBadConn), strings.HasPrefix(code, "08"), code == "57P01", code == "57P02", code == "25P03":
+	case errors.Is(err, driver.ErrBadConn), pgconn.SafeToRetry(err), errors.As(err, new(net.Error)),
+		strings.HasPrefix(code, "08"), code == "57P01", code == "57P02", code == "25P03":
 		return " (the pass's session is gone, ended by the server, a pooler or the network, and nothing it wrote was kept)"
 	}
 	return ""

@@ -21,12 +21,18 @@ import (
 // database.
 type pool interface {
 	begin(ctx context.Context) (txn, error) // a READ COMMITTED transaction
+	// onConn runs f, whose begin starts READ COMMITTED transactions on
+	// pgx: a relay pass's.
+	onConn(ctx context.Context, f func(begin beginFunc) error) error
 	exec(ctx context.Context, query string) error
 	stmts // one statement, in a transaction of its own
 	listen(ctx context.Context, channel string, wake chan<- struct{}) (listened bool, err error)
 	check() error // the pool's configuration, as validate checks it
 	maxConns() int
 }
+
+// beginFunc begins a READ COMMITTED transaction.
+type beginFunc func(ctx context.Context) (txn, error)
 
 // txn is a transaction: a pass's, a migration's, or the caller's own.
 type txn interface {
@@ -57,6 +63,33 @@ type sqlPool struct{ db *sql.DB }
 func (p sqlPool) begin(ctx context.Context) (txn, error) {
 	tx, err := p.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	return sqlTxn{tx}, err
+}
+
+// onConn runs f on the pgx connection beneath one of the database's
+// connections (Conn.Raw), held for f's duration, its transactions begun
+// on that connection by pgx. A relay pass's statements, and the rows of
+// its claim, then go through pgx as on a *pgxpool.Pool, not through
+// database/sql, which hands each column over as a driver.Value and
+// converts it again: that made a pass's client CPU a third more
+// (BenchmarkPassCPU). The connection goes back to the database after f,
+// which closes it if it broke or was left in a transaction (the stdlib
+// driver reports either as bad).
+func (p sqlPool) onConn(ctx context.Context, f func(begin beginFunc) error) error {
+	conn, err := p.db.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return conn.Raw(func(driverConn any) error {
+		sc, ok := driverConn.(*stdlib.Conn)
+		if !ok { // check refuses a database of another driver
+			return fmt.Errorf("the driver's connection is a %T, not pgx's stdlib driver's", driverConn)
+		}
+		return f(func(ctx context.Context) (txn, error) {
+			tx, err := sc.Conn().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+			return pgxTxn{tx}, err
+		})
+	})
 }
 
 func (p sqlPool) exec(ctx context.Context, query string) error {
@@ -160,6 +193,10 @@ func (p pgxPool) begin(ctx context.Context) (txn, error) {
 	tx, err := p.p.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	return pgxTxn{tx}, err
 }
+
+// onConn runs f with begin on the pool: each transaction on a connection
+// of its own.
+func (p pgxPool) onConn(_ context.Context, f func(begin beginFunc) error) error { return f(p.begin) }
 
 func (p pgxPool) exec(ctx context.Context, query string) error {
 	_, err := p.p.Exec(ctx, query)

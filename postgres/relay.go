@@ -287,8 +287,10 @@ var ErrInvalidConfig = errors.New("postgres: invalid configuration")
 // too small: a pass takes one connection for its transaction and, while it
 // makes the server flush its log, a second one; Run takes one more for good
 // to listen on, unless PollOnly (MaxOpenConns, or MaxConns, of at least 3,
-// or 2). On an Outbox made by [Open], its passes run in pgx transactions
-// without database/sql between them and the server.
+// or 2). Its passes run in pgx transactions, with no database/sql between
+// them and the server: on an Outbox made by [OpenDB], each on the pgx
+// connection beneath one of the *sql.DB's connections, taken from it for
+// the pass; its settings (MaxOpenConns, ConnMaxLifetime) hold as for any.
 func (o *Outbox[T]) NewRelay(broker MessageBroker, cfg RelayConfig) (*OutboxRelay, error) {
 	if err := o.usable(); err != nil {
 		return nil, err

@@ -24,7 +24,10 @@ import (
 // producers ran, and, at the end, the outbox's dead tuples and the size of
 // its index of unsent rows; for relay=poll, its passes with rows while the
 // producers ran and the share of them that made the server flush its log
-// (PassReport.Flushed). relay=log runs as the relay process deploys it,
+// (PassReport.Flushed); for the log relay, the 99th percentile of the
+// delay from each transaction's commit to the server's sending it
+// (sender-p99-ms), both by the server's clock: the server's share of the
+// tail, the rest being the relay's and the broker's. relay=log runs as the relay process deploys it,
 // marking what it delivered; relay=log-unmarked marks nothing, to
 // show what the marks cost. Each relay has delivered one order
 // before the producers start, so that the figures are of a relay running,
@@ -84,6 +87,8 @@ func measureRelay(b *testing.B, kind string) {
 	broker := &arrivals{at: map[int64]time.Time{}}
 	var measuring atomic.Bool
 	var passes, flushes atomic.Int64 // the polling relay's passes with rows, while the producers ran, and those that flushed
+	var senderMu sync.Mutex
+	var sender []time.Duration // the log relay's transactions, while the producers ran: from commit to the server's sending, by its clock
 	runCtx, stopRelay := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	switch kind {
@@ -107,6 +112,13 @@ func measureRelay(b *testing.B, kind string) {
 		if err != nil {
 			b.Fatal(err)
 		}
+		postgres.SetLogRelaySent(relay, func(commit, sent time.Time) {
+			if measuring.Load() {
+				senderMu.Lock()
+				sender = append(sender, sent.Sub(commit))
+				senderMu.Unlock()
+			}
+		})
 		go func() { done <- relay.Run(runCtx) }()
 	}
 	// The producers' connections are open before the window, and stay
@@ -207,6 +219,15 @@ func measureRelay(b *testing.B, kind string) {
 	b.ReportMetric(float64(delays[len(delays)*99/100].Microseconds())/1000, "p99-ms")
 	b.ReportMetric(float64(delays[len(delays)-1].Microseconds())/1000, "max-ms")
 	b.ReportMetric(walBytes/float64(n), "wal-B/order")
+	if kind != "poll" {
+		senderMu.Lock()
+		if len(sender) == 0 {
+			b.Fatal("the log relay reported no transaction sent while the producers ran")
+		}
+		slices.Sort(sender)
+		b.ReportMetric(float64(sender[len(sender)*99/100].Microseconds())/1000, "sender-p99-ms")
+		senderMu.Unlock()
+	}
 	if kind == "poll" {
 		b.ReportMetric(float64(passes.Load()), "passes")
 		b.ReportMetric(100*float64(flushes.Load())/float64(passes.Load()), "flushed-%")
