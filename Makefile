@@ -155,7 +155,8 @@ measure-postgres:
 # as with-server.sh sets it): 8 producers for 5 s while the polling relay,
 # then the log relay, delivers, six rounds of it (benchstat's medians and
 # spreads: one run's p99 is no figure to quote); and the client's CPU for a pass through the
-# relay (on database/sql and on a pgxpool), bare pgx and pipelined pgx (six
+# relay (on a *sql.DB and on a pgxpool), bare pgx, the same statements
+# through database/sql, and pipelined pgx (six
 # rounds, then benchstat); into
 # postgres/figures/measure-relays.txt and .stat.txt, for postgres/README.md
 # and REFERENCE.md.
