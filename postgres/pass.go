@@ -58,29 +58,24 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	txCtx, cancelTx := context.WithTimeout(context.WithoutCancel(ctx), 2*r.cfg.PassTimeout)
 	defer cancelTx()
 
-	// The pass's transaction is on one connection, through pgx even on a
-	// *sql.DB (pool.onConn).
-	var ran bool
-	err = r.db.onConn(txCtx, func(begin beginFunc) error {
-		ran = true
-		res, err = r.passOn(ctx, pubCtx, txCtx, begin, start, &span)
+	// The pass's transaction is begun by pgx, even on a *sql.DB (pool.inTx).
+	began := false
+	err = r.db.inTx(txCtx, func(tx txn) error {
+		began = true
+		res, err = r.passIn(ctx, pubCtx, txCtx, tx, start, &span)
 		return err
 	})
-	if !ran {
+	if !began {
 		return res, fmt.Errorf("begin relay pass: %w", err)
 	}
 	return res, err
 }
 
-// passOn is a pass's transaction, begun by begin: its claim, its
-// publishes under pubCtx and the rest under txCtx, and its span, started
-// at start once the claim found rows.
-func (r *OutboxRelay) passOn(ctx, pubCtx, txCtx context.Context, begin beginFunc, start time.Time, span *trace.Span) (res passResult, err error) {
+// passIn is a pass in its transaction tx: its claim, its publishes under
+// pubCtx and the rest under txCtx, and its span, started at start once the
+// claim found rows.
+func (r *OutboxRelay) passIn(ctx, pubCtx, txCtx context.Context, tx txn, start time.Time, span *trace.Span) (res passResult, err error) {
 	batch, budget := r.cfg.BatchSize, r.cfg.PassTimeout
-	tx, err := begin(txCtx)
-	if err != nil {
-		return res, fmt.Errorf("begin relay pass: %w", err)
-	}
 	defer tx.rollback() // after a commit this does nothing; otherwise it frees the claim
 
 	query := r.outbox.sql.claimRows

@@ -77,12 +77,22 @@ func TestWriteInAPgxTransaction(t *testing.T) {
 // database named, closed when tb ends.
 func newPool(tb testing.TB, name string, maxConns int32) *pgxpool.Pool {
 	tb.Helper()
+	return newPoolAs(tb, name, "", maxConns)
+}
+
+// newPoolAs is newPool whose connections have application_name app, unless
+// it is empty.
+func newPoolAs(tb testing.TB, name, app string, maxConns int32) *pgxpool.Pool {
+	tb.Helper()
 	cfg, err := pgxpool.ParseConfig("")
 	if err != nil {
 		tb.Fatal(err)
 	}
 	cfg.ConnConfig = pgtest.Config.Copy()
 	cfg.ConnConfig.Database = name
+	if app != "" {
+		cfg.ConnConfig.RuntimeParams["application_name"] = app
+	}
 	cfg.MaxConns = maxConns
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {

@@ -3,6 +3,7 @@ package postgres
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"time"
@@ -21,18 +22,16 @@ import (
 // database.
 type pool interface {
 	begin(ctx context.Context) (txn, error) // a READ COMMITTED transaction
-	// onConn runs f, whose begin starts READ COMMITTED transactions on
-	// pgx: a relay pass's.
-	onConn(ctx context.Context, f func(begin beginFunc) error) error
+	// inTx runs f in a READ COMMITTED transaction begun by pgx (a relay
+	// pass's), which f commits or rolls back, and returns f's error or
+	// the one that kept the transaction from beginning.
+	inTx(ctx context.Context, f func(tx txn) error) error
 	exec(ctx context.Context, query string) error
 	stmts // one statement, in a transaction of its own
 	listen(ctx context.Context, channel string, wake chan<- struct{}) (listened bool, err error)
 	check() error // the pool's configuration, as validate checks it
 	maxConns() int
 }
-
-// beginFunc begins a READ COMMITTED transaction.
-type beginFunc func(ctx context.Context) (txn, error)
 
 // txn is a transaction: a pass's, a migration's, or the caller's own.
 type txn interface {
@@ -65,32 +64,53 @@ func (p sqlPool) begin(ctx context.Context) (txn, error) {
 	return sqlTxn{tx}, err
 }
 
-// onConn runs f on the pgx connection beneath one of the database's
-// connections (Conn.Raw), held for f's duration, its transactions begun
-// on that connection by pgx. A relay pass's statements, and the rows of
-// its claim, then go through pgx as on a *pgxpool.Pool, not through
-// database/sql, which hands each column over as a driver.Value and
-// converts it again: that made a pass's client CPU a third more
-// (BenchmarkPassCPU). The connection goes back to the database after f,
-// which closes it if it broke or was left in a transaction (the stdlib
-// driver reports either as bad).
-func (p sqlPool) onConn(ctx context.Context, f func(begin beginFunc) error) error {
-	conn, err := p.db.Conn(ctx)
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	return conn.Raw(func(driverConn any) error {
-		sc, ok := driverConn.(*stdlib.Conn)
-		if !ok { // check refuses a database of another driver
-			return fmt.Errorf("the driver's connection is a %T, not pgx's stdlib driver's", driverConn)
+// inTx runs f in a transaction that pgx begins on the connection beneath
+// one of the database's connections (Conn.Raw), held for f's duration. A
+// relay pass's statements, and the rows of its claim, then go through pgx
+// as on a *pgxpool.Pool, not through database/sql, which hands each column
+// over as a driver.Value and converts it again: that made a pass's client
+// CPU a third more (BenchmarkPassCPU). A connection found broken as the
+// transaction begins (one the server ended while it sat in the pool, whose
+// FATAL error the BEGIN reads) is dropped and another taken, up to
+// beginTries in all: a BEGIN on a connection that broke has done nothing,
+// so trying it again on another is safe whatever the server had read. The
+// connection goes back to the database after f, which closes it there and
+// then if it broke, and before its next use if it was left in a
+// transaction (the stdlib driver reports either as bad).
+func (p sqlPool) inTx(ctx context.Context, f func(tx txn) error) error {
+	for try := 1; ; try++ {
+		conn, err := p.db.Conn(ctx)
+		if err != nil {
+			return err
 		}
-		return f(func(ctx context.Context) (txn, error) {
+		again := false
+		err = conn.Raw(func(driverConn any) error {
+			sc, ok := driverConn.(*stdlib.Conn)
+			if !ok { // check refuses a database of another driver
+				return fmt.Errorf("the driver's connection is a %T, not pgx's stdlib driver's", driverConn)
+			}
 			tx, err := sc.Conn().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-			return pgxTxn{tx}, err
+			if err != nil {
+				again = sc.Conn().IsClosed() && ctx.Err() == nil && try < beginTries
+				if again {
+					return driver.ErrBadConn // database/sql closes this one
+				}
+				return err
+			}
+			return f(pgxTxn{tx})
 		})
-	})
+		conn.Close()
+		if !again {
+			return err
+		}
+	}
 }
+
+// beginTries is how many of a *sql.DB's connections a relay pass tries
+// before it gives up beginning its transaction, each found broken as it
+// began: database/sql's BeginTx tries as many, though only on connections
+// it finds broken before it sends anything.
+const beginTries = 3
 
 func (p sqlPool) exec(ctx context.Context, query string) error {
 	_, err := p.db.ExecContext(ctx, query)
@@ -194,9 +214,31 @@ func (p pgxPool) begin(ctx context.Context) (txn, error) {
 	return pgxTxn{tx}, err
 }
 
-// onConn runs f with begin on the pool: each transaction on a connection
-// of its own.
-func (p pgxPool) onConn(_ context.Context, f func(begin beginFunc) error) error { return f(p.begin) }
+// inTx runs f in a transaction on a connection of the pool. As on a
+// *sql.DB, a connection found broken as the transaction begins is dropped
+// (the pool destroys a closed connection released to it) and another
+// taken, up to beginTries in all: pgxpool pings only a connection idle for
+// over a second before it hands it out.
+func (p pgxPool) inTx(ctx context.Context, f func(tx txn) error) error {
+	for try := 1; ; try++ {
+		c, err := p.p.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		tx, err := c.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+		if err != nil {
+			again := c.Conn().IsClosed() && ctx.Err() == nil && try < beginTries
+			c.Release()
+			if again {
+				continue
+			}
+			return err
+		}
+		err = f(pgxTxn{tx})
+		c.Release()
+		return err
+	}
+}
 
 func (p pgxPool) exec(ctx context.Context, query string) error {
 	_, err := p.p.Exec(ctx, query)

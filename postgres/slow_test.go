@@ -502,6 +502,56 @@ func insertPending(t *testing.T, db *sql.DB, n int) {
 	}
 }
 
+// A relay whose idle connections the server ended takes another for its
+// pass, on a *sql.DB and on pgx's pool alike: the BEGIN pgx sends on the
+// first reads the server's FATAL error (or cannot be written), the
+// connection is dropped, and the pass goes on on the next. (Caught: the
+// pass failed, once for each connection the server had ended; through
+// database/sql's BeginTx it did too, since that tries again only on a
+// connection found broken before it sends.) Were the connection new, or
+// idle for over a second, the drivers' ping would find it broken first,
+// and the test would pass without the retry.
+func TestRelayTakesAnotherConnectionForOneTheServerEnded(t *testing.T) {
+	for _, driver := range []string{"sql", "pgx"} {
+		t.Run(driver, func(t *testing.T) {
+			ctx := context.Background()
+			name := newDatabaseName(t)
+			db := open(t, name, "")
+			var published []int64
+			broker := brokerFunc(func(_ context.Context, m postgres.Message) error {
+				published = append(published, m.ID)
+				return nil
+			})
+			var relay *postgres.OutboxRelay
+			if driver == "sql" {
+				relayDB := open(t, name, "ended-relay")
+				relayDB.SetMaxIdleConns(4)
+				relay = newRelay(t, relayDB, broker)
+			} else {
+				relay = newRelayOn(t, pgxOutbox(t, newPoolAs(t, name, "ended-relay", 4)), broker)
+			}
+			place(t, db, 100)
+			if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
+				t.Fatalf("first pass = %d, %v; want 1, nil", n, err)
+			}
+			// A pass with nothing to publish takes the connection again:
+			// the stdlib driver pings a connection on its first reuse, and
+			// after that, as pgxpool does, only if it sat idle for over a
+			// second.
+			if n, err := relay.PublishPending(ctx); n != 0 || err != nil {
+				t.Fatalf("empty pass = %d, %v; want 0, nil", n, err)
+			}
+			terminate(t, db, "ended-relay")
+			place(t, db, 200)
+			if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
+				t.Fatalf("pass after the server ended the relay's connections = %d, %v; want 1, nil", n, err)
+			}
+			t.Logf("published %v", published)
+			wantSent(t, db, true, true)
+		})
+	}
+}
+
 // terminate kills the backends whose application_name is app and waits
 // until they have left pg_stat_activity: pg_terminate_backend only sends a
 // signal, and until the backend has exited its locks are still held.
