@@ -79,31 +79,37 @@ func (p sqlPool) begin(ctx context.Context) (txn, error) {
 // transaction (the stdlib driver reports either as bad).
 func (p sqlPool) inTx(ctx context.Context, f func(tx txn) error) error {
 	for try := 1; ; try++ {
-		conn, err := p.db.Conn(ctx)
-		if err != nil {
-			return err
-		}
-		again := false
-		err = conn.Raw(func(driverConn any) error {
-			sc, ok := driverConn.(*stdlib.Conn)
-			if !ok { // check refuses a database of another driver
-				return fmt.Errorf("the driver's connection is a %T, not pgx's stdlib driver's", driverConn)
-			}
-			tx, err := sc.Conn().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-			if err != nil {
-				again = sc.Conn().IsClosed() && ctx.Err() == nil && try < beginTries
-				if again {
-					return driver.ErrBadConn // database/sql closes this one
-				}
-				return err
-			}
-			return f(pgxTxn{tx})
-		})
-		conn.Close()
-		if !again {
+		if again, err := p.inTxOnce(ctx, f, try < beginTries); !again {
 			return err
 		}
 	}
+}
+
+// inTxOnce is one try of inTx, on a connection of its own, and reports
+// whether to try again: the connection broke as the transaction began,
+// and retry allows another try.
+func (p sqlPool) inTxOnce(ctx context.Context, f func(tx txn) error, retry bool) (again bool, err error) {
+	conn, err := p.db.Conn(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close()
+	err = conn.Raw(func(driverConn any) error {
+		sc, ok := driverConn.(*stdlib.Conn)
+		if !ok { // check refuses a database of another driver
+			return fmt.Errorf("the driver's connection is a %T, not pgx's stdlib driver's", driverConn)
+		}
+		tx, err := sc.Conn().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+		if err != nil {
+			again = retry && sc.Conn().IsClosed() && ctx.Err() == nil
+			if again {
+				return driver.ErrBadConn // database/sql closes this one
+			}
+			return err
+		}
+		return f(pgxTxn{tx})
+	})
+	return again, err
 }
 
 // beginTries is how many of a *sql.DB's connections a relay pass tries
@@ -221,23 +227,24 @@ func (p pgxPool) begin(ctx context.Context) (txn, error) {
 // over a second before it hands it out.
 func (p pgxPool) inTx(ctx context.Context, f func(tx txn) error) error {
 	for try := 1; ; try++ {
-		c, err := p.p.Acquire(ctx)
-		if err != nil {
+		if again, err := p.inTxOnce(ctx, f, try < beginTries); !again {
 			return err
 		}
-		tx, err := c.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-		if err != nil {
-			again := c.Conn().IsClosed() && ctx.Err() == nil && try < beginTries
-			c.Release()
-			if again {
-				continue
-			}
-			return err
-		}
-		err = f(pgxTxn{tx})
-		c.Release()
-		return err
 	}
+}
+
+// inTxOnce is one try of inTx, as sqlPool's is.
+func (p pgxPool) inTxOnce(ctx context.Context, f func(tx txn) error, retry bool) (again bool, err error) {
+	c, err := p.p.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer c.Release()
+	tx, err := c.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	if err != nil {
+		return retry && c.Conn().IsClosed() && ctx.Err() == nil, err
+	}
+	return false, f(pgxTxn{tx})
 }
 
 func (p pgxPool) exec(ctx context.Context, query string) error {
