@@ -78,38 +78,47 @@ func (p sqlPool) begin(ctx context.Context) (txn, error) {
 // then if it broke, and before its next use if it was left in a
 // transaction (the stdlib driver reports either as bad).
 func (p sqlPool) inTx(ctx context.Context, f func(tx txn) error) error {
-	for try := 1; ; try++ {
-		if again, err := p.inTxOnce(ctx, f, try < beginTries); !again {
+	return tryBegin(func(retry bool) (again bool, err error) {
+		conn, err := p.db.Conn(ctx)
+		if err != nil {
+			return false, err
+		}
+		defer conn.Close()
+		err = conn.Raw(func(driverConn any) error {
+			sc, ok := driverConn.(*stdlib.Conn)
+			if !ok { // check refuses a database of another driver
+				return fmt.Errorf("the driver's connection is a %T, not pgx's stdlib driver's", driverConn)
+			}
+			again, err = beginOn(ctx, sc.Conn(), f, retry)
+			if again {
+				return driver.ErrBadConn // database/sql closes this one
+			}
+			return err
+		})
+		return again, err
+	})
+}
+
+// tryBegin calls try, on a connection of its own each time, until it
+// reports that its connection did not break as the transaction began, at
+// most beginTries times; retry tells try whether another try may follow.
+func tryBegin(try func(retry bool) (again bool, err error)) error {
+	for n := 1; ; n++ {
+		if again, err := try(n < beginTries); !again {
 			return err
 		}
 	}
 }
 
-// inTxOnce is one try of inTx, on a connection of its own, and reports
-// whether to try again: the connection broke as the transaction began,
-// and retry allows another try.
-func (p sqlPool) inTxOnce(ctx context.Context, f func(tx txn) error, retry bool) (again bool, err error) {
-	conn, err := p.db.Conn(ctx)
+// beginOn begins a READ COMMITTED transaction on conn and runs f in it,
+// and reports whether to try again on another connection: conn broke as
+// the transaction began, the context is still live, and retry allows it.
+func beginOn(ctx context.Context, conn *pgx.Conn, f func(tx txn) error, retry bool) (again bool, err error) {
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
-		return false, err
+		return retry && conn.IsClosed() && ctx.Err() == nil, err
 	}
-	defer conn.Close()
-	err = conn.Raw(func(driverConn any) error {
-		sc, ok := driverConn.(*stdlib.Conn)
-		if !ok { // check refuses a database of another driver
-			return fmt.Errorf("the driver's connection is a %T, not pgx's stdlib driver's", driverConn)
-		}
-		tx, err := sc.Conn().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-		if err != nil {
-			again = retry && sc.Conn().IsClosed() && ctx.Err() == nil
-			if again {
-				return driver.ErrBadConn // database/sql closes this one
-			}
-			return err
-		}
-		return f(pgxTxn{tx})
-	})
-	return again, err
+	return false, f(pgxTxn{tx})
 }
 
 // beginTries is how many of a *sql.DB's connections a relay pass tries
@@ -226,25 +235,14 @@ func (p pgxPool) begin(ctx context.Context) (txn, error) {
 // taken, up to beginTries in all: pgxpool pings only a connection idle for
 // over a second before it hands it out.
 func (p pgxPool) inTx(ctx context.Context, f func(tx txn) error) error {
-	for try := 1; ; try++ {
-		if again, err := p.inTxOnce(ctx, f, try < beginTries); !again {
-			return err
+	return tryBegin(func(retry bool) (bool, error) {
+		c, err := p.p.Acquire(ctx)
+		if err != nil {
+			return false, err
 		}
-	}
-}
-
-// inTxOnce is one try of inTx, as sqlPool's is.
-func (p pgxPool) inTxOnce(ctx context.Context, f func(tx txn) error, retry bool) (again bool, err error) {
-	c, err := p.p.Acquire(ctx)
-	if err != nil {
-		return false, err
-	}
-	defer c.Release()
-	tx, err := c.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-	if err != nil {
-		return retry && c.Conn().IsClosed() && ctx.Err() == nil, err
-	}
-	return false, f(pgxTxn{tx})
+		defer c.Release()
+		return beginOn(ctx, c.Conn(), f, retry)
+	})
 }
 
 func (p pgxPool) exec(ctx context.Context, query string) error {
