@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -190,3 +191,16 @@ func CreateLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 func DropLogSlot(ctx context.Context, db *sql.DB, slot string) error {
 	return dropLogSlot(ctx, db, slot)
 }
+
+// BeginOn begins a relay pass's transaction on conn and runs f in it, as
+// each try of a pass does: again reports whether the pass would try once
+// more on another connection.
+func BeginOn(ctx context.Context, conn *pgx.Conn, f func() error, retry bool) (again bool, err error) {
+	return beginOn(ctx, conn, func(txn) error { return f() }, retry)
+}
+
+// TryBegin is a pass's loop of tries, each on a connection of its own.
+func TryBegin(try func(retry bool) (again bool, err error)) error { return tryBegin(try) }
+
+// BeginTries is how many tries a pass makes at most.
+const BeginTries = beginTries

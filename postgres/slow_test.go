@@ -19,7 +19,9 @@ import (
 	"time"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"github.com/jackc/pgx/v5"
 )
 
 // generous is how long a test waits for something that takes milliseconds,
@@ -550,6 +552,84 @@ func TestRelayTakesAnotherConnectionForOneTheServerEnded(t *testing.T) {
 			wantSent(t, db, true, true)
 		})
 	}
+}
+
+// A pass tries another connection only when its own broke as the
+// transaction began and its context is still live, and at most BeginTries
+// times in all. Breaks the relay that retries on any failed BEGIN (case
+// "live connection"), after its context ended (case "context ended"), or
+// without end (the loop's count).
+func TestRelayTriesAnotherConnectionOnlyForOneThatBroke(t *testing.T) {
+	ctx := context.Background()
+	connect := func(t *testing.T) *pgx.Conn {
+		t.Helper()
+		conn, err := pgx.ConnectConfig(ctx, pgtest.Config.Copy())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = conn.Close(ctx) })
+		return conn
+	}
+	// A connection whose transaction failed refuses a BEGIN and stays
+	// open: the failure is the statement's, not the connection's.
+	failed := func(t *testing.T) *pgx.Conn {
+		conn := connect(t)
+		if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Exec(ctx, "SELECT 1/0"); err == nil {
+			t.Fatal("SELECT 1/0 succeeded")
+		}
+		return conn
+	}
+	closed := func(t *testing.T) *pgx.Conn {
+		conn := connect(t)
+		if err := conn.Close(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return conn
+	}
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	for _, c := range []struct {
+		name      string
+		conn      func(*testing.T) *pgx.Conn
+		ctx       context.Context
+		retry     bool
+		wantAgain bool
+	}{
+		{"live connection", failed, ctx, true, false},
+		{"broken connection", closed, ctx, true, true},
+		{"broken connection, last try", closed, ctx, false, false},
+		{"context ended", closed, ended, true, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			conn := c.conn(t)
+			ran := false
+			again, err := postgres.BeginOn(c.ctx, conn, func() error { ran = true; return nil }, c.retry)
+			t.Logf("again %v, %v", again, err)
+			if err == nil || ran {
+				t.Errorf("BeginOn = %v, ran %v; want the BEGIN's error, and the pass's body not run", err, ran)
+			}
+			if again != c.wantAgain {
+				t.Errorf("again = %v, want %v", again, c.wantAgain)
+			}
+			if c.name == "live connection" && conn.IsClosed() {
+				t.Error("the connection whose transaction failed was closed")
+			}
+		})
+	}
+	t.Run("tries", func(t *testing.T) {
+		var retries []bool
+		err := postgres.TryBegin(func(retry bool) (bool, error) {
+			retries = append(retries, retry)
+			return retry, fmt.Errorf("try %d", len(retries))
+		})
+		want := fmt.Sprintf("try %d", postgres.BeginTries)
+		if len(retries) != postgres.BeginTries || retries[len(retries)-1] || err == nil || err.Error() != want {
+			t.Errorf("tries told retry %v and returned %v; want %d tries, the last told no more, and %q", retries, err, postgres.BeginTries, want)
+		}
+	})
 }
 
 // terminate kills the backends whose application_name is app and waits
