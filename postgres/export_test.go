@@ -36,6 +36,10 @@ var ClaimRunsQuery = strings.NewReplacer(
 // ids.
 var LogMarkQuery = fmt.Sprintf(logMark, "outbox")
 
+// LogDeleteQuery is the mark of a log relay with DeleteDelivered: $1 the
+// ids, $2 their transactions' xids.
+var LogDeleteQuery = fmt.Sprintf(logDelete, "outbox")
+
 // FlushWALPgx is the flush a pass on a pgx pool makes the server do, on one
 // of p's connections.
 func FlushWALPgx(ctx context.Context, p *pgxpool.Pool) error { return pgxPool{p}.exec(ctx, flushWAL) }
@@ -87,11 +91,23 @@ func NewMarks(db *sql.DB, timeout time.Duration, logger *slog.Logger, report fun
 
 // Delivered notes rows of table delivered up to end, starting a mark.
 func (m *Marks) Delivered(ctx context.Context, table string, ids []int64, end uint64) {
+	m.DeliveredBy(ctx, table, ids, 0, end)
+}
+
+// NewDeletingMarks returns the marks of a LogRelay with DeleteDelivered.
+func NewDeletingMarks(db *sql.DB, timeout time.Duration, logger *slog.Logger, report func(PassReport)) *Marks {
+	return &Marks{newMarks(&LogRelay{markIn: db, cfg: LogRelayConfig{PublishTimeout: timeout, Logger: logger, OnPass: report, DeleteDelivered: true}})}
+}
+
+// DeliveredBy notes rows of table written by the transaction xid (its 32
+// bits, as pgoutput's BEGIN carries it) delivered up to end, starting a
+// mark.
+func (m *Marks) DeliveredBy(ctx context.Context, table string, ids []int64, xid uint32, end uint64) {
 	tables := make([]string, len(ids))
 	for i := range tables {
 		tables[i] = table
 	}
-	m.m.delivered(ctx, tables, ids, pglogrepl.LSN(end))
+	m.m.delivered(ctx, tables, ids, xid, pglogrepl.LSN(end))
 }
 
 // Retry lets the next mark start now, past its backoff, and starts it.

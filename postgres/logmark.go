@@ -52,16 +52,25 @@ type marks struct {
 	logger  *slog.Logger
 	report  func(PassReport) // LogRelay.OnPass, or nil
 
-	pending   map[string][]int64 // delivered and not yet being marked, by table
-	pendingTo pglogrepl.LSN      // the end of the last transaction in pending
-	busy      bool               // a mark is being written
-	done      chan markResult    // where it ends
-	markedTo  pglogrepl.LSN      // every row delivered before it has been marked
+	del       bool                 // LogRelayConfig.DeleteDelivered: a mark deletes its rows
+	pending   map[string][]markRow // delivered and not yet being marked, by table
+	pendingTo pglogrepl.LSN        // the end of the last transaction in pending
+	busy      bool                 // a mark is being written
+	done      chan markResult      // where it ends
+	markedTo  pglogrepl.LSN        // every row delivered before it has been marked
 
 	short     int            // marks in a row that fell short: their rows wait in pending
 	notBefore time.Time      // no mark starts before it, after one that fell short
 	missed    map[rowRef]int // rows not found, by how many marks in a row missed them
 	now       func() time.Time
+}
+
+// markRow is a delivered row to mark: its id, and the transaction that
+// wrote it (pgoutput's xid), by which a mark that deletes tells a row gone
+// from one not visible yet.
+type markRow struct {
+	id  int64
+	xid uint32
 }
 
 // rowRef names a row of an outbox table.
@@ -75,23 +84,24 @@ type rowRef struct {
 type markResult struct {
 	upTo   pglogrepl.LSN
 	marked int
-	unseen map[string][]int64 // rows the mark's snapshot did not hold: not visible yet, or gone
-	failed map[string][]int64 // rows whose statement failed
+	unseen map[string][]markRow // rows the mark's snapshot did not hold: not visible yet, or (unless it deletes) gone
+	failed map[string][]markRow // rows whose statement failed
 	err    error
 }
 
 func newMarks(r *LogRelay) *marks {
 	return &marks{db: r.markIn, timeout: orDefault(r.cfg.PublishTimeout, DefaultPassTimeout), logger: r.cfg.Logger,
-		report: r.cfg.OnPass, pending: map[string][]int64{}, done: make(chan markResult, 1),
+		del: r.cfg.DeleteDelivered, report: r.cfg.OnPass, pending: map[string][]markRow{}, done: make(chan markResult, 1),
 		missed: map[rowRef]int{}, now: time.Now}
 }
 
-// delivered notes rows delivered, by table, and starts a mark if none is
-// being written: a transaction's last, up to its end, or, with end 0, a
-// part of a transaction still being read, which moves no position.
-func (m *marks) delivered(ctx context.Context, tables []string, ids []int64, end pglogrepl.LSN) {
+// delivered notes rows delivered, by table, all written by the transaction
+// xid, and starts a mark if none is being written: a transaction's last,
+// up to its end, or, with end 0, a part of a transaction still being read,
+// which moves no position.
+func (m *marks) delivered(ctx context.Context, tables []string, ids []int64, xid uint32, end pglogrepl.LSN) {
 	for i, id := range ids {
-		m.pending[tables[i]] = append(m.pending[tables[i]], id)
+		m.pending[tables[i]] = append(m.pending[tables[i]], markRow{id, xid})
 	}
 	if end != 0 {
 		m.pendingTo = end
@@ -107,7 +117,7 @@ func (m *marks) start(ctx context.Context) {
 		return
 	}
 	rows, upTo := m.pending, m.pendingTo
-	m.pending, m.busy = map[string][]int64{}, true
+	m.pending, m.busy = map[string][]markRow{}, true
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.timeout)
 	go func() {
 		defer cancel()
@@ -147,7 +157,7 @@ func (m *marks) finish(ctx context.Context) {
 			}
 		}
 		rows := m.pending
-		m.pending = map[string][]int64{}
+		m.pending = map[string][]markRow{}
 		m.ended(m.write(fctx, rows, m.pendingTo))
 	}
 }
@@ -159,15 +169,15 @@ func (m *marks) ended(res markResult) {
 	m.busy = false
 	missedAgain := map[rowRef]int{}
 	var gaveUp []rowRef
-	for table, ids := range res.unseen {
-		keep := ids[:0]
-		for _, id := range ids {
-			ref := rowRef{table, id}
+	for table, rows := range res.unseen {
+		keep := rows[:0]
+		for _, row := range rows {
+			ref := rowRef{table, row.id}
 			if n := m.missed[ref] + 1; n >= MarkRetries {
 				gaveUp = append(gaveUp, ref)
 			} else {
 				missedAgain[ref] = n
-				keep = append(keep, id)
+				keep = append(keep, row)
 			}
 		}
 		if len(keep) > 0 {
@@ -175,8 +185,8 @@ func (m *marks) ended(res markResult) {
 		}
 	}
 	m.missed = missedAgain
-	for table, ids := range res.failed {
-		m.pending[table] = append(append([]int64(nil), ids...), m.pending[table]...)
+	for table, rows := range res.failed {
+		m.pending[table] = append(append([]markRow(nil), rows...), m.pending[table]...)
 	}
 	err := res.err
 	if len(gaveUp) > 0 {
@@ -243,27 +253,61 @@ SELECT (SELECT count(*) FROM marked),
        array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[]) AS u(id)
                              WHERE NOT EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id)), ',')`
 
-// write marks rows sent, one statement a table, and logs a failure.
-func (m *marks) write(ctx context.Context, rows map[string][]int64, upTo pglogrepl.LSN) markResult {
+// logDelete is logMark for a relay that deletes what it delivered
+// (LogRelayConfig.DeleteDelivered): it deletes the rows $1 of a table that
+// are still unsent, and returns how many it deleted and, as text, the ids
+// its snapshot did not hold whose transactions ($2, pgoutput's xids, in
+// the same order as $1) it does not see either: rows not visible yet. A
+// row missing though its transaction is visible is gone, which for this
+// relay is done: deleted by one of its marks before (the server sends a
+// transaction again after a restart if its position was not confirmed),
+// or by anyone. A row parked meanwhile, or sent already, is left as it
+// is. An xid is 32 bits; its snapshot's is 64, so each is taken as the
+// latest one below the snapshot's xmax with the same low 32 bits.
+const logDelete = `
+WITH deleted AS (
+	DELETE FROM %[1]s
+	WHERE id = ANY($1) AND coalesce(sent_at, parked_at) IS NULL
+	RETURNING id),
+snap AS (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax FROM pg_current_snapshot() AS s)
+SELECT (SELECT count(*) FROM deleted),
+       array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[], $2::bigint[]) AS u(id, xid), snap
+                             WHERE NOT EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id)
+                               AND NOT pg_visible_in_snapshot(
+                                   (snap.xmax - ((snap.xmax - u.xid) & 4294967295))::text::xid8, snap.s)), ',')`
+
+// write marks rows sent (or deletes them), one statement a table, and logs
+// a failure.
+func (m *marks) write(ctx context.Context, rows map[string][]markRow, upTo pglogrepl.LSN) markResult {
 	res := markResult{upTo: upTo}
 	var failed []error
-	for table, ids := range rows {
+	for table, batch := range rows {
+		ids, xids := make([]int64, len(batch)), make([]int64, len(batch))
+		xidOf := make(map[int64]uint32, len(batch))
+		for i, row := range batch {
+			ids[i], xids[i], xidOf[row.id] = row.id, int64(row.xid), row.xid
+		}
 		var n int
 		var unseen string
-		err := m.db.QueryRowContext(ctx, fmt.Sprintf(logMark, table), ids).Scan(&n, &unseen)
+		var err error
+		if m.del {
+			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logDelete, table), ids, xids).Scan(&n, &unseen)
+		} else {
+			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logMark, table), ids).Scan(&n, &unseen)
+		}
 		if err == nil && unseen != "" {
-			var missing []int64
+			var missing []markRow
 			for _, s := range strings.Split(unseen, ",") {
 				id, perr := strconv.ParseInt(s, 10, 64)
 				if perr != nil {
 					err = fmt.Errorf("read the ids not found: %w", perr)
 					break
 				}
-				missing = append(missing, id)
+				missing = append(missing, markRow{id, xidOf[id]})
 			}
 			if err == nil {
 				if res.unseen == nil {
-					res.unseen = map[string][]int64{}
+					res.unseen = map[string][]markRow{}
 				}
 				res.unseen[table] = missing
 			}
@@ -271,12 +315,12 @@ func (m *marks) write(ctx context.Context, rows map[string][]int64, upTo pglogre
 		if err != nil {
 			failed = append(failed, err)
 			if res.failed == nil {
-				res.failed = map[string][]int64{}
+				res.failed = map[string][]markRow{}
 			}
-			res.failed[table] = ids
+			res.failed[table] = batch
 			if m.logger != nil {
 				m.logger.Error("outbox: log relay could not mark delivered rows sent; it tries again before the slot moves past them",
-					"table", table, "rows", len(ids), "err", err)
+					"table", table, "rows", len(batch), "err", err)
 			}
 			continue
 		}

@@ -2,8 +2,10 @@ package postgres_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -149,48 +151,60 @@ func TestLogMarkGivesUpOnARowItNeverFinds(t *testing.T) {
 
 // End to end on the real stream: eight clients place 400 orders at once
 // while the log relay delivers and marks them. Every row is published and
-// every row is marked: ReadLag counts none unsent. (Caught: marks that
-// matched fewer rows than they were given, a commit heard of before other
-// sessions saw it, and moved on: with the relay process, 101 of 400
-// delivered rows stayed unsent for ever.)
+// every row is marked: ReadLag counts none unsent. With DeleteDelivered,
+// every row is deleted: the table is empty. (Caught: marks that matched
+// fewer rows than they were given, a commit heard of before other sessions
+// saw it, and moved on: with the relay process, 101 of 400 delivered rows
+// stayed unsent for ever.)
 func TestLogRelayMarksEveryRowItDeliversUnderConcurrentClients(t *testing.T) {
-	ctx := context.Background()
-	name := newDatabaseName(t)
-	db := open(t, name, "")
-	broker := &recorder{}
-	var logs logBuffer
-	relay := logRelayOn(t, open(t, name, "marks"), logConnString(name), name, broker, postgres.LogRelayConfig{
-		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
-	stop := runLog(t, relay)
-	const clients, each = 8, 50
-	service := shop.NewOrderService(db)
-	var wg sync.WaitGroup
-	for range clients {
-		wg.Go(func() {
-			for range each {
-				if _, err := service.PlaceOrder(ctx, 500); err != nil {
-					t.Error(err)
-					return
-				}
+	for _, del := range []bool{false, true} {
+		t.Run(map[bool]string{false: "marked", true: "deleted"}[del], func(t *testing.T) {
+			ctx := context.Background()
+			name := newDatabaseName(t)
+			db := open(t, name, "")
+			broker := &recorder{}
+			var logs logBuffer
+			relay := logRelayOn(t, open(t, name, "marks"), logConnString(name), name, broker, postgres.LogRelayConfig{
+				DeleteDelivered: del,
+				Logger:          slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+			stop := runLog(t, relay)
+			const clients, each = 8, 50
+			service := shop.NewOrderService(db)
+			var wg sync.WaitGroup
+			for range clients {
+				wg.Go(func() {
+					for range each {
+						if _, err := service.PlaceOrder(ctx, 500); err != nil {
+							t.Error(err)
+							return
+						}
+					}
+				})
 			}
+			wg.Wait()
+			waitUntil(t, "every row published and marked", func() bool {
+				lag, err := postgres.ReadLag(ctx, db)
+				if err != nil || lag.Unsent != 0 || len(broker.Published()) < clients*each {
+					return false
+				}
+				return !del || count(t, db, `SELECT count(*) FROM outbox`) == 0
+			})
+			if err := stop(); !errors.Is(err, context.Canceled) {
+				t.Errorf("Run = %v, want context.Canceled", err)
+			}
+			keys := map[string]bool{}
+			for _, m := range broker.Published() {
+				keys[m.Key] = true
+			}
+			if len(keys) != clients*each {
+				t.Errorf("%d keys published, want %d", len(keys), clients*each)
+			}
+			if strings.Contains(logs.String(), "gave up") {
+				t.Errorf("the marks gave up on rows: %s", logs.String())
+			}
+			t.Logf("marks that found a row not yet visible and tried again: %d", strings.Count(logs.String(), "found fewer rows than it delivered"))
 		})
 	}
-	wg.Wait()
-	waitUntil(t, "every row published and marked", func() bool {
-		lag, err := postgres.ReadLag(ctx, db)
-		return err == nil && lag.Unsent == 0 && len(broker.Published()) >= clients*each
-	})
-	if err := stop(); !errors.Is(err, context.Canceled) {
-		t.Errorf("Run = %v, want context.Canceled", err)
-	}
-	keys := map[string]bool{}
-	for _, m := range broker.Published() {
-		keys[m.Key] = true
-	}
-	if len(keys) != clients*each {
-		t.Errorf("%d keys published, want %d", len(keys), clients*each)
-	}
-	t.Logf("marks that found a row not yet visible and tried again: %d", strings.Count(logs.String(), "found fewer rows than it delivered"))
 }
 
 // The log relay's mark sets sent_at of the rows it is given that are still
@@ -221,5 +235,120 @@ func TestLogMarkLeavesParkedAndSentRowsAsTheyAre(t *testing.T) {
 	}
 	if want := "1:sent now, 2:unsent, 3:sent before"; got != want {
 		t.Errorf("rows after the mark: %s, want %s", got, want)
+	}
+}
+
+// xidOf is the 32 bits of the transaction of tx (or, with tx nil, of one
+// that commits at once) that pgoutput's BEGIN carries, and a row that
+// transaction wrote.
+func xidOf(t *testing.T, db *sql.DB, tx *sql.Tx) (id int64, xid uint32) {
+	t.Helper()
+	const insert = `INSERT INTO outbox (type, payload) VALUES ('OrderPlaced', '{}')
+		RETURNING id, pg_current_xact_id()::text::bigint & 4294967295`
+	var err error
+	if tx != nil {
+		err = tx.QueryRow(insert).Scan(&id, &xid)
+	} else {
+		err = db.QueryRow(insert).Scan(&id, &xid)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id, xid
+}
+
+// The mark of a relay with DeleteDelivered deletes the unsent rows it is
+// given, leaves a parked row and a row sent already as they are, names a
+// row its snapshot does not hold whose transaction it does not see yet, and
+// passes over a row that is gone (1098) though its transaction is seen: gone is
+// done, for a relay that deletes. (Caught: the delete in logMark's shape,
+// which names every missing row, so that a transaction the server sends
+// again after a restart is tried MarkRetries times and reported as
+// ErrNotMarked.)
+func TestLogDeleteTellsARowGoneFromOneNotVisibleYet(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	if _, err := db.ExecContext(ctx, `INSERT INTO outbox (id, type, payload, parked_at, sent_at) OVERRIDING SYSTEM VALUE VALUES
+		(1001, 'OrderPlaced', '{}', NULL, NULL),
+		(1002, 'OrderPlaced', '{}', now(), NULL),
+		(1003, 'OrderPlaced', '{}', NULL, '2000-01-01 00:00:00+00')`); err != nil {
+		t.Fatal(err)
+	}
+	_, committed := xidOf(t, db, nil)
+	tx := begin(t, db)
+	notYet, open := xidOf(t, db, tx)
+	t.Logf("a committed transaction %d, an open one %d writing row %d", committed, open, notYet)
+	ids := []int64{1001, 1002, 1003, 1098, notYet}
+	xids := []int64{int64(committed), int64(committed), int64(committed), int64(committed), int64(open)}
+	var deleted int
+	var unseen string
+	if err := db.QueryRowContext(ctx, postgres.LogDeleteQuery, ids, xids).Scan(&deleted, &unseen); err != nil ||
+		deleted != 1 || unseen != strconv.FormatInt(notYet, 10) {
+		t.Fatalf("delete = %d, %q, %v; want 1, %q (row 1098 gone, its transaction seen), <nil>", deleted, unseen, err, strconv.FormatInt(notYet, 10))
+	}
+	var got string
+	if err := db.QueryRowContext(ctx, `SELECT string_agg(id || ':' || CASE
+			WHEN parked_at IS NOT NULL THEN 'parked'
+			WHEN sent_at = '2000-01-01 00:00:00+00' THEN 'sent before'
+			ELSE 'other' END, ', ' ORDER BY id) FROM outbox WHERE id > 1000`).Scan(&got); err != nil {
+		t.Fatal(err)
+	}
+	if want := "1002:parked, 1003:sent before"; got != want {
+		t.Errorf("rows after the delete: %s, want %s", got, want)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRowContext(ctx, postgres.LogDeleteQuery, []int64{notYet}, []int64{int64(open)}).Scan(&deleted, &unseen); err != nil ||
+		deleted != 1 || unseen != "" {
+		t.Errorf("delete once its transaction committed = %d, %q, %v; want 1, \"\", <nil>", deleted, unseen, err)
+	}
+}
+
+// The marks of a relay with DeleteDelivered: a delivered row is deleted and
+// the position moves; the same transaction sent again (after a restart the
+// server sends what it was not told of) moves it at once, with no error and
+// no retry; a row not visible yet waits, as a marked one does, and the
+// position moves once it is deleted.
+func TestLogDeleteMarksPassOverRowsTheyDeletedBefore(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	var logs logBuffer
+	var reports markReports
+	m := postgres.NewDeletingMarks(db, time.Minute, slog.New(slog.NewTextHandler(&logs, nil)), reports.add)
+	id, xid := xidOf(t, db, nil)
+
+	m.DeliveredBy(ctx, "outbox", []int64{id}, xid, 100)
+	m.Wait()
+	if m.MarkedTo() != 100 || !m.Idle() || reports.last().Marked != 1 || reports.last().Err != nil {
+		t.Fatalf("after the first delivery: marked to %d, idle %v, reported %+v; want 100, idle, 1 deleted", m.MarkedTo(), m.Idle(), reports.last())
+	}
+	m.DeliveredBy(ctx, "outbox", []int64{id}, xid, 200)
+	m.Wait()
+	if m.MarkedTo() != 200 || !m.Idle() || reports.last().Marked != 0 || reports.last().Err != nil {
+		t.Fatalf("after the same row delivered again: marked to %d, idle %v, reported %+v; want 200, idle, none deleted, no error",
+			m.MarkedTo(), m.Idle(), reports.last())
+	}
+
+	tx := begin(t, db)
+	later, open := xidOf(t, db, tx)
+	m.DeliveredBy(ctx, "outbox", []int64{later}, open, 300)
+	m.Wait()
+	if m.MarkedTo() != 200 || m.Idle() {
+		t.Fatalf("after a mark that found row %d not yet visible: marked to %d, idle %v; want 200, not idle", later, m.MarkedTo(), m.Idle())
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	m.Retry(ctx)
+	m.Wait()
+	if m.MarkedTo() != 300 || !m.Idle() || reports.last().Marked != 1 {
+		t.Fatalf("after the row became visible: marked to %d, idle %v, reported %+v; want 300, idle, 1 deleted", m.MarkedTo(), m.Idle(), reports.last())
+	}
+	if n := count(t, db, `SELECT count(*) FROM outbox`); n != 0 {
+		t.Errorf("%d delivered rows still in the table", n)
+	}
+	if strings.Contains(logs.String(), "gave up") {
+		t.Errorf("the marks gave up on a row: %s", logs.String())
 	}
 }

@@ -162,6 +162,22 @@ type LogRelayConfig struct {
 	// cleaned up, sent again by a recovery; and none is parked.
 	Unmarked bool
 
+	// DeleteDelivered makes the marks delete the rows they are given
+	// instead of setting their sent_at: the article's cleanup done at
+	// once, for the cheapest mark. A deleted row's record in the log is
+	// its key, where an updated row's is the whole new row, which the
+	// server writes and its walsender decodes before it sends the next
+	// transaction; on a machine whose cores the producers keep busy that
+	// is what holds the log relay's tail back (REFERENCE.md measures it).
+	// The table then keeps no sent row: Replay finds none to put back
+	// (ErrNotKept), DeleteSent none to delete, and ReadLag counts what is
+	// still there. A parked row stays, as a row already sent does. A
+	// delivered row that a mark cannot find though it sees the row's
+	// transaction is gone, and counted done: deleted by a mark before,
+	// when the server sends a transaction again after a restart, or by
+	// anyone. Unmarked must then be false.
+	DeleteDelivered bool
+
 	// ParkAfter is how many rejections (broker errors wrapping
 	// ErrRejected, counted in the row's rejections as the polling relay
 	// counts them) set a row aside, parked: 0 means DefaultParkAfter. The
@@ -197,8 +213,8 @@ type LogRelayConfig struct {
 // adds replication=database) and publishes o's rows to broker, as cfg says.
 // It checks both and refuses, with an error wrapping [ErrInvalidConfig]
 // that names it, a connection string pgx cannot parse, no broker, a slot
-// or publication name PostgreSQL would not take, a negative value, and
-// ParkAfter with NeverPark or Unmarked. It connects to nothing. On an
+// or publication name PostgreSQL would not take, a negative value,
+// ParkAfter with NeverPark or Unmarked, and DeleteDelivered with Unmarked. It connects to nothing. On an
 // Outbox made by [Open], it marks through stdlib.OpenDBFromPool of o's
 // pool.
 func (o *Outbox[T]) NewLogRelay(connString string, broker MessageBroker, cfg LogRelayConfig) (*LogRelay, error) {
@@ -236,6 +252,8 @@ func (o *Outbox[T]) NewLogRelayConfig(conn *pgconn.Config, broker MessageBroker,
 		return nil, bad("LogRelayConfig.ParkAfter %d: n parks after n rejections (0 for %d)", cfg.ParkAfter, DefaultParkAfter)
 	case cfg.ParkAfter > 0 && (cfg.NeverPark || cfg.Unmarked):
 		return nil, bad("LogRelayConfig.ParkAfter %d with NeverPark or Unmarked (parking needs the marks): choose one", cfg.ParkAfter)
+	case cfg.DeleteDelivered && cfg.Unmarked:
+		return nil, bad("LogRelayConfig.DeleteDelivered with Unmarked (the deletes are the marks): choose one")
 	}
 	cfg.Slot, cfg.Publication = cmp.Or(cfg.Slot, o.Slot()), cmp.Or(cfg.Publication, o.Publication())
 	cfg.PublishTimeout = orDefault(cfg.PublishTimeout, DefaultPassTimeout)

@@ -576,6 +576,7 @@ func TestLogRelayConfigurationIsCheckedWhenTheRelayIsMade(t *testing.T) {
 		{"a negative ParkAfter", good, &recorder{}, postgres.LogRelayConfig{ParkAfter: -1}, "LogRelayConfig.ParkAfter -1"},
 		{"ParkAfter with NeverPark", good, &recorder{}, postgres.LogRelayConfig{ParkAfter: 2, NeverPark: true}, "LogRelayConfig.ParkAfter 2"},
 		{"ParkAfter unmarked", good, &recorder{}, postgres.LogRelayConfig{ParkAfter: 2, Unmarked: true}, "parking needs the marks"},
+		{"DeleteDelivered unmarked", good, &recorder{}, postgres.LogRelayConfig{DeleteDelivered: true, Unmarked: true}, "the deletes are the marks"},
 	} {
 		r, err := ob.NewLogRelay(c.conn, c.broker, c.cfg)
 		if r != nil || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), c.says) {

@@ -185,6 +185,7 @@ type stream struct {
 	tables    []string    // each txn row's table, as an SQL identifier
 	txnBytes  int         // the payloads' bytes in txn: at most about streamBytes
 	inTxn     bool        // a BEGIN was read and its COMMIT not yet
+	xid       uint32      // the transaction being read (BEGIN's), for the marks
 	txnDone   int         // rows of the transaction being read published already
 	sentIDs   []int64     // rows published and not yet handed to the marks, and their tables
 	sentIn    []string
@@ -292,7 +293,7 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 				s.relay.sent(m.CommitTime, x.ServerTime)
 			}
 			s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
-			s.inTxn, s.txnDone, s.sentIDs, s.sentIn = true, 0, s.sentIDs[:0], s.sentIn[:0]
+			s.inTxn, s.xid, s.txnDone, s.sentIDs, s.sentIn = true, m.Xid, 0, s.sentIDs[:0], s.sentIn[:0]
 		case *pglogrepl.InsertMessage:
 			rel, ok := s.relations[m.RelationID]
 			if !ok {
@@ -381,8 +382,8 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 	s.txnDone += len(s.txn)
 	s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
 	if s.marks != nil && (len(s.sentIDs) > 0 || end != 0 && s.txnDone > 0) {
-		s.marks.delivered(ctx, s.sentIn, s.sentIDs, end)  // a part's (end 0) moves no position
-		s.sentIn, s.sentIDs = s.sentIn[:0], s.sentIDs[:0] // the marks copied them
+		s.marks.delivered(ctx, s.sentIn, s.sentIDs, s.xid, end) // a part's (end 0) moves no position
+		s.sentIn, s.sentIDs = s.sentIn[:0], s.sentIDs[:0]       // the marks copied them
 	}
 	if end == 0 {
 		return nil // a part: the rest of the transaction, and its COMMIT, to come

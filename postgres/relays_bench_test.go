@@ -29,6 +29,7 @@ import (
 // (sender-p99-ms), both by the server's clock: the server's share of the
 // tail, the rest being the relay's and the broker's. relay=log runs as
 // the relay process deploys it, marking what it delivered;
+// relay=log-delete deletes it instead (LogRelayConfig.DeleteDelivered);
 // relay=log-unmarked marks nothing, to show what the marks cost. Each
 // relay has delivered one order before the producers start, so that the
 // figures are of a relay running, not of one connecting: the orders
@@ -36,7 +37,7 @@ import (
 // measure-relays runs it.
 func BenchmarkRelays(b *testing.B) {
 	once(b)
-	for _, kind := range []string{"poll", "log", "log-unmarked"} {
+	for _, kind := range []string{"poll", "log", "log-delete", "log-unmarked"} {
 		b.Run("relay="+kind, func(b *testing.B) {
 			b.Logf("PostgreSQL %s, 8 producers for 5 s", serverVersion(b))
 			for b.Loop() {
@@ -103,13 +104,15 @@ func measureRelay(b *testing.B, kind string) {
 			}
 		}})
 		go func() { done <- relay.Run(runCtx) }()
-	case "log", "log-unmarked":
+	case "log", "log-delete", "log-unmarked":
 		if err := postgres.CreateLogSlot(ctx, db, name); err != nil {
 			b.Fatal(err)
 		}
-		// log marks in a database handle of its own; log-unmarked marks nothing.
+		// log marks in a database handle of its own, log-delete deletes;
+		// log-unmarked marks nothing.
 		ob := sqlOutbox(b, open(b, name, "relay"), postgres.Config{})
-		relay, err := ob.NewLogRelay(logConnString(name), broker, postgres.LogRelayConfig{Slot: name, Unmarked: kind == "log-unmarked"})
+		relay, err := ob.NewLogRelay(logConnString(name), broker, postgres.LogRelayConfig{Slot: name,
+			DeleteDelivered: kind == "log-delete", Unmarked: kind == "log-unmarked"})
 		if err != nil {
 			b.Fatal(err)
 		}
