@@ -222,6 +222,7 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.str(&l.Slot, "slot", "OUTBOX_SLOT", "", "log mode: the replication slot, unique on the server; empty for the table's name")
 	s.str(&l.Publication, "publication", "OUTBOX_PUBLICATION", "", "log mode: the publication; empty for the table's name")
 	s.duration(&l.StatusInterval, "status-interval", "OUTBOX_STATUS_INTERVAL", "0s", 0, "log mode: how often the relay confirms its position to the server; 0 for the default")
+	s.boolean(&l.DeleteDelivered, "delete-delivered", "OUTBOX_DELETE_DELIVERED", false, "log mode: delete each row the broker accepted instead of marking it sent: the cheapest mark, and nothing left to replay")
 
 	// NATS.
 	n := &c.nats

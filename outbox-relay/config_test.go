@@ -104,7 +104,7 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 	t.Setenv("OUTBOX_PARK_AFTER", "7")
 	t.Setenv("OUTBOX_POLL_ONLY", "true")
 	c, _, err := parse("run", []string{db, "-batch-size", "250", "-pass-timeout", "3s", "-per-aggregate=false",
-		"-poll-interval", "250ms", "-max-backoff", "5s", "-retry-delay", "2s", "-max-retry-delay", "1m", "-standbys", "s1, s2", "-slot", "relay_slot", "-status-interval", "2s"})
+		"-poll-interval", "250ms", "-max-backoff", "5s", "-retry-delay", "2s", "-max-retry-delay", "1m", "-standbys", "s1, s2", "-slot", "relay_slot", "-status-interval", "2s", "-delete-delivered"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,7 +113,7 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 		r.MaxBackoff != 5*time.Second || r.RetryDelay != 2*time.Second || r.MaxRetryDelay != time.Minute || !r.PollOnly || len(r.Standbys) != 2 || r.Standbys[1] != "s2" {
 		t.Errorf("the polling relay's settings: %+v", r)
 	}
-	if l.Slot != "relay_slot" || l.StatusInterval != 2*time.Second || l.ParkAfter != 7 || l.MaxBackoff != 5*time.Second {
+	if l.Slot != "relay_slot" || l.StatusInterval != 2*time.Second || !l.DeleteDelivered || l.ParkAfter != 7 || l.MaxBackoff != 5*time.Second {
 		t.Errorf("the log relay's settings: %+v", l)
 	}
 
