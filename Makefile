@@ -21,7 +21,7 @@
 #   make bench                               the lesson's benchmarks (lessoncheck/), and each pair's ratio (benchstat)
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
-#   make measure-relays                      the polling relay and the log relay side by side, six runs, medians and spreads (about 3 min)
+#   make measure-relays                      the polling relay and the log relay side by side, six runs, medians and spreads (about 4 min)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)

@@ -152,7 +152,8 @@ func TestLogMarkGivesUpOnARowItNeverFinds(t *testing.T) {
 // End to end on the real stream: eight clients place 400 orders at once
 // while the log relay delivers and marks them. Every row is published and
 // every row is marked: ReadLag counts none unsent. With DeleteDelivered,
-// every row is deleted: the table is empty. (Caught: marks that matched
+// every row is deleted: the table is empty, and Replay has nothing to put
+// back. (Caught: marks that matched
 // fewer rows than they were given, a commit heard of before other sessions
 // saw it, and moved on: with the relay process, 101 of 400 delivered rows
 // stayed unsent for ever.)
@@ -201,6 +202,12 @@ func TestLogRelayMarksEveryRowItDeliversUnderConcurrentClients(t *testing.T) {
 			}
 			if strings.Contains(logs.String(), "gave up") {
 				t.Errorf("the marks gave up on rows: %s", logs.String())
+			}
+			if del { // nothing kept to put back
+				n, err := sqlOutbox(t, db, postgres.Config{}).Replay(ctx, postgres.Replay{From: time.Now().Add(-time.Hour)})
+				if !errors.Is(err, postgres.ErrNotKept) {
+					t.Errorf("Replay after the relay deleted what it delivered = %d, %v; want ErrNotKept", n, err)
+				}
 			}
 			t.Logf("marks that found a row not yet visible and tried again: %d", strings.Count(logs.String(), "found fewer rows than it delivered"))
 		})
