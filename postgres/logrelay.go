@@ -59,7 +59,8 @@ var ErrSlotOfAnotherDatabase = errors.New("postgres: the replication slot belong
 // debt; sent_at then stays NULL, so [Outbox.DeleteSent] does not touch the
 // rows and [Outbox.ReadLag] counts them as unsent. By default what it
 // delivered is marked, beside the stream, and the table is counted and
-// cleaned up as the polling relay's.
+// cleaned up as the polling relay's; with LogRelayConfig.DeleteDelivered
+// it is deleted instead.
 //
 // A row written with a time to deliver still to come (Event.DeliverAt) is
 // passed over: the log carries it at its commit, too soon, and does not
@@ -214,9 +215,9 @@ type LogRelayConfig struct {
 // It checks both and refuses, with an error wrapping [ErrInvalidConfig]
 // that names it, a connection string pgx cannot parse, no broker, a slot
 // or publication name PostgreSQL would not take, a negative value,
-// ParkAfter with NeverPark or Unmarked, and DeleteDelivered with Unmarked. It connects to nothing. On an
-// Outbox made by [Open], it marks through stdlib.OpenDBFromPool of o's
-// pool.
+// ParkAfter with NeverPark or Unmarked, and DeleteDelivered with Unmarked.
+// It connects to nothing. On an Outbox made by [Open], it marks through
+// stdlib.OpenDBFromPool of o's pool.
 func (o *Outbox[T]) NewLogRelay(connString string, broker MessageBroker, cfg LogRelayConfig) (*LogRelay, error) {
 	conn, err := pgconn.ParseConfig(connString)
 	if err != nil {
