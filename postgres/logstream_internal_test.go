@@ -173,3 +173,62 @@ func TestLargeTransactionIsPublishedInPartsAsItIsRead(t *testing.T) {
 	}
 	t.Logf("rows of 1 MiB: the first part went after %d", rows)
 }
+
+// Each delivered row reaches the marks with the transaction that wrote it
+// (its BEGIN's xid), which a relay that deletes needs to tell a row gone
+// from one not visible yet: rows of two transactions, and the first part of
+// a large one, before its COMMIT. (Caught: rows handed to the marks with
+// xid 0, which every snapshot sees, so that a row not visible yet would be
+// counted deleted and stay unsent.)
+func TestDeliveredRowsReachTheMarksWithTheirTransaction(t *testing.T) {
+	ctx := context.Background()
+	broker := &syncRecorder{}
+	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: LogRelayConfig{NeverPark: true, DeleteDelivered: true}}
+	r.tel = newRelayTelemetry(nil, nil, r.table, "log", "unknown")
+	m := newMarks(r)
+	m.busy = true // no mark starts (there is no database): the rows stay pending
+	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour), marks: m}
+	feed := func(data []byte) {
+		t.Helper()
+		if err := s.handle(ctx, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	feed(outboxRelation())
+	feed(xlog(wire{}.u8('B').u64(0x3f0).u64(0).u32(700)))
+	feed(insertMessage("7"))
+	feed(xlog(wire{}.u8('C').u8(0).u64(0x3f0).u64(0x400).u64(0)))
+	feed(xlog(wire{}.u8('B').u64(0x4f0).u64(0).u32(701)))
+	feed(insertMessage("8"))
+	feed(insertMessage("9"))
+	feed(xlog(wire{}.u8('C').u8(0).u64(0x4f0).u64(0x500).u64(0)))
+	feed(xlog(wire{}.u8('B').u64(0x5f0).u64(0).u32(702)))
+	for id := 100; id < 100+streamRows; id++ {
+		feed(insertMessage(strconv.Itoa(id)))
+	}
+	feed(insertMessage("99999")) // one past a part: the part goes, its COMMIT still to come
+
+	want := []markRow{{7, 700}, {8, 701}, {9, 701}}
+	for id := int64(100); id < 100+streamRows; id++ {
+		want = append(want, markRow{id, 702})
+	}
+	if len(m.pending) != 1 {
+		t.Fatalf("rows pending in %d tables, want 1", len(m.pending))
+	}
+	var got []markRow
+	for table, rows := range m.pending {
+		t.Logf("%d rows pending in %s", len(rows), table)
+		got = rows
+	}
+	if len(got) != len(want) {
+		t.Fatalf("%d rows pending, want %d", len(got), len(want))
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("pending row %d is %+v, want %+v", i, got[i], want[i])
+		}
+	}
+	if m.pendingTo != 0x500 {
+		t.Errorf("pending up to %v, want the second transaction's end 0/500 (a part moves no position)", m.pendingTo)
+	}
+}
