@@ -40,6 +40,9 @@ var LogMarkQuery = fmt.Sprintf(logMark, "outbox")
 // ids, $2 their transactions' xids.
 var LogDeleteQuery = fmt.Sprintf(logDelete, "outbox")
 
+// FullXidQuery is the 64-bit xid of the 32-bit xid $2 below the xmax $1.
+var FullXidQuery = "SELECT " + fullXid("$1::bigint", "$2::bigint")
+
 // FlushWALPgx is the flush a pass on a pgx pool makes the server do, on one
 // of p's connections.
 func FlushWALPgx(ctx context.Context, p *pgxpool.Pool) error { return pgxPool{p}.exec(ctx, flushWAL) }

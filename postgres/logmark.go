@@ -262,9 +262,8 @@ SELECT (SELECT count(*) FROM marked),
 // relay is done: deleted by one of its marks before (the server sends a
 // transaction again after a restart if its position was not confirmed),
 // or by anyone. A row parked meanwhile, or sent already, is left as it
-// is. An xid is 32 bits; its snapshot's is 64, so each is taken as the
-// latest one below the snapshot's xmax with the same low 32 bits.
-const logDelete = `
+// is. An xid is 32 bits; its snapshot's is 64 (fullXid).
+var logDelete = `
 WITH deleted AS (
 	DELETE FROM %[1]s
 	WHERE id = ANY($1) AND coalesce(sent_at, parked_at) IS NULL
@@ -273,8 +272,16 @@ snap AS (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax FROM pg_current_sna
 SELECT (SELECT count(*) FROM deleted),
        array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[], $2::bigint[]) AS u(id, xid), snap
                              WHERE NOT EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id)
-                               AND NOT pg_visible_in_snapshot(
-                                   (snap.xmax - ((snap.xmax - u.xid) & 4294967295))::text::xid8, snap.s)), ',')`
+                               AND NOT pg_visible_in_snapshot(` + fullXid("snap.xmax", "u.xid") + `::text::xid8, snap.s)), ',')`
+
+// fullXid is SQL for the 64-bit transaction id whose low 32 bits are xid
+// (a bigint expression: a 32-bit xid, as pgoutput's BEGIN carries it), the
+// latest one below xmax (a bigint expression: a snapshot's xmax), which a
+// transaction that committed before the snapshot was taken is: in xmax's
+// epoch, or in the one before if its low bits are above xmax's.
+func fullXid(xmax, xid string) string {
+	return "(" + xmax + " - ((" + xmax + " - " + xid + ") & 4294967295))"
+}
 
 // write marks rows sent (or deletes them), one statement a table, and logs
 // a failure.

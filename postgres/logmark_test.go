@@ -359,3 +359,28 @@ func TestLogDeleteMarksPassOverRowsTheyDeletedBefore(t *testing.T) {
 		t.Errorf("the marks gave up on a row: %s", logs.String())
 	}
 }
+
+// The 64-bit xid a deleting mark makes of pgoutput's 32 bits is the latest
+// below the snapshot's xmax: in its epoch, or in the one before when the
+// low bits are above xmax's, as after the counter passed 2^32. (Caught: the
+// low bits put in xmax's epoch, past xmax for a transaction of the epoch
+// before, which no snapshot sees: its missing rows tried again for ever.)
+func TestLogDeleteTakesAnXidInTheRightEpoch(t *testing.T) {
+	db := newDatabase(t)
+	const epoch = int64(1) << 32
+	for _, c := range []struct {
+		name      string
+		xmax, xid int64
+		want      int64
+	}{
+		{"the first epoch", 1000, 999, 999},
+		{"xmax's epoch", 3*epoch + 1000, 990, 3*epoch + 990},
+		{"the epoch before", 3*epoch + 5, epoch - 10, 3*epoch - 10},
+		{"just below xmax, the counter just wrapped", epoch + 3, 2, epoch + 2},
+	} {
+		var got int64
+		if err := db.QueryRow(postgres.FullXidQuery, c.xmax, c.xid).Scan(&got); err != nil || got != c.want {
+			t.Errorf("%s: xmax %d, xid %d: %d, %v; want %d", c.name, c.xmax, c.xid, got, err, c.want)
+		}
+	}
+}
