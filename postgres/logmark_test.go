@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -381,6 +382,72 @@ func TestLogDeleteTakesAnXidInTheRightEpoch(t *testing.T) {
 		var got int64
 		if err := db.QueryRow(postgres.FullXidQuery, c.xmax, c.xid).Scan(&got); err != nil || got != c.want {
 			t.Errorf("%s: xmax %d, xid %d: %d, %v; want %d", c.name, c.xmax, c.xid, got, err, c.want)
+		}
+	}
+}
+
+// A log relay with DeleteDelivered that is sent again transactions whose
+// rows it deleted (as after a restart, when the server had not heard of
+// them) publishes them again and moves on at once: no mark finds a row
+// missing, none is given up on, and a clean stop leaves its slot past them
+// all. Here a second slot, made before the orders, sends them again once a
+// first relay deleted every row: what a restart sends, every time. (Caught:
+// marks that name every missing row, which try each such row MarkRetries
+// times, about 16 s, hold the slot meanwhile, and end in ErrNotMarked.)
+func TestLogRelayThatDeletesMovesOnOverTransactionsSentAgain(t *testing.T) {
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	first := &recorder{}
+	firstRelay := logRelayOn(t, db, logConnString(name), name, first, postgres.LogRelayConfig{DeleteDelivered: true})
+	again := &recorder{}
+	var logs logBuffer
+	var reports markReports
+	slot := name + "_again"
+	againRelay := logRelayOn(t, open(t, name, "again"), logConnString(name), slot, again, postgres.LogRelayConfig{DeleteDelivered: true,
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})), OnPass: reports.add})
+
+	const orders = 20
+	at := committedAt(t, db, orders-1)
+	var before string // the log's end before the last order: a slot past it has passed every order
+	if err := db.QueryRow(`SELECT pg_current_wal_insert_lsn()::text`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	for id, lsn := range committedAt(t, db, 1) {
+		at[id] = lsn
+	}
+
+	stop := runLog(t, firstRelay)
+	waitUntil(t, "every row published and deleted by the first relay", func() bool {
+		return len(first.Published()) >= orders && count(t, db, `SELECT count(*) FROM outbox`) == 0
+	})
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Errorf("the first relay's Run = %v, want context.Canceled", err)
+	}
+
+	stop = runLog(t, againRelay)
+	waitUntil(t, "every order sent again", func() bool { return len(again.Published()) >= orders })
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Errorf("the second relay's Run = %v, want context.Canceled", err)
+	}
+	var past bool
+	if err := db.QueryRow(`SELECT confirmed_flush_lsn > $1::pg_lsn FROM pg_replication_slots WHERE slot_name = $2`, before, slot).Scan(&past); err != nil || !past {
+		t.Errorf("after a clean stop the slot is past the last order: %v, %v; want true", past, err)
+	}
+	reports.mu.Lock()
+	for _, r := range reports.got {
+		if r.Err != nil {
+			t.Errorf("the relay reported %v", r.Err)
+		}
+	}
+	reports.mu.Unlock()
+	for _, says := range []string{"found fewer rows", "gave up"} {
+		if strings.Contains(logs.String(), says) {
+			t.Errorf("the marks of rows deleted before logged %q: %s", says, logs.String())
+		}
+	}
+	for id := range at {
+		if !slices.Contains(again.IDs(), id) {
+			t.Errorf("order %d was not sent again", id)
 		}
 	}
 }
