@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"example.com/patterns/enterprise/outbox/postgres"
-	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // BenchmarkPassCPU is the client's share of a relay pass, per message, in
@@ -43,13 +42,7 @@ func BenchmarkPassCPU(b *testing.B) {
 			wholeTable := postgres.RelayConfig{WholeTable: true} // the bare loops' claim
 			relay := newRelay(b, db, discard{}, wholeTable)
 			relayPgx := newRelayOn(b, pgxOutbox(b, newPool(b, name, 4)), discard{}, wholeTable)
-			cfg := pgtest.Config.Copy()
-			cfg.Database = name
-			conn, err := pgx.ConnectConfig(ctx, cfg)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer conn.Close(ctx)
+			conn := connectTo(b, name)
 			pass := map[string]func() (int, error){
 				"relay":         func() (int, error) { return relay.PublishPending(ctx) },
 				"relay-pgx":     func() (int, error) { return relayPgx.PublishPending(ctx) },
@@ -62,10 +55,7 @@ func BenchmarkPassCPU(b *testing.B) {
 			for done := 0; done < b.N; {
 				chunk := min(1000, b.N-done)
 				b.StopTimer()
-				if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
-					SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, chunk); err != nil {
-					b.Fatal(err)
-				}
+				writePending(b, db, chunk)
 				before := cpuTime(b)
 				b.StartTimer()
 				for sent := 0; sent < chunk; {
@@ -90,18 +80,9 @@ func warmUp(b *testing.B) {
 	ctx := context.Background()
 	name := newDatabaseName(b)
 	db := open(b, name, "")
-	cfg := pgtest.Config.Copy()
-	cfg.Database = name
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := connectTo(b, name)
 	for range 10 {
-		if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
-			SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, 1000) g`); err != nil {
-			b.Fatal(err)
-		}
+		writePending(b, db, 1000)
 		for {
 			n, err := pgxPass(ctx, conn)
 			if err != nil {
@@ -111,6 +92,14 @@ func warmUp(b *testing.B) {
 				break
 			}
 		}
+	}
+}
+
+// writePending writes n unsent rows of OrderPlaced.
+func writePending(b *testing.B, db *sql.DB, n int) {
+	if _, err := db.ExecContext(context.Background(), `INSERT INTO outbox (type, payload)
+		SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, n); err != nil {
+		b.Fatal(err)
 	}
 }
 

@@ -223,27 +223,43 @@ func TestLogRelayMarksEveryRowItDeliversUnderConcurrentClients(t *testing.T) {
 func TestLogMarkLeavesParkedAndSentRowsAsTheyAre(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	if _, err := db.ExecContext(ctx, `INSERT INTO outbox (id, type, payload, parked_at, sent_at) OVERRIDING SYSTEM VALUE VALUES
-		(1, 'OrderPlaced', '{}', NULL, NULL),
-		(2, 'OrderPlaced', '{}', now(), NULL),
-		(3, 'OrderPlaced', '{}', NULL, '2000-01-01 00:00:00+00')`); err != nil {
-		t.Fatal(err)
-	}
+	unsentParkedAndSent(t, db, 1)
 	var marked int
 	var unseen string
 	if err := db.QueryRowContext(ctx, postgres.LogMarkQuery, []int64{1, 2, 3, 99}).Scan(&marked, &unseen); err != nil || marked != 1 || unseen != "99" {
 		t.Fatalf("mark = %d, %q, %v; want 1, \"99\", <nil>", marked, unseen, err)
 	}
-	var got string
-	if err := db.QueryRowContext(ctx, `SELECT string_agg(id || ':' || CASE
-			WHEN sent_at IS NULL THEN 'unsent'
-			WHEN sent_at = '2000-01-01 00:00:00+00' THEN 'sent before'
-			ELSE 'sent now' END, ', ' ORDER BY id) FROM outbox`).Scan(&got); err != nil {
-		t.Fatal(err)
-	}
-	if want := "1:sent now, 2:unsent, 3:sent before"; got != want {
+	if got, want := rowStates(t, db, 1), "1:sent now, 2:parked, 3:sent before"; got != want {
 		t.Errorf("rows after the mark: %s, want %s", got, want)
 	}
+}
+
+// unsentParkedAndSent writes the rows first (unsent), first+1 (parked,
+// never sent) and first+2 (sent in 2000).
+func unsentParkedAndSent(t *testing.T, db *sql.DB, first int64) {
+	t.Helper()
+	if _, err := db.Exec(`INSERT INTO outbox (id, type, payload, parked_at, sent_at) OVERRIDING SYSTEM VALUE VALUES
+		($1, 'OrderPlaced', '{}', NULL, NULL),
+		($1 + 1, 'OrderPlaced', '{}', now(), NULL),
+		($1 + 2, 'OrderPlaced', '{}', NULL, '2000-01-01 00:00:00+00')`, first); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// rowStates is what is left of the rows unsentParkedAndSent wrote from
+// first: each id there still is, and unsent, parked (and unsent), sent
+// before, or sent now.
+func rowStates(t *testing.T, db *sql.DB, first int64) string {
+	t.Helper()
+	var got string
+	if err := db.QueryRow(`SELECT string_agg(id || ':' || CASE
+			WHEN parked_at IS NOT NULL AND sent_at IS NULL THEN 'parked'
+			WHEN sent_at IS NULL THEN 'unsent'
+			WHEN sent_at = '2000-01-01 00:00:00+00' THEN 'sent before'
+			ELSE 'sent now' END, ', ' ORDER BY id) FROM outbox WHERE id BETWEEN $1 AND $1 + 2`, first).Scan(&got); err != nil {
+		t.Fatal(err)
+	}
+	return got
 }
 
 // xidOf is the 32 bits of the transaction of tx (or, with tx nil, of one
@@ -276,12 +292,7 @@ func xidOf(t *testing.T, db *sql.DB, tx *sql.Tx) (id int64, xid uint32) {
 func TestLogDeleteTellsARowGoneFromOneNotVisibleYet(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
-	if _, err := db.ExecContext(ctx, `INSERT INTO outbox (id, type, payload, parked_at, sent_at) OVERRIDING SYSTEM VALUE VALUES
-		(1001, 'OrderPlaced', '{}', NULL, NULL),
-		(1002, 'OrderPlaced', '{}', now(), NULL),
-		(1003, 'OrderPlaced', '{}', NULL, '2000-01-01 00:00:00+00')`); err != nil {
-		t.Fatal(err)
-	}
+	unsentParkedAndSent(t, db, 1001)
 	_, committed := xidOf(t, db, nil)
 	tx := begin(t, db)
 	notYet, open := xidOf(t, db, tx)
@@ -294,14 +305,7 @@ func TestLogDeleteTellsARowGoneFromOneNotVisibleYet(t *testing.T) {
 		deleted != 1 || unseen != strconv.FormatInt(notYet, 10) {
 		t.Fatalf("delete = %d, %q, %v; want 1, %q (row 1098 gone, its transaction seen), <nil>", deleted, unseen, err, strconv.FormatInt(notYet, 10))
 	}
-	var got string
-	if err := db.QueryRowContext(ctx, `SELECT string_agg(id || ':' || CASE
-			WHEN parked_at IS NOT NULL THEN 'parked'
-			WHEN sent_at = '2000-01-01 00:00:00+00' THEN 'sent before'
-			ELSE 'other' END, ', ' ORDER BY id) FROM outbox WHERE id > 1000`).Scan(&got); err != nil {
-		t.Fatal(err)
-	}
-	if want := "1002:parked, 1003:sent before"; got != want {
+	if got, want := rowStates(t, db, 1001), "1002:parked, 1003:sent before"; got != want {
 		t.Errorf("rows after the delete: %s, want %s", got, want)
 	}
 	if err := tx.Commit(); err != nil {

@@ -53,6 +53,21 @@ func insertMessage(id string) []byte {
 	return xlog(wire{}.u8('I').u32(1).u8('N').u16(4).text(id).text("key-" + id).text("ItemPicked").text(`{}`))
 }
 
+// testStream is a stream of a LogRelay of the table outbox publishing to
+// broker, as cfg says, that is never due to tell the server anything (there
+// is none), and feed, which hands it one message of the protocol.
+func testStream(t *testing.T, broker MessageBroker, cfg LogRelayConfig) (s *stream, feed func([]byte)) {
+	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: cfg}
+	r.tel = newRelayTelemetry(nil, nil, r.table, "log", "unknown")
+	s = &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)}
+	return s, func(data []byte) {
+		t.Helper()
+		if err := s.handle(context.Background(), data); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // syncRecorder keeps what it is given; safe for concurrent use.
 type syncRecorder struct {
 	mu  sync.Mutex
@@ -74,17 +89,8 @@ func (r *syncRecorder) Publish(_ context.Context, m Message) error {
 // whatever was half read, which confirmed 0/500 with the transaction of
 // row 7, ending at 0/400, not yet published.)
 func TestKeepaliveInsideATransactionMovesNothing(t *testing.T) {
-	ctx := context.Background()
 	broker := &syncRecorder{}
-	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: LogRelayConfig{NeverPark: true, Unmarked: true}}
-	r.tel = newRelayTelemetry(nil, nil, r.table, "log", "unknown")
-	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)} // never due to tell the server: there is none
-	feed := func(data []byte) {
-		t.Helper()
-		if err := s.handle(ctx, data); err != nil {
-			t.Fatal(err)
-		}
-	}
+	s, feed := testStream(t, broker, LogRelayConfig{NeverPark: true, Unmarked: true})
 	feed(outboxRelation())
 	feed(xlog(wire{}.u8('B').u64(0x3f0).u64(0).u32(700)))
 	feed(insertMessage("7"))
@@ -117,17 +123,12 @@ func insertWithPayload(id, payload string) []byte {
 // about streamBytes are held. (Caught: the whole transaction held in
 // memory before its first publish.)
 func TestLargeTransactionIsPublishedInPartsAsItIsRead(t *testing.T) {
-	ctx := context.Background()
 	broker := &syncRecorder{}
-	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: LogRelayConfig{NeverPark: true, Unmarked: true}}
-	r.tel = newRelayTelemetry(nil, nil, r.table, "log", "unknown")
-	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour)} // never due to tell the server: there is none
+	s, handle := testStream(t, broker, LogRelayConfig{NeverPark: true, Unmarked: true})
 	most := 0
 	feed := func(data []byte) {
 		t.Helper()
-		if err := s.handle(ctx, data); err != nil {
-			t.Fatal(err)
-		}
+		handle(data)
 		most = max(most, len(s.txn))
 	}
 	published := func() int { broker.mu.Lock(); defer broker.mu.Unlock(); return len(broker.ids) }
@@ -181,19 +182,10 @@ func TestLargeTransactionIsPublishedInPartsAsItIsRead(t *testing.T) {
 // xid 0, which every snapshot sees, so that a row not visible yet would be
 // counted deleted and stay unsent.)
 func TestDeliveredRowsReachTheMarksWithTheirTransaction(t *testing.T) {
-	ctx := context.Background()
-	broker := &syncRecorder{}
-	r := &LogRelay{broker: broker, table: defaultTables.table, outbox: defaultTables, cfg: LogRelayConfig{NeverPark: true, DeleteDelivered: true}}
-	r.tel = newRelayTelemetry(nil, nil, r.table, "log", "unknown")
-	m := newMarks(r)
+	s, feed := testStream(t, &syncRecorder{}, LogRelayConfig{NeverPark: true, DeleteDelivered: true})
+	m := newMarks(s.relay)
 	m.busy = true // no mark starts (there is no database): the rows stay pending
-	s := &stream{relay: r, relations: map[uint32]*pglogrepl.RelationMessage{}, every: time.Hour, told: time.Now().Add(time.Hour), marks: m}
-	feed := func(data []byte) {
-		t.Helper()
-		if err := s.handle(ctx, data); err != nil {
-			t.Fatal(err)
-		}
-	}
+	s.marks = m
 	feed(outboxRelation())
 	feed(xlog(wire{}.u8('B').u64(0x3f0).u64(0).u32(700)))
 	feed(insertMessage("7"))

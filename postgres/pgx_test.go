@@ -23,13 +23,7 @@ func TestWriteInAPgxTransaction(t *testing.T) {
 	ctx := context.Background()
 	name := newDatabaseName(t)
 	db := open(t, name, "")
-	cfg := pgtest.Config.Copy()
-	cfg.Database = name
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := connectTo(t, name)
 	ob := pgxOutbox(t, newPool(t, name, 2))
 
 	tx, err := conn.Begin(ctx)
@@ -100,6 +94,22 @@ func newPoolAs(tb testing.TB, name, app string, maxConns int32) *pgxpool.Pool {
 	}
 	tb.Cleanup(p.Close)
 	return p
+}
+
+// connectTo is a pgx connection to the database name of the shared server
+// (its default database if name is empty), closed when tb ends.
+func connectTo(tb testing.TB, name string) *pgx.Conn {
+	tb.Helper()
+	cfg := pgtest.Config.Copy()
+	if name != "" {
+		cfg.Database = name
+	}
+	conn, err := pgx.ConnectConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = conn.Close(context.Background()) })
+	return conn
 }
 
 // pgxOutbox is the table outbox on p.

@@ -79,17 +79,8 @@ func (p sqlPool) begin(ctx context.Context) (txn, error) {
 // transaction (the stdlib driver reports either as bad).
 func (p sqlPool) inTx(ctx context.Context, f func(tx txn) error) error {
 	return tryBegin(func(retry bool) (again bool, err error) {
-		conn, err := p.db.Conn(ctx)
-		if err != nil {
-			return false, err
-		}
-		defer conn.Close()
-		err = conn.Raw(func(driverConn any) error {
-			sc, ok := driverConn.(*stdlib.Conn)
-			if !ok { // check refuses a database of another driver
-				return fmt.Errorf("the driver's connection is a %T, not pgx's stdlib driver's", driverConn)
-			}
-			again, err = beginOn(ctx, sc.Conn(), f, retry)
+		err = p.onPgx(ctx, func(conn *pgx.Conn) error {
+			again, err = beginOn(ctx, conn, f, retry)
 			if again {
 				return driver.ErrBadConn // database/sql closes this one
 			}
@@ -98,6 +89,28 @@ func (p sqlPool) inTx(ctx context.Context, f func(tx txn) error) error {
 		return again, err
 	})
 }
+
+// onPgx runs f on the pgx connection beneath one of the database's
+// connections, which goes back to the database after f: closed there and
+// then if f returned driver.ErrBadConn. A database of another driver than
+// pgx's stdlib gets an error wrapping errNotStdlib.
+func (p sqlPool) onPgx(ctx context.Context, f func(conn *pgx.Conn) error) error {
+	conn, err := p.db.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return conn.Raw(func(driverConn any) error {
+		sc, ok := driverConn.(*stdlib.Conn)
+		if !ok { // check refuses such a database; listen meets it
+			return fmt.Errorf("%w: the driver's connection is a %T", errNotStdlib, driverConn)
+		}
+		return f(sc.Conn())
+	})
+}
+
+// errNotStdlib is onPgx's error for a database of another driver.
+var errNotStdlib = errors.New("not a connection of pgx's stdlib driver")
 
 // tryBegin calls try, on a connection of its own each time, until it
 // reports that its connection did not break as the transaction began, at
@@ -168,23 +181,16 @@ func (p sqlPool) maxConns() int { return p.db.Stats().MaxOpenConnections }
 // listen listens on one of the pool's connections, taken out of the pool
 // for good, until it fails.
 func (p sqlPool) listen(ctx context.Context, channel string, wake chan<- struct{}) (listened bool, err error) {
-	conn, err := p.db.Conn(ctx)
-	if err != nil {
-		return false, err
-	}
-	defer conn.Close()
-	err = conn.Raw(func(driverConn any) error {
-		sc, ok := driverConn.(*stdlib.Conn)
-		if !ok {
-			return fmt.Errorf("%w (the driver's connection is a %T)", errCannotListen, driverConn)
-		}
-		pc := sc.Conn()
+	err = p.onPgx(ctx, func(pc *pgx.Conn) error {
 		// Closed here whatever happens, so that the pool never hands out a
 		// connection that is still listening.
 		defer closeListener(pc)
 		listened, err = listenOn(ctx, pc, channel, wake)
 		return err
 	})
+	if errors.Is(err, errNotStdlib) {
+		return false, fmt.Errorf("%w (%w)", errCannotListen, err)
+	}
 	return listened, err
 }
 

@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"example.com/patterns/enterprise/outbox/postgres"
-	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 	"github.com/jackc/pgx/v5"
 )
@@ -561,19 +560,10 @@ func TestRelayTakesAnotherConnectionForOneTheServerEnded(t *testing.T) {
 // without end (the loop's count).
 func TestRelayTriesAnotherConnectionOnlyForOneThatBroke(t *testing.T) {
 	ctx := context.Background()
-	connect := func(t *testing.T) *pgx.Conn {
-		t.Helper()
-		conn, err := pgx.ConnectConfig(ctx, pgtest.Config.Copy())
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = conn.Close(ctx) })
-		return conn
-	}
 	// A connection whose transaction failed refuses a BEGIN and stays
 	// open: the failure is the statement's, not the connection's.
 	failed := func(t *testing.T) *pgx.Conn {
-		conn := connect(t)
+		conn := connectTo(t, "")
 		if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
 			t.Fatal(err)
 		}
@@ -583,7 +573,7 @@ func TestRelayTriesAnotherConnectionOnlyForOneThatBroke(t *testing.T) {
 		return conn
 	}
 	closed := func(t *testing.T) *pgx.Conn {
-		conn := connect(t)
+		conn := connectTo(t, "")
 		if err := conn.Close(ctx); err != nil {
 			t.Fatal(err)
 		}
