@@ -170,9 +170,9 @@ type LogRelayConfig struct {
 	// server writes and its walsender decodes before it sends the next
 	// transaction; on a machine whose cores the producers keep busy that
 	// is what holds the log relay's tail back (REFERENCE.md measures it).
-	// The table then keeps no sent row: Replay finds none to put back
-	// (ErrNotKept), DeleteSent none to delete, and ReadLag counts what is
-	// still there. A parked row stays, as a row already sent does. A
+	// The table then keeps no row the log relay sent: Replay finds none
+	// of them to put back (ErrNotKept), DeleteSent has none of them to
+	// delete, and ReadLag counts what is still there. A parked row stays, as a row already sent does. A
 	// delivered row that a mark cannot find though it sees the row's
 	// transaction is gone, and counted done: deleted by a mark before,
 	// when the server sends a transaction again after a restart, or by
