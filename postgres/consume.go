@@ -138,9 +138,11 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 //
 // apply gets the messages to apply with each aggregate's in the order of
 // their Seq. The batch makes the positions of the aggregates it starts,
-// then locks the others, each in the order of their names: two batches
-// that share aggregates wait for each other instead of deadlocking. Delivery order between different aggregates
-// carries no meaning, so nothing is lost by it. apply gets ctx with
+// then locks the others, each in the order of their names, then records
+// the keys in the order of their bytes: two batches that share aggregates
+// or keys, in whatever order they came, wait for each other instead of
+// deadlocking. Delivery order between different aggregates carries no
+// meaning, so nothing is lost by it. apply gets ctx with
 // ApplyBatch's span, "apply batch", with messaging.batch.message_count.
 func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Message) bool, apply func(ctx context.Context, tx T, msgs []Message) error) (applied []bool, err error) {
 	if err := o.usable(); err != nil {
@@ -353,9 +355,13 @@ func recordKeys(ctx context.Context, tx stmts, msgs []Message, candidates []int)
 		return fresh, nil
 	}
 	// Under READ COMMITTED a key another transaction is recording waits
-	// here for it, then counts as recorded before.
+	// here for it, then counts as recorded before. The keys go in in the
+	// order of their bytes (COLLATE "C"), whatever the batch's order: two
+	// batches that share keys then wait for each other, where two that
+	// took them in opposite orders would deadlock (40P01).
 	got, err := queryStrings(ctx, tx, `INSERT INTO processed_messages (message_key)
-		SELECT unnest($1::text[]) ON CONFLICT DO NOTHING RETURNING message_key`, keys)
+		SELECT k FROM unnest($1::text[]) AS v(k) ORDER BY k COLLATE "C"
+		ON CONFLICT DO NOTHING RETURNING message_key`, keys)
 	if err != nil {
 		return nil, fmt.Errorf("record %d messages: %w", len(keys), err)
 	}

@@ -89,7 +89,7 @@ type Marks struct{ m *marks }
 
 // NewMarks returns the marks a LogRelay marking in db makes.
 func NewMarks(db *sql.DB, timeout time.Duration, logger *slog.Logger, report func(PassReport)) *Marks {
-	return &Marks{newMarks(&LogRelay{markIn: db, cfg: LogRelayConfig{PublishTimeout: timeout, Logger: logger, OnPass: report}})}
+	return &Marks{newMarks(&LogRelay{cfg: LogRelayConfig{PublishTimeout: timeout, Logger: logger, OnPass: report}}, db)}
 }
 
 // Delivered notes rows of table delivered up to end, starting a mark.
@@ -99,7 +99,7 @@ func (m *Marks) Delivered(ctx context.Context, table string, ids []int64, end ui
 
 // NewDeletingMarks returns the marks of a LogRelay with DeleteDelivered.
 func NewDeletingMarks(db *sql.DB, timeout time.Duration, logger *slog.Logger, report func(PassReport)) *Marks {
-	return &Marks{newMarks(&LogRelay{markIn: db, cfg: LogRelayConfig{PublishTimeout: timeout, Logger: logger, OnPass: report, DeleteDelivered: true}})}
+	return &Marks{newMarks(&LogRelay{cfg: LogRelayConfig{PublishTimeout: timeout, Logger: logger, OnPass: report, DeleteDelivered: true}}, db)}
 }
 
 // DeliveredBy notes rows of table written by the transaction xid (its 32

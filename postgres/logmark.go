@@ -89,8 +89,8 @@ type markResult struct {
 	err    error
 }
 
-func newMarks(r *LogRelay) *marks {
-	return &marks{db: r.markIn, timeout: orDefault(r.cfg.PublishTimeout, DefaultPassTimeout), logger: r.cfg.Logger,
+func newMarks(r *LogRelay, db *sql.DB) *marks {
+	return &marks{db: db, timeout: orDefault(r.cfg.PublishTimeout, DefaultPassTimeout), logger: r.cfg.Logger,
 		del: r.cfg.DeleteDelivered, report: r.cfg.OnPass, pending: map[string][]markRow{}, done: make(chan markResult, 1),
 		missed: map[rowRef]int{}, now: time.Now}
 }

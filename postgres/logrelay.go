@@ -96,11 +96,11 @@ var ErrSlotOfAnotherDatabase = errors.New("postgres: the replication slot belong
 // then on. A LogRelay is safe for concurrent use, but Run runs once at a
 // time.
 type LogRelay struct {
-	cfg    LogRelayConfig  // with the defaults filled in
-	markIn *sql.DB         // where it marks, unless cfg.Unmarked
-	table  string          // the outbox table, for the measurements' outbox.table
-	outbox *tables         // the outbox whose rows Recover publishes
-	tel    *relayTelemetry // made by Run
+	cfg    LogRelayConfig           // with the defaults filled in
+	sqldb  func() (*sql.DB, func()) // where it marks and parks, unless cfg.Unmarked: its Outbox's
+	table  string                   // the outbox table, for the measurements' outbox.table
+	outbox *tables                  // the outbox whose rows Recover publishes
+	tel    *relayTelemetry          // made by Run
 
 	connConfig *pgconn.Config
 	broker     MessageBroker
@@ -217,7 +217,7 @@ type LogRelayConfig struct {
 // or publication name PostgreSQL would not take, a negative value,
 // ParkAfter with NeverPark or Unmarked, and DeleteDelivered with Unmarked.
 // It connects to nothing. On an Outbox made by [Open], it marks through
-// stdlib.OpenDBFromPool of o's pool.
+// stdlib.OpenDBFromPool of o's pool, which Run opens and closes.
 func (o *Outbox[T]) NewLogRelay(connString string, broker MessageBroker, cfg LogRelayConfig) (*LogRelay, error) {
 	conn, err := pgconn.ParseConfig(connString)
 	if err != nil {
@@ -266,9 +266,7 @@ func (o *Outbox[T]) NewLogRelayConfig(conn *pgconn.Config, broker MessageBroker,
 		cfg.ParkAfter = orDefault(cfg.ParkAfter, DefaultParkAfter)
 	}
 	r := &LogRelay{cfg: cfg, table: o.t.table, outbox: o.t, connConfig: conn.Copy(), broker: broker}
-	if !cfg.Unmarked {
-		r.markIn = o.sqldb
-	}
+	r.sqldb = o.sqldb
 	return r, nil
 }
 

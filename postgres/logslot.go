@@ -22,7 +22,9 @@ func (o *Outbox[T]) CreateLogSlot(ctx context.Context, slot string) error {
 	if err := o.usable(); err != nil {
 		return err
 	}
-	return createLogSlot(ctx, o.sqldb, cmp.Or(slot, o.Slot()))
+	db, release := o.sqldb()
+	defer release()
+	return createLogSlot(ctx, db, cmp.Or(slot, o.Slot()))
 }
 
 // DropLogSlot drops the replication slot slot (o's Slot if empty) of o's
@@ -35,7 +37,9 @@ func (o *Outbox[T]) DropLogSlot(ctx context.Context, slot string) error {
 	if err := o.usable(); err != nil {
 		return err
 	}
-	return dropLogSlot(ctx, o.sqldb, cmp.Or(slot, o.Slot()))
+	db, release := o.sqldb()
+	defer release()
+	return dropLogSlot(ctx, db, cmp.Or(slot, o.Slot()))
 }
 
 // createLogSlot is [Outbox.CreateLogSlot] on db, DefaultSlot if slot is
@@ -136,7 +140,9 @@ func (o *Outbox[T]) RecoverLogSlot(ctx context.Context, broker MessageBroker) (i
 	if err := o.usable(); err != nil {
 		return 0, err
 	}
-	return o.t.recoverLogSlot(ctx, o.sqldb, o.Slot(), broker)
+	db, release := o.sqldb()
+	defer release()
+	return o.t.recoverLogSlot(ctx, db, o.Slot(), broker)
 }
 
 // Recover is [Outbox.RecoverLogSlot] for r: it makes r's Slot anew and
@@ -145,10 +151,12 @@ func (o *Outbox[T]) RecoverLogSlot(ctx context.Context, broker MessageBroker) (i
 // wrapping ErrInvalidConfig: every row ever written would go again. Call it
 // when Run returned ErrSlotLost or ErrNoSlot, then Run again.
 func (r *LogRelay) Recover(ctx context.Context) (int, error) {
-	if r == nil || r.markIn == nil || r.outbox == nil {
+	if r == nil || r.sqldb == nil || r.cfg.Unmarked || r.outbox == nil {
 		return 0, fmt.Errorf("%w: Recover needs a LogRelay made by NewLogRelay that marks what it delivers", ErrInvalidConfig)
 	}
-	return r.outbox.recoverLogSlot(ctx, r.markIn, r.cfg.Slot, r.broker)
+	db, release := r.sqldb()
+	defer release()
+	return r.outbox.recoverLogSlot(ctx, db, r.cfg.Slot, r.broker)
 }
 
 func (o *tables) recoverLogSlot(ctx context.Context, db *sql.DB, slot string, broker MessageBroker) (int, error) {
@@ -169,7 +177,7 @@ func (o *tables) recoverLogSlot(ctx context.Context, db *sql.DB, slot string, br
 		return 0, err
 	}
 	// PollOnly: it only passes, and needs no connection to listen on.
-	relay, err := (&Outbox[SQLTx]{t: o, db: sqlPool{db}, sqldb: db}).NewRelay(broker, RelayConfig{PollOnly: true})
+	relay, err := (&Outbox[SQLTx]{t: o, db: sqlPool{db}, sqldb: callersDB(db)}).NewRelay(broker, RelayConfig{PollOnly: true})
 	if err != nil {
 		return 0, err
 	}

@@ -5,6 +5,7 @@ package postgres
 
 import (
 	"context"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -40,9 +41,15 @@ func (r *LogRelay) Run(ctx context.Context) error {
 	if wait == nil {
 		wait = pause
 	}
+	var markIn *sql.DB // where the marks are written and the rejections counted, unless Unmarked
+	if !r.cfg.Unmarked {
+		db, release := r.sqldb()
+		defer release()
+		markIn = db
+	}
 	failures := 0
 	for {
-		completed, err := r.session(ctx)
+		completed, err := r.session(ctx, markIn)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -77,8 +84,9 @@ func (r *LogRelay) Run(ctx context.Context) error {
 }
 
 // session streams from the slot's position on one replication connection
-// until it fails, and reports how many messages it delivered.
-func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
+// until it fails, and reports how many messages it delivered. It marks in
+// markIn, unless that is nil.
+func (r *LogRelay) session(ctx context.Context, markIn *sql.DB) (completed int, err error) {
 	cfg := r.connConfig.Copy()
 	cfg.RuntimeParams["replication"] = "database"
 	if cfg.RuntimeParams["application_name"] == "" {
@@ -126,8 +134,8 @@ func (r *LogRelay) session(ctx context.Context) (completed int, err error) {
 		every:     every,
 		replyIn:   orDefault(r.cfg.ReplyTimeout, 10*time.Second),
 	}
-	if r.markIn != nil {
-		s.marks = newMarks(r)
+	if markIn != nil {
+		s.marks, s.markIn = newMarks(r, markIn), markIn
 	}
 	err = s.run(ctx)
 	// Whatever ended the session, the server hears how far the broker
@@ -190,6 +198,7 @@ type stream struct {
 	sentIDs   []int64     // rows published and not yet handed to the marks, and their tables
 	sentIn    []string
 	marks     *marks        // unless Unmarked, the marking of what was delivered
+	markIn    *sql.DB       // unless Unmarked, where the marks go and rejections are counted
 	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
 	toldPos   pglogrepl.LSN // the position the server was last told
 	told      time.Time     // when the server was last told where the relay is
@@ -427,14 +436,14 @@ func batchOf(msgs []Message, limit int) int {
 // refusal stops the session as any failure does.
 func (s *stream) park(ctx context.Context, i int, refusal error) bool {
 	r := s.relay
-	if r.markIn == nil || r.cfg.ParkAfter <= 0 {
+	if s.markIn == nil || r.cfg.ParkAfter <= 0 {
 		return false
 	}
 	msg := s.txn[i]
 	var parked bool
 	ctx, cancel := context.WithTimeout(ctx, orDefault(r.cfg.PublishTimeout, DefaultPassTimeout))
 	defer cancel()
-	err := r.markIn.QueryRowContext(ctx, `UPDATE `+s.tables[i]+`
+	err := s.markIn.QueryRowContext(ctx, `UPDATE `+s.tables[i]+`
 		SET attempts = attempts + 1, rejections = rejections + 1, last_error = $2,
 		    parked_at = CASE WHEN rejections + 1 >= $3 THEN clock_timestamp() END
 		WHERE id = $1 RETURNING parked_at IS NOT NULL`, msg.ID, refusal.Error(), r.cfg.ParkAfter).Scan(&parked)

@@ -183,7 +183,7 @@ func TestLargeTransactionIsPublishedInPartsAsItIsRead(t *testing.T) {
 // counted deleted and stay unsent.)
 func TestDeliveredRowsReachTheMarksWithTheirTransaction(t *testing.T) {
 	s, feed := testStream(t, &syncRecorder{}, LogRelayConfig{NeverPark: true, DeleteDelivered: true})
-	m := newMarks(s.relay)
+	m := newMarks(s.relay, nil)
 	m.busy = true // no mark starts (there is no database): the rows stay pending
 	s.marks = m
 	feed(outboxRelation())

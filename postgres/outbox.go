@@ -157,7 +157,7 @@ const maxCleanupBatch = 100_000
 type Outbox[T any] struct {
 	t            *tables
 	db           pool
-	sqldb        *sql.DB                          // db as database/sql, for the log relay's marks and recovery
+	sqldb        func() (*sql.DB, func())         // db as database/sql, for the log relay's marks and slot, and what releases it
 	tx           func(T) txn                      // the caller's transaction, as the statements take it
 	begin        func(context.Context) (T, error) // a READ COMMITTED transaction of the Outbox's own
 	cleanupBatch int
@@ -203,7 +203,12 @@ func Open(p *pgxpool.Pool, cfg Config) (*Outbox[PgxTx], error) {
 	o.begin = func(ctx context.Context) (PgxTx, error) {
 		return p.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	}
-	o.sqldb = stdlib.OpenDBFromPool(p)
+	o.sqldb = func() (*sql.DB, func()) {
+		// A *sql.DB runs a goroutine of its own until it is closed; closed,
+		// this one leaves p open (its connector does not close p).
+		db := stdlib.OpenDBFromPool(p)
+		return db, func() { db.Close() }
+	}
 	return o, nil
 }
 
@@ -227,7 +232,7 @@ func OpenDB(db *sql.DB, cfg Config) (*Outbox[SQLTx], error) {
 		return nil, err
 	}
 	o.begin = sqlBegin(db)
-	o.sqldb = db
+	o.sqldb = callersDB(db)
 	return o, nil
 }
 
@@ -252,8 +257,14 @@ func sqlOutbox(db *sql.DB, cleanupBatch int) *Outbox[SQLTx] {
 	if db != nil {
 		p = sqlPool{db}
 	}
-	return &Outbox[SQLTx]{t: defaultTables, db: p, sqldb: db, tx: func(tx SQLTx) txn { return sqlTxn{tx} },
+	return &Outbox[SQLTx]{t: defaultTables, db: p, sqldb: callersDB(db), tx: func(tx SQLTx) txn { return sqlTxn{tx} },
 		begin: sqlBegin(db), cleanupBatch: orDefault(cleanupBatch, DefaultCleanupBatch)}
+}
+
+// callersDB is db, the caller's own, as an Outbox's sqldb: its release
+// leaves it open.
+func callersDB(db *sql.DB) func() (*sql.DB, func()) {
+	return func() (*sql.DB, func()) { return db, func() {} }
 }
 
 // sqlBegin begins READ COMMITTED transactions on db.

@@ -59,8 +59,15 @@ func (r *OutboxRelay) pass(ctx context.Context) (res passResult, err error) {
 	defer cancelTx()
 
 	// The pass's transaction is begun by pgx, even on a *sql.DB (pool.inTx).
+	// Until it has begun nothing is published, so a stop ends the wait for
+	// a connection (the pool's connections all busy) and for the BEGIN,
+	// not the end of txCtx.
+	beginCtx, cancelBegin := context.WithCancel(txCtx)
+	defer cancelBegin()
+	stopBegin := context.AfterFunc(ctx, cancelBegin)
 	began := false
-	err = r.db.inTx(txCtx, func(tx txn) error {
+	err = r.db.inTx(beginCtx, func(tx txn) error {
+		stopBegin()
 		began = true
 		res, err = r.passIn(ctx, pubCtx, txCtx, tx, start, &span)
 		return err

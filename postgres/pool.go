@@ -24,7 +24,9 @@ type pool interface {
 	begin(ctx context.Context) (txn, error) // a READ COMMITTED transaction
 	// inTx runs f in a READ COMMITTED transaction begun by pgx (a relay
 	// pass's), which f commits or rolls back, and returns f's error or
-	// the one that kept the transaction from beginning.
+	// the one that kept the transaction from beginning. ctx bounds the
+	// wait for a connection and the BEGIN only: f's statements take
+	// contexts of their own.
 	inTx(ctx context.Context, f func(tx txn) error) error
 	exec(ctx context.Context, query string) error
 	stmts // one statement, in a transaction of its own
