@@ -185,7 +185,13 @@ type LogRelayConfig struct {
 	// relay then skips it and delivers the rest of its transaction, and
 	// those after it. A parked row is listed by ListParked; put back
 	// (Unpark), it is published by a polling pass (OutboxRelay's, or
-	// RecoverLogSlot's), since the log relay has gone past it.
+	// RecoverLogSlot's), since the log relay has gone past it. A row the
+	// relay cannot read at all (headers that are not an object of
+	// strings, written past migration 8's check) is parked at its first
+	// reading, whatever ParkAfter and NeverPark say, since every reading
+	// fails alike; Unmarked, it fails every session. The session's
+	// settings that the rows' text form depends on (bytea_output,
+	// DateStyle) are pinned, whatever the role or database sets.
 	ParkAfter int
 
 	// NeverPark makes a message the broker can never take stop the relay,

@@ -89,6 +89,12 @@ func (r *LogRelay) Run(ctx context.Context) error {
 func (r *LogRelay) session(ctx context.Context, markIn *sql.DB) (completed int, err error) {
 	cfg := r.connConfig.Copy()
 	cfg.RuntimeParams["replication"] = "database"
+	// The text form of the columns decodeRow reads depends on these: pinned
+	// here, after whatever the role, the database or the connection
+	// string's options set (bytea_output = escape wedged the relay).
+	for name, value := range decodingSettings {
+		cfg.RuntimeParams[name] = value
+	}
 	if cfg.RuntimeParams["application_name"] == "" {
 		cfg.RuntimeParams["application_name"] = "outbox-log-relay"
 	}
@@ -153,6 +159,11 @@ func (r *LogRelay) session(ctx context.Context, markIn *sql.DB) (completed int, 
 	}
 	return s.completed, err
 }
+
+// decodingSettings are the settings of the replication session that pgoutput's
+// text form of a row depends on, as decodeRow reads it: bytea in hex, dates
+// in ISO 8601.
+var decodingSettings = map[string]string{"bytea_output": "hex", "DateStyle": "ISO, MDY"}
 
 // slotElsewhere is the name of the database the slot named slot belongs
 // to, if it is not the one conn is on; empty if it is, or if it cannot be
@@ -308,9 +319,16 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 			if !ok {
 				return fmt.Errorf("log relay: an insert into relation %d, which the server never described", m.RelationID)
 			}
+			table := pgx.Identifier{rel.Namespace, rel.RelationName}.Sanitize()
 			msg, scheduled, err := decodeRow(s.types, rel, m.Tuple)
 			if err != nil {
-				return err
+				// Read again, it fails again: parked, with the reason, it
+				// no longer holds the log; where it cannot be, the session
+				// fails, and so does the next one.
+				if msg.ID == 0 || !s.parkUnreadable(ctx, table, msg.ID, err) {
+					return err
+				}
+				return nil
 			}
 			if scheduled {
 				// Written with a time to deliver still to come: the log
@@ -319,7 +337,7 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 				return nil
 			}
 			s.txn = append(s.txn, msg)
-			s.tables = append(s.tables, pgx.Identifier{rel.Namespace, rel.RelationName}.Sanitize())
+			s.tables = append(s.tables, table)
 			s.txnBytes += len(msg.Payload)
 			// pgoutput (proto_version 1) sends a transaction only once it
 			// committed, so its rows may go before its COMMIT is read:
@@ -457,6 +475,32 @@ func (s *stream) park(ctx context.Context, i int, refusal error) bool {
 		r.cfg.Logger.Warn("outbox: message parked after too many rejections", "id", msg.ID, "key", msg.Key, "err", refusal)
 	}
 	return parked
+}
+
+// parkUnreadable parks the row id of table, which the relay could not read
+// (err says why), within PublishTimeout, logs it and reports true: the relay
+// then skips it. Unmarked, or if the row cannot be parked (the mark's
+// snapshot does not see it yet, or the statement fails), it reports false.
+func (s *stream) parkUnreadable(ctx context.Context, table string, id int64, err error) bool {
+	r := s.relay
+	if s.markIn == nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, orDefault(r.cfg.PublishTimeout, DefaultPassTimeout))
+	defer cancel()
+	n, perr := rowsAffected(s.markIn.ExecContext(ctx, `UPDATE `+table+`
+		SET attempts = attempts + 1, last_error = $2, parked_at = clock_timestamp()
+		WHERE id = $1 AND sent_at IS NULL AND parked_at IS NULL`, id, err.Error()))
+	if perr != nil || n == 0 {
+		if r.cfg.Logger != nil {
+			r.cfg.Logger.Error("outbox: log relay could not park a row it cannot read", "id", id, "err", err, "park_err", perr)
+		}
+		return false
+	}
+	if r.cfg.Logger != nil {
+		r.cfg.Logger.Warn("outbox: message parked: the log relay cannot read it", "id", id, "err", err)
+	}
+	return true
 }
 
 // safe is the position the server may hear of: how far the relay

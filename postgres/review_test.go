@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -190,4 +191,59 @@ func TestPassStopsWhileItWaitsForAConnection(t *testing.T) {
 		}
 		stops(t, relay)
 	})
+}
+
+// TestLogRelayReadsRowsWhateverTheDatabasesSettings: on a database whose
+// settings change pgoutput's text form (bytea_output = escape, DateStyle
+// SQL, DMY), the log relay delivers the bytes and the time as written: it
+// pins the settings it decodes by. It used to fail every session on the
+// bytes ("not in bytea's hex form") and never deliver a row.
+func TestLogRelayReadsRowsWhateverTheDatabasesSettings(t *testing.T) {
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	for _, set := range []string{`bytea_output = 'escape'`, `DateStyle = 'SQL, DMY'`} {
+		if _, err := db.Exec(`ALTER DATABASE ` + name + ` SET ` + set); err != nil {
+			t.Fatal(err)
+		}
+	}
+	broker := &recorder{}
+	relay := logRelayOn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{})
+	for _, e := range teamEvents {
+		writeEvent(t, db, e)
+	}
+	runLog(t, relay)
+	waitUntil(t, "three messages delivered", func() bool { return len(broker.Published()) >= 3 })
+	wantTeamEvents(t, broker.Published()[:3])
+}
+
+// TestLogRelayParksARowItCannotRead: a row the log relay cannot read (its
+// headers are not an object of strings, written past the check migration 8
+// adds) is parked, with the reason, and the rows after it are delivered. It
+// used to fail every session, and nothing after it was ever delivered.
+func TestLogRelayParksARowItCannotRead(t *testing.T) {
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	broker := &recorder{}
+	relay := logRelayOn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{})
+	if _, err := db.Exec(`ALTER TABLE outbox DROP CONSTRAINT outbox_headers_strings`); err != nil {
+		t.Fatal(err)
+	}
+	var bad int64
+	if err := db.QueryRow(`INSERT INTO outbox (type, payload, headers) VALUES ('Noted', '{}', '{"n": 1}') RETURNING id`).Scan(&bad); err != nil {
+		t.Fatal(err)
+	}
+	good := writeEvent(t, db, postgres.Event{Type: "Noted", Payload: map[string]int{"n": 2}})
+	runLog(t, relay)
+	waitUntil(t, "the readable row delivered", func() bool { return len(broker.Published()) >= 1 })
+	if got := broker.Published(); len(got) != 1 || got[0].ID != good {
+		t.Fatalf("delivered %+v; want row %d alone", got, good)
+	}
+	var parked bool
+	var lastError string
+	if err := db.QueryRow(`SELECT parked_at IS NOT NULL, COALESCE(last_error, '') FROM outbox WHERE id = $1`, bad).Scan(&parked, &lastError); err != nil {
+		t.Fatal(err)
+	}
+	if !parked || !strings.Contains(lastError, "headers") {
+		t.Fatalf("row %d: parked %v, last error %q; want it parked, the error naming its headers", bad, parked, lastError)
+	}
 }
