@@ -12,7 +12,7 @@
 #
 # Adopting, measuring and operating: the modules' suites, their figures, the relay process.
 #
-#   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL (-race)
+#   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL, PgBouncer in front for one (Debian's, installed if missing) (-race)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's (shop/, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
 #   make rabbitbroker                        the rabbitbroker/ module's tests: RabbitMQ (Debian's, installed if missing) on throwaway nodes, a throwaway PostgreSQL (-race)
 #   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps and PgBouncer (Debian's, installed if missing)
@@ -119,8 +119,9 @@ endef
 minimum:
 	OUTBOX_TRANSCRIPT=1 postgres/with-server.sh bash -c 'cd postgres && $(GO) test -count=1 -v -run "^(Example|Test)" ./minimum' 2>&1 | grep -v '^=== '
 
-# The postgres/ module.
-postgres:
+# The postgres/ module; a test of a COMMIT cut behind PgBouncer starts one
+# of its own (Debian's, installed where it is missing).
+postgres: pgbouncer
 	$(call module-tests,postgres)
 
 # Eight interleaved rounds of the postgres/ module's benchmarks on a throwaway
@@ -241,10 +242,11 @@ outbox-relay: rabbitmq-server pgbouncer
 
 # PgBouncer from Debian's packages, installed where it is missing, its
 # service kept from starting, as rabbitmq-server is: the relay process's
-# tests start one of their own in front of their PostgreSQL.
+# tests and one of postgres/'s start one of their own in front of their
+# PostgreSQL.
 pgbouncer:
 	@test -x /usr/sbin/pgbouncer || { \
-		echo "make outbox-relay: PgBouncer is missing; installing Debian's pgbouncer, its service kept from starting"; \
+		echo "make $(MAKECMDGOALS): PgBouncer is missing; installing Debian's pgbouncer, its service kept from starting"; \
 		own=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; own=1; }; \
 		{ apt-get install -y --no-install-recommends pgbouncer >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y --no-install-recommends pgbouncer >/dev/null; }; }; \
 		status=$$?; [ -z "$$own" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; }

@@ -4,16 +4,10 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"net"
-	"os"
-	"os/exec"
-	"os/user"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -23,97 +17,13 @@ import (
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
-// pgbouncerBin is Debian's PgBouncer, which make outbox-relay installs
-// where it is missing.
-const pgbouncerBin = "/usr/sbin/pgbouncer"
-
 // startPgBouncer starts a PgBouncer of the test's own, in transaction
-// pooling, in a temporary folder, on a loopback port of its own, in front
-// of the test's PostgreSQL; it is stopped when the test ends. It returns
-// its port. Run as root, it runs as the postgres user (PgBouncer refuses
-// root), as the server does.
+// pooling, in front of the test's PostgreSQL (pgtest.StartPgBouncer), and
+// returns its port.
 func startPgBouncer(t *testing.T) int {
 	t.Helper()
-	if _, err := os.Stat(pgbouncerBin); err != nil {
-		t.Fatalf("PgBouncer is not installed (%v): make outbox-relay installs Debian's pgbouncer", err)
-	}
-	dir, err := os.MkdirTemp("", "outbox-pgbouncer-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
 	cfg := pgtest.Config
-	ini := fmt.Sprintf(`[databases]
-* = host=%s port=%d
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = %d
-unix_socket_dir =
-auth_type = trust
-auth_file = %s
-pool_mode = transaction
-max_client_conn = 200
-default_pool_size = 10
-logfile = %s
-pidfile = %s
-`, cfg.Host, cfg.Port, port, filepath.Join(dir, "users.txt"), filepath.Join(dir, "pgbouncer.log"), filepath.Join(dir, "pgbouncer.pid"))
-	files := map[string]string{"pgbouncer.ini": ini, "users.txt": fmt.Sprintf("%q \"\"\n", cfg.User)}
-	for name, text := range files {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	cmd := exec.Command(pgbouncerBin, filepath.Join(dir, "pgbouncer.ini"))
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if os.Geteuid() == 0 {
-		u, err := user.Lookup("postgres")
-		if err != nil {
-			t.Fatal(err)
-		}
-		uid, _ := strconv.Atoi(u.Uid)
-		gid, _ := strconv.Atoi(u.Gid)
-		if err := os.Chown(dir, uid, gid); err != nil {
-			t.Fatal(err)
-		}
-		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
-	}
-	out := &syncBuffer{}
-	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(generous):
-			cmd.Process.Kill()
-			<-exited
-		}
-	})
-	waitFor(t, "PgBouncer to listen", func() bool {
-		select {
-		case err := <-exited:
-			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
-			t.Fatalf("PgBouncer exited: %v\n%s\n%s", err, out, log)
-		default:
-		}
-		c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
-		if err == nil {
-			c.Close()
-		}
-		return err == nil
-	})
-	return port
+	return pgtest.StartPgBouncer(t, cfg.Host, cfg.Port, cfg.User)
 }
 
 // The relay with -poll-only behind a real PgBouncer in transaction

@@ -106,7 +106,7 @@ func TestAdoptingPageBuilds(t *testing.T) {
 	_, block, _ := strings.Cut(string(page), "## 2. What to write")
 	_, block, _ = strings.Cut(block, "```go\n")
 	block, _, ok := strings.Cut(block, "```")
-	for _, want := range []string{"postgres.Open(pool,", "ob.Write(ctx, tx,", "tx.Commit(ctx)", "ob.NewRelay(", "ob.ApplyOnce(ctx, msg,"} {
+	for _, want := range []string{"postgres.Open(pool,", "ob.Write(ctx, tx,", "postgres.Commit(ctx, tx)", "ob.NewRelay(", "ob.ApplyOnce(ctx, msg,"} {
 		if !ok || !strings.Contains(block, want) {
 			t.Fatalf("ADOPTING.md's block after \"2. What to write\" lacks %s:\n%s", want, block)
 		}

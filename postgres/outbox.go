@@ -32,8 +32,10 @@
 //
 // Every operation on an outbox table is a method of its Outbox, and no
 // event is written but by [Outbox.Write] in the caller's transaction. The
-// package's other functions write no event: [Transaction] (a READ
-// COMMITTED transaction on a *sql.DB, its commit's unknown outcome said),
+// package's other functions write no event: [Transaction] and
+// [TransactionPgx] (a READ COMMITTED transaction on a *sql.DB or pgx's
+// pool, its commit's unknown outcome said), [Commit] (the same reading of
+// a commit, for a pgx transaction of the caller's own),
 // [ContextWithTrace], [NewConsumerTelemetry] for a consumer's spans, and
 // [NewMigrationSet] for a team's own numbered migrations.
 //
@@ -78,11 +80,9 @@ var ErrCommitUnknown = errors.New("postgres: commit outcome unknown")
 // turn this module's waits into serialization failures.
 //
 // If fn returns an error, or panics, the transaction is rolled back and the
-// error is returned unchanged (the panic goes on). If the commit fails with
-// the server's own error, or the server answers it with a rollback (a
-// statement had failed and fn went on: [pgx.ErrTxCommitRollback]), nothing
-// fn wrote is kept; any other commit error wraps [ErrCommitUnknown], and
-// then what fn wrote may be kept or not.
+// error is returned unchanged (the panic goes on). The commit's error is
+// read as [Commit] reads it: wrapping [ErrCommitUnknown] when what fn
+// wrote may be kept or not.
 func Transaction(ctx context.Context, db *sql.DB, fn func(ctx context.Context, tx *sql.Tx) error) error {
 	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
@@ -92,22 +92,74 @@ func Transaction(ctx context.Context, db *sql.DB, fn func(ctx context.Context, t
 	if err := fn(ctx, tx); err != nil {
 		return err
 	}
-	return commit(tx)
+	return commitError(tx.Commit())
 }
 
-// commit commits tx and tells an error the server sent, or a commit it
-// turned into a rollback (the transaction was rolled back), from one it did
-// not send (the outcome is unknown).
-func commit(tx interface{ Commit() error }) error {
-	err := tx.Commit()
+// TransactionPgx is [Transaction] on pgx's pool: fn runs in a READ
+// COMMITTED transaction of p, committed if fn returns nil, rolled back
+// otherwise (fn's error returned unchanged, a panic going on), and the
+// commit's error read as [Commit] reads it.
+func TransactionPgx(ctx context.Context, p *pgxpool.Pool, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	tx, err := p.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	if err != nil {
+		return err
+	}
+	defer (pgxTxn{tx}).rollback() // after a commit this does nothing; otherwise it undoes fn's writes
+	if err := fn(ctx, tx); err != nil {
+		return err
+	}
+	return Commit(ctx, tx)
+}
+
+// Commit commits the caller's pgx transaction tx and says what became of
+// it. nil: it committed. An error that does not wrap [ErrCommitUnknown]:
+// nothing tx wrote is kept, since the server answered the COMMIT with an
+// error of its own (a deferred constraint, a serialization failure) or
+// with a rollback (a statement had failed and the caller went on:
+// [pgx.ErrTxCommitRollback]). An error wrapping ErrCommitUnknown: the
+// COMMIT was sent, or may have been, and the answer says only that the
+// session ended (the connection broke, the context ended, or the server or
+// a pooler ended the session: a FATAL, a code of class 08 such as
+// PgBouncer's "server conn crashed?", 08P01, or 57P01 to 57P03), which
+// the server may say after it committed. Only a look at the database can
+// tell then, or a retry that an idempotency key makes safe. [Transaction]
+// and [TransactionPgx] read their commits so, and so does every commit of
+// this package.
+func Commit(ctx context.Context, tx PgxTx) error {
+	if tx == nil {
+		return errNoTx
+	}
+	return commitError(tx.Commit(ctx))
+}
+
+// commitError reads the error of a commit, as Commit says.
+func commitError(err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case sqlState(err) != "", errors.Is(err, pgx.ErrTxCommitRollback):
+	case errors.Is(err, pgx.ErrTxCommitRollback), sqlState(err) != "" && !sessionEnded(err):
 		return fmt.Errorf("commit: %w", err)
 	default:
 		return fmt.Errorf("commit: %w: %w", ErrCommitUnknown, err)
 	}
+}
+
+// sessionEnded reports whether err is the word of a server, or of a pooler
+// in front of it, that the session has ended, which may come after the
+// server committed: a FATAL or PANIC, or a code of class 08 (connection
+// exception) or 57P01 to 57P03 (the server shutting down, crashed, or not
+// yet taking connections). A session ended while it sat idle in its
+// transaction (25P03) had its transaction rolled back before any COMMIT.
+func sessionEnded(err error) bool {
+	code := sqlState(err)
+	if code == "25P03" {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC") {
+		return true
+	}
+	return strings.HasPrefix(code, "08") || code == "57P01" || code == "57P02" || code == "57P03"
 }
 
 // sqlState is the SQLSTATE code of the server's error in err's chain, or ""

@@ -202,11 +202,16 @@ func (r *OutboxRelay) passIn(ctx, pubCtx, txCtx context.Context, tx txn, start t
 	stop = errors.Join(stop, errors.Join(refused...))
 
 	// Whatever fails from here on leaves every accepted message unsent, to
-	// go again, and no row parked.
+	// go again, and no row parked; but a commit whose outcome is unknown
+	// may have kept the marks, and the progress is counted as none.
 	unmarked := func(what string, err error) (passResult, error) {
 		res.parked, res.failing, res.refusedOnly = nil, nil, false
-		return res, errors.Join(stop, fmt.Errorf("%s%s, so the %d messages the broker accepted stay unsent and go again: %w",
-			what, why(txCtx, err), len(sent), err))
+		fate := "stay unsent and go again"
+		if errors.Is(err, ErrCommitUnknown) {
+			fate = "may be marked sent or not: those not marked go again"
+		}
+		return res, errors.Join(stop, fmt.Errorf("%s%s, so the %d messages the broker accepted %s: %w",
+			what, why(txCtx, err), len(sent), fate, err))
 	}
 	if len(sent) > 0 {
 		mark := r.outbox.sql.markSent
@@ -249,7 +254,7 @@ func why(txCtx context.Context, err error) string {
 	case txCtx.Err() != nil:
 		return " (the pass ran past twice its budget, PassTimeout: a broker slower than the budget?)"
 	case errors.Is(err, driver.ErrBadConn), pgconn.SafeToRetry(err), errors.As(err, new(net.Error)),
-		strings.HasPrefix(code, "08"), code == "57P01", code == "57P02", code == "25P03":
+		sessionEnded(err), code == "25P03":
 		return " (the pass's session is gone, ended by the server, a pooler or the network, and nothing it wrote was kept)"
 	}
 	return ""

@@ -221,7 +221,7 @@ func (t sqlTxn) exec(ctx context.Context, query string, args ...any) error {
 	return err
 }
 
-func (t sqlTxn) commit(context.Context) error { return commit(t.tx) }
+func (t sqlTxn) commit(context.Context) error { return commitError(t.tx.Commit()) }
 func (t sqlTxn) rollback()                    { _ = t.tx.Rollback() } // after a commit this does nothing
 
 // sqlRows is *sql.Rows as rows.
@@ -316,21 +316,8 @@ func (t pgxTxn) exec(ctx context.Context, query string, args ...any) error {
 	return err
 }
 
-// commit is commit's rule on pgx: the server's own error is a failed
-// commit, anything else an outcome unknown. A commit the server turned into
-// a rollback (the transaction had failed) is ErrTxCommitRollback: nothing
-// was kept.
-func (t pgxTxn) commit(ctx context.Context) error {
-	err := t.tx.Commit(ctx)
-	switch {
-	case err == nil:
-		return nil
-	case sqlState(err) != "", errors.Is(err, pgx.ErrTxCommitRollback):
-		return fmt.Errorf("commit: %w", err)
-	default:
-		return fmt.Errorf("commit: %w: %w", ErrCommitUnknown, err)
-	}
-}
+// commit commits as [Commit] says.
+func (t pgxTxn) commit(ctx context.Context) error { return commitError(t.tx.Commit(ctx)) }
 
 // rollback ends the transaction unless it was committed; it gets a second
 // of its own, since the pass's context may have ended.
