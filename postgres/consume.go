@@ -70,8 +70,10 @@ var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates ca
 // the message is applied or found a duplicate. Two deliveries of one
 // message at the same time apply it once: the second waits for the first's
 // transaction and comes back as a duplicate, not as an error. The tables
-// are the outbox migrations' ([Outbox.Migrate]), shared by every outbox of
-// the database; in a real system they live in the consumer's database.
+// are the outbox migrations' ([Outbox.Migrate]), and the records in them
+// are o's consumer's ([Config.Consumer]): two consumers of the same events
+// in one database each need a name of their own. In a real system they
+// live in the consumer's database.
 // [Outbox.ApplyOnceIn] does the same in a transaction the caller already
 // has.
 func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply func(ctx context.Context, tx T) error) (applied bool, err error) {
@@ -99,7 +101,7 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 	}
 	t := o.tx(tx)
 	defer t.rollback() // after a commit this does nothing; otherwise it undoes apply's writes
-	fresh, err := applyOnceIn(ctx, t, msg, last, true)
+	fresh, err := applyOnceIn(ctx, t, o.consumer, msg, last, true)
 	if err != nil || !fresh {
 		return false, err // !fresh: a duplicate, and nothing was written
 	}
@@ -188,7 +190,7 @@ func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Me
 	if _, err := t.execN(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
 		return nil, err
 	}
-	positions, made, err := lockPositions(ctx, t, msgs, order, last)
+	positions, made, err := lockPositions(ctx, t, o.consumer, msgs, order, last)
 	if err != nil {
 		return nil, err
 	}
@@ -216,7 +218,7 @@ func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Me
 				m.Key, m.Aggregate, m.Seq, pos, ErrOutOfOrder)
 		}
 	}
-	fresh, err := recordKeys(ctx, t, msgs, candidates)
+	fresh, err := recordKeys(ctx, t, o.consumer, msgs, candidates)
 	if err != nil {
 		return nil, err
 	}
@@ -240,7 +242,7 @@ func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Me
 		}
 		moved[m.Aggregate] = m
 	}
-	if err := movePositions(ctx, t, moved, made, last); err != nil {
+	if err := movePositions(ctx, t, o.consumer, moved, made, last); err != nil {
 		return nil, err
 	}
 	applied = make([]bool, len(msgs))
@@ -262,14 +264,14 @@ func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Me
 	return applied, nil
 }
 
-// lockPositions returns the last seq applied of each aggregate of msgs (0
-// for one never seen), holding their row locks in tx. An aggregate with
+// lockPositions returns the last seq applied by consumer of each aggregate
+// of msgs (0 for one never seen), holding their row locks in tx. An aggregate with
 // no row yet whose first message is in the batch (Seq 1) gets its row
 // here, written once with the Seq the batch takes it to if every message
 // applies, instead of made, locked and moved (three writes); made holds
 // the message each such row was written for. The rows are made, then the
 // others locked, each in the order of the aggregates' names.
-func lockPositions(ctx context.Context, tx stmts, msgs []Message, order []int, last func(Message) bool) (positions map[string]int64, made map[string]Message, err error) {
+func lockPositions(ctx context.Context, tx stmts, consumer string, msgs []Message, order []int, last func(Message) bool) (positions map[string]int64, made map[string]Message, err error) {
 	var aggregates []string       // each aggregate once, by name
 	reach := map[string]Message{} // an aggregate the batch starts: the message it reaches
 	for _, i := range order {     // sorted by aggregate, then Seq
@@ -304,9 +306,9 @@ func lockPositions(ctx context.Context, tx stmts, msgs []Message, order []int, l
 		}
 		// A row another transaction is making waits here for it, and is
 		// then locked below as one made before.
-		got, err := queryStrings(ctx, tx, `INSERT INTO aggregate_positions (aggregate, seq, applied_at, closed)
-			SELECT a, s, clock_timestamp(), c FROM unnest($1::text[], $2::bigint[], $3::bool[]) AS v(a, s, c) ORDER BY a
-			ON CONFLICT DO NOTHING RETURNING aggregate`, names, seqs, closed)
+		got, err := queryStrings(ctx, tx, `INSERT INTO aggregate_positions (consumer, aggregate, seq, applied_at, closed)
+			SELECT $4, a, s, clock_timestamp(), c FROM unnest($1::text[], $2::bigint[], $3::bool[]) AS v(a, s, c) ORDER BY a
+			ON CONFLICT DO NOTHING RETURNING aggregate`, names, seqs, closed, consumer)
 		if err != nil {
 			return nil, nil, fmt.Errorf("positions of %d aggregates: %w", len(names), err)
 		}
@@ -324,7 +326,7 @@ func lockPositions(ctx context.Context, tx stmts, msgs []Message, order []int, l
 		return positions, made, nil
 	}
 	rows, err := tx.query(ctx, `SELECT aggregate, seq FROM aggregate_positions
-		WHERE aggregate = ANY($1::text[]) ORDER BY aggregate FOR UPDATE`, rest)
+		WHERE consumer = $2 AND aggregate = ANY($1::text[]) ORDER BY aggregate FOR UPDATE`, rest, consumer)
 	if err != nil {
 		return nil, nil, fmt.Errorf("positions of %d aggregates: %w", len(rest), err)
 	}
@@ -343,9 +345,10 @@ func lockPositions(ctx context.Context, tx stmts, msgs []Message, order []int, l
 	return positions, made, nil
 }
 
-// recordKeys records the keys of msgs[candidates] in processed_messages, in
-// one statement, and returns those that were not there before.
-func recordKeys(ctx context.Context, tx stmts, msgs []Message, candidates []int) (map[string]bool, error) {
+// recordKeys records the keys of msgs[candidates] as consumer's in
+// processed_messages, in one statement, and returns those that were not
+// there before.
+func recordKeys(ctx context.Context, tx stmts, consumer string, msgs []Message, candidates []int) (map[string]bool, error) {
 	keys := make([]string, len(candidates))
 	for j, i := range candidates {
 		keys[j] = msgs[i].Key
@@ -359,9 +362,9 @@ func recordKeys(ctx context.Context, tx stmts, msgs []Message, candidates []int)
 	// order of their bytes (COLLATE "C"), whatever the batch's order: two
 	// batches that share keys then wait for each other, where two that
 	// took them in opposite orders would deadlock (40P01).
-	got, err := queryStrings(ctx, tx, `INSERT INTO processed_messages (message_key)
-		SELECT k FROM unnest($1::text[]) AS v(k) ORDER BY k COLLATE "C"
-		ON CONFLICT DO NOTHING RETURNING message_key`, keys)
+	got, err := queryStrings(ctx, tx, `INSERT INTO processed_messages (consumer, message_key)
+		SELECT $2, k FROM unnest($1::text[]) AS v(k) ORDER BY k COLLATE "C"
+		ON CONFLICT DO NOTHING RETURNING message_key`, keys, consumer)
 	if err != nil {
 		return nil, fmt.Errorf("record %d messages: %w", len(keys), err)
 	}
@@ -393,7 +396,7 @@ func queryStrings(ctx context.Context, tx stmts, query string, args ...any) ([]s
 // in moved, in one statement: the rows locked, and those lockPositions
 // made whose message is not the one moved (a key recorded before stopped
 // the aggregate short of it), which go back to where the batch left them.
-func movePositions(ctx context.Context, tx stmts, moved, made map[string]Message, last func(Message) bool) error {
+func movePositions(ctx context.Context, tx stmts, consumer string, moved, made map[string]Message, last func(Message) bool) error {
 	var aggregates []string
 	var seqs []int64
 	var closed []bool
@@ -416,7 +419,7 @@ func movePositions(ctx context.Context, tx stmts, moved, made map[string]Message
 	if _, err := tx.execN(ctx, `UPDATE aggregate_positions p
 		SET seq = v.seq, applied_at = clock_timestamp(), closed = v.closed
 		FROM unnest($1::text[], $2::bigint[], $3::bool[]) AS v(aggregate, seq, closed)
-		WHERE p.aggregate = v.aggregate`, aggregates, seqs, closed); err != nil {
+		WHERE p.consumer = $4 AND p.aggregate = v.aggregate`, aggregates, seqs, closed, consumer); err != nil {
 		return fmt.Errorf("move %d positions: %w", len(aggregates), err)
 	}
 	return nil
@@ -432,8 +435,8 @@ func movePositions(ctx context.Context, tx stmts, moved, made map[string]Message
 // consumer acks after the commit survives a crash of the server. A message
 // of an aggregate whose Seq is below 1 is refused with
 // [ErrMalformedMessage], never taken for a duplicate. It starts no span:
-// the caller's ctx carries its own. The consumer's tables are shared by
-// every outbox of the database.
+// the caller's ctx carries its own. The records are o's consumer's
+// ([Config.Consumer]).
 func (o *Outbox[T]) ApplyOnceIn(ctx context.Context, tx T, msg Message, last bool) (fresh bool, err error) {
 	if err := o.usable(); err != nil {
 		return false, err
@@ -441,12 +444,12 @@ func (o *Outbox[T]) ApplyOnceIn(ctx context.Context, tx T, msg Message, last boo
 	if any(tx) == nil {
 		return false, errNoTx
 	}
-	return applyOnceIn(ctx, o.tx(tx), msg, last, true)
+	return applyOnceIn(ctx, o.tx(tx), o.consumer, msg, last, true)
 }
 
-// applyOnceIn records msg as applied in tx, or reports a duplicate; with
-// setDurable it first makes tx's commit durable (a batch does that once).
-func applyOnceIn(ctx context.Context, tx stmts, msg Message, last, setDurable bool) (fresh bool, err error) {
+// applyOnceIn records msg as applied by consumer in tx, or reports a
+// duplicate; with setDurable it first makes tx's commit durable.
+func applyOnceIn(ctx context.Context, tx stmts, consumer string, msg Message, last, setDurable bool) (fresh bool, err error) {
 	if msg.Key == "" {
 		return false, ErrNoMessageKey
 	}
@@ -457,7 +460,7 @@ func applyOnceIn(ctx context.Context, tx stmts, msg Message, last, setDurable bo
 		// The aggregate's position first, under its row lock: a second
 		// delivery of the message waits here for the first one's
 		// transaction, and then finds the position past it.
-		seq, err := lockPosition(ctx, tx, msg)
+		seq, err := lockPosition(ctx, tx, consumer, msg)
 		if err != nil {
 			return false, err
 		}
@@ -482,7 +485,7 @@ func applyOnceIn(ctx context.Context, tx stmts, msg Message, last, setDurable bo
 	// Under READ COMMITTED a second delivery waits here for the first
 	// one's transaction, then finds the key and inserts nothing.
 	n, err := tx.execN(ctx,
-		`INSERT INTO processed_messages (message_key) VALUES ($1) ON CONFLICT DO NOTHING`, msg.Key)
+		`INSERT INTO processed_messages (consumer, message_key) VALUES ($2, $1) ON CONFLICT DO NOTHING`, msg.Key, consumer)
 	if err != nil {
 		return false, fmt.Errorf("record message %s: %w", msg.Key, err)
 	}
@@ -491,24 +494,24 @@ func applyOnceIn(ctx context.Context, tx stmts, msg Message, last, setDurable bo
 	}
 	if msg.Aggregate != "" {
 		if _, err := tx.execN(ctx,
-			`UPDATE aggregate_positions SET seq = $2, applied_at = clock_timestamp(), closed = $3 WHERE aggregate = $1`,
-			msg.Aggregate, msg.Seq, last); err != nil {
+			`UPDATE aggregate_positions SET seq = $2, applied_at = clock_timestamp(), closed = $3 WHERE consumer = $4 AND aggregate = $1`,
+			msg.Aggregate, msg.Seq, last, consumer); err != nil {
 			return false, fmt.Errorf("message %s: %w", msg.Key, err)
 		}
 	}
 	return true, nil
 }
 
-// lockPosition returns the last seq applied of msg's aggregate (0 for an
-// aggregate never seen), holding its row lock in tx.
-func lockPosition(ctx context.Context, tx stmts, msg Message) (int64, error) {
+// lockPosition returns the last seq of msg's aggregate that consumer
+// applied (0 for an aggregate never seen), holding its row lock in tx.
+func lockPosition(ctx context.Context, tx stmts, consumer string, msg Message) (int64, error) {
 	if _, err := tx.execN(ctx,
-		`INSERT INTO aggregate_positions (aggregate, seq) VALUES ($1, 0) ON CONFLICT DO NOTHING`, msg.Aggregate); err != nil {
+		`INSERT INTO aggregate_positions (consumer, aggregate, seq) VALUES ($2, $1, 0) ON CONFLICT DO NOTHING`, msg.Aggregate, consumer); err != nil {
 		return 0, fmt.Errorf("message %s: %w", msg.Key, err)
 	}
 	var seq int64
 	if err := tx.queryRow(ctx,
-		`SELECT seq FROM aggregate_positions WHERE aggregate = $1 FOR UPDATE`, msg.Aggregate).Scan(&seq); err != nil {
+		`SELECT seq FROM aggregate_positions WHERE consumer = $2 AND aggregate = $1 FOR UPDATE`, msg.Aggregate, consumer).Scan(&seq); err != nil {
 		return 0, fmt.Errorf("message %s: %w", msg.Key, err)
 	}
 	return seq, nil
@@ -532,34 +535,60 @@ func (o *Outbox[T]) ForgetProcessed(ctx context.Context, retention time.Duration
 	if err := o.usable(); err != nil {
 		return 0, err
 	}
-	keys, err := deleteInBatches(ctx, o.db, forgetProcessed, retention, o.cleanupBatch)
+	keys, err := deleteInBatches(ctx, o.db, forgetProcessed, retention, o.cleanupBatch, o.consumer)
 	if err != nil {
 		return keys, err
 	}
-	positions, err := deleteInBatches(ctx, o.db, forgetClosedPositions, retention, o.cleanupBatch)
+	positions, err := deleteInBatches(ctx, o.db, forgetClosedPositions, retention, o.cleanupBatch, o.consumer)
 	return keys + positions, err
 }
 
-// forgetProcessed deletes up to $2 keys older than $1 microseconds.
+// ForgetPosition deletes the position of aggregate that o's consumer
+// ([Config.Consumer]) keeps, and reports whether there was one: the
+// consumer then takes the aggregate's events again from the first (Seq 1).
+// It is how a consumer has an aggregate applied again. A consumer drops
+// every event of an aggregate at or below its position, whatever the
+// event's key, and every event whose key it remembers: so forget the
+// position here, on the consumer's database, and then replay the
+// aggregate with new keys on the producer's ([Outbox.Replay] with
+// Replay.NewKeys). Do it while no event of the aggregate is on its way to
+// the consumer: one past the forgotten position waits, out of order, for
+// the replay's first.
+func (o *Outbox[T]) ForgetPosition(ctx context.Context, aggregate string) (bool, error) {
+	if err := o.usable(); err != nil {
+		return false, err
+	}
+	if aggregate == "" {
+		return false, errors.New("postgres: ForgetPosition needs an aggregate")
+	}
+	n, err := o.db.execN(ctx, `DELETE FROM aggregate_positions WHERE consumer = $1 AND aggregate = $2`, o.consumer, aggregate)
+	if err != nil {
+		return false, fmt.Errorf("forget the position of %s: %w", aggregate, err)
+	}
+	return n > 0, nil
+}
+
+// forgetProcessed deletes up to $2 of consumer $3's keys older than $1
+// microseconds.
 const forgetProcessed = `
 WITH gone AS (
     DELETE FROM processed_messages
-    WHERE message_key IN (
+    WHERE consumer = $3 AND message_key IN (
         SELECT message_key FROM processed_messages
-        WHERE processed_at < clock_timestamp() - $1 * interval '1 microsecond'
+        WHERE consumer = $3 AND processed_at < clock_timestamp() - $1 * interval '1 microsecond'
         ORDER BY processed_at
         LIMIT $2)
     RETURNING 1)
 SELECT count(*) FROM gone`
 
-// forgetClosedPositions deletes up to $2 positions of closed aggregates
-// last moved more than $1 microseconds ago.
+// forgetClosedPositions deletes up to $2 of consumer $3's positions of
+// closed aggregates last moved more than $1 microseconds ago.
 const forgetClosedPositions = `
 WITH gone AS (
     DELETE FROM aggregate_positions
-    WHERE aggregate IN (
+    WHERE consumer = $3 AND aggregate IN (
         SELECT aggregate FROM aggregate_positions
-        WHERE closed AND applied_at < clock_timestamp() - $1 * interval '1 microsecond'
+        WHERE consumer = $3 AND closed AND applied_at < clock_timestamp() - $1 * interval '1 microsecond'
         ORDER BY applied_at
         LIMIT $2)
     RETURNING 1)

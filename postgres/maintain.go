@@ -146,16 +146,17 @@ func (o *Outbox[T]) DeleteSent(ctx context.Context, retention time.Duration) (in
 	}
 }
 
-// deleteInBatches runs query, which deletes up to $2 rows older than $1
-// microseconds and returns how many, until it deletes fewer than a batch.
-func deleteInBatches(ctx context.Context, db stmts, query string, retention time.Duration, batchSize int) (int64, error) {
+// deleteInBatches runs query, which deletes up to $2 of consumer's ($3)
+// rows older than $1 microseconds and returns how many, until it deletes
+// fewer than a batch.
+func deleteInBatches(ctx context.Context, db stmts, query string, retention time.Duration, batchSize int, consumer string) (int64, error) {
 	if retention < 0 {
 		return 0, fmt.Errorf("postgres: negative retention %v", retention)
 	}
 	var total int64
 	for {
 		var n int64
-		if err := db.queryRow(ctx, query, retention.Microseconds(), batchSize).Scan(&n); err != nil {
+		if err := db.queryRow(ctx, query, retention.Microseconds(), batchSize, consumer).Scan(&n); err != nil {
 			return total, fmt.Errorf("delete consumer records: %w", err)
 		}
 		total += n

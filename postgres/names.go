@@ -15,8 +15,9 @@ import (
 // (<table>), the publication of its inserts for the log relay
 // (<table>_inserts), the log relay's default slot (<table>), and the
 // record of its migrations (<table>_migrations). The consumer's tables,
-// processed_messages and aggregate_positions, are not the outbox's and are
-// shared. A tables is immutable.
+// processed_messages and aggregate_positions, are not the outbox's: every
+// outbox of the database shares them, each consumer's records under its
+// name (Config.Consumer). A tables is immutable.
 type tables struct {
 	table      string
 	sql        statements

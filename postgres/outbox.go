@@ -56,6 +56,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"regexp"
 	"strings"
 	"time"
 
@@ -191,6 +192,17 @@ type Config struct {
 	// CleanupBatch is how many rows DeleteSent and ForgetProcessed delete
 	// in one transaction; 0 means DefaultCleanupBatch. At most 100,000.
 	CleanupBatch int
+	// Consumer names the consumer whose records ApplyOnce, ApplyOnceIn,
+	// ApplyBatch, ForgetProcessed and ForgetPosition read and write: the
+	// keys it applied and the positions of the aggregates it follows, in
+	// the database's processed_messages and aggregate_positions. "" is the
+	// default consumer, whose records are all those written before
+	// migration 9. Two consumers of the same events in one database (a
+	// mailer beside the billing) each need a name of their own: with
+	// one name, the second finds the first's records and drops every
+	// message as a copy. At most 63 bytes of letters, digits, '_', '-' and
+	// '.'.
+	Consumer string
 }
 
 // maxCleanupBatch bounds Config.CleanupBatch, so that no cleanup holds a
@@ -213,6 +225,7 @@ type Outbox[T any] struct {
 	tx           func(T) txn                      // the caller's transaction, as the statements take it
 	begin        func(context.Context) (T, error) // a READ COMMITTED transaction of the Outbox's own
 	cleanupBatch int
+	consumer     string // Config.Consumer
 }
 
 // PgxTx is the caller's pgx transaction, as [Outbox.Write] and
@@ -300,8 +313,18 @@ func newOutbox[T any](db pool, cfg Config, tx func(T) txn) (*Outbox[T], error) {
 		return nil, fmt.Errorf("%w: Config.CleanupBatch %d: want 1 to %d, or 0 for %d", ErrInvalidConfig,
 			cfg.CleanupBatch, maxCleanupBatch, DefaultCleanupBatch)
 	}
-	return &Outbox[T]{t: t, db: db, tx: tx, cleanupBatch: orDefault(cfg.CleanupBatch, DefaultCleanupBatch)}, nil
+	if cfg.Consumer != "" && !consumerName.MatchString(cfg.Consumer) {
+		return nil, fmt.Errorf("%w: Config.Consumer %q: want letters, digits, '_', '-' and '.', at most 63 bytes", ErrInvalidConfig, cfg.Consumer)
+	}
+	return &Outbox[T]{t: t, db: db, tx: tx, cleanupBatch: orDefault(cfg.CleanupBatch, DefaultCleanupBatch), consumer: cfg.Consumer}, nil
 }
+
+// consumerName is what Config.Consumer may be.
+var consumerName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,63}$`)
+
+// Consumer is the consumer whose records o's consumer methods keep
+// (Config.Consumer): "" for the default one.
+func (o *Outbox[T]) Consumer() string { return o.consumer }
 
 // sqlOutbox is the table outbox of db, as the package's functions use it.
 func sqlOutbox(db *sql.DB, cleanupBatch int) *Outbox[SQLTx] {

@@ -37,13 +37,17 @@ var ErrReplayTooLarge = errors.New("postgres: replay too large")
 type Replay struct {
 	Aggregate string
 	From, To  time.Time
-	// NewKeys gives each row put back a new key, so that consumers that
-	// remember the old one apply it again. Without it the rows keep their
+	// NewKeys gives each row put back a new key, so that a consumer that
+	// remembers the old keys does not drop the rows as copies. A row of
+	// an aggregate is dropped all the same by a consumer whose position of
+	// the aggregate is at or past its Seq: for such a consumer to apply an
+	// aggregate again, forget its position first (Outbox.ForgetPosition,
+	// on the consumer's database). Without NewKeys the rows keep their
 	// keys: consumers that remember them drop them, and one that lost its
-	// state applies them. (JetStream drops a message whose key it saw
-	// within its stream's duplicate window, Duplicates, two minutes by
-	// default, before any consumer sees it: a replay with the old keys
-	// reaches consumers once that window has passed.)
+	// state (keys and positions) applies them. (JetStream drops a message
+	// whose key it saw within its stream's duplicate window, Duplicates,
+	// two minutes by default, before any consumer sees it: a replay with
+	// the old keys reaches consumers once that window has passed.)
 	NewKeys bool
 }
 
