@@ -38,7 +38,7 @@ var LogMarkQuery = fmt.Sprintf(logMark, "outbox")
 
 // LogDeleteQuery is the mark of a log relay with DeleteDelivered: $1 the
 // ids, $2 their transactions' xids.
-var LogDeleteQuery = fmt.Sprintf(logDelete, "outbox")
+var LogDeleteQuery = fmt.Sprintf(logDelete, "outbox", "outbox_cleanup")
 
 // FullXidQuery is the 64-bit xid of the 32-bit xid $2 below the xmax $1.
 var FullXidQuery = "SELECT " + fullXid("$1::bigint", "$2::bigint")

@@ -262,17 +262,33 @@ SELECT (SELECT count(*) FROM marked),
 // relay is done: deleted by one of its marks before (the server sends a
 // transaction again after a restart if its position was not confirmed),
 // or by anyone. A row parked meanwhile, or sent already, is left as it
-// is. An xid is 32 bits; its snapshot's is 64 (fullXid).
+// is. An xid is 32 bits; its snapshot's is 64 (fullXid). The newest
+// created_at it deleted moves the table's record of what cleanup cut (%[2]s,
+// migration 10), as DeleteSent's does, for Replay.
 var logDelete = `
 WITH deleted AS (
 	DELETE FROM %[1]s
 	WHERE id = ANY($1) AND coalesce(sent_at, parked_at) IS NULL
-	RETURNING id),
+	RETURNING id, created_at),
+cut AS (
+	UPDATE %[2]s SET deleted_through = d.t
+	FROM (SELECT max(created_at) AS t FROM deleted) d
+	WHERE d.t > deleted_through),
 snap AS (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax FROM pg_current_snapshot() AS s)
 SELECT (SELECT count(*) FROM deleted),
        array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[], $2::bigint[]) AS u(id, xid), snap
                              WHERE NOT EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id)
                                AND NOT pg_visible_in_snapshot(` + fullXid("snap.xmax", "u.xid") + `::text::xid8, snap.s)), ',')`
+
+// cleanupOf is the record of what cleanup cut (migration 10's
+// <table>_cleanup) of table, an SQL identifier: as pgx.Identifier's
+// Sanitize writes it, each part quoted, or a plain name.
+func cleanupOf(table string) string {
+	if t, quoted := strings.CutSuffix(table, `"`); quoted {
+		return t + `_cleanup"`
+	}
+	return table + "_cleanup"
+}
 
 // fullXid is SQL for the 64-bit transaction id whose low 32 bits are xid
 // (a bigint expression: a 32-bit xid, as pgoutput's BEGIN carries it), the
@@ -298,7 +314,7 @@ func (m *marks) write(ctx context.Context, rows map[string][]markRow, upTo pglog
 		var unseen string
 		var err error
 		if m.del {
-			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logDelete, table), ids, xids).Scan(&n, &unseen)
+			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logDelete, table, cleanupOf(table)), ids, xids).Scan(&n, &unseen)
 		} else {
 			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logMark, table), ids).Scan(&n, &unseen)
 		}

@@ -96,7 +96,9 @@ func (o *Outbox[T]) ReadLag(ctx context.Context) (Lag, error) {
 // cleanup reads the rows up to the first young one and one window more,
 // whatever the table holds after it: with nothing to delete, one window. A
 // row older than one before it (written by a transaction that began
-// earlier) waits for the next cleanup that reaches it.
+// earlier) waits for the next cleanup that reaches it. The newest
+// created_at it deleted moves outbox_cleanup's deleted_through, in the same
+// statement, so that Replay knows what is gone.
 const deleteSent = `
 WITH cutoff AS (SELECT clock_timestamp() - $2 * interval '1 microsecond' AS t),
 window_ AS (
@@ -107,7 +109,11 @@ window_ AS (
 gone AS (
     DELETE FROM outbox
     WHERE id IN (SELECT id FROM window_, cutoff WHERE sent_at < cutoff.t)
-    RETURNING id)
+    RETURNING id, created_at),
+cut AS (
+    UPDATE outbox_cleanup SET deleted_through = g.t
+    FROM (SELECT max(created_at) AS t FROM gone) g
+    WHERE g.t > deleted_through)
 SELECT (SELECT count(*) FROM gone), COALESCE((SELECT max(id) FROM window_), 0), (SELECT count(*) FROM window_),
        COALESCE((SELECT bool_or(created_at >= cutoff.t) FROM window_, cutoff), false)`
 
@@ -119,6 +125,10 @@ SELECT (SELECT count(*) FROM gone), COALESCE((SELECT max(id) FROM window_), 0), 
 // however many younger rows follow. It never deletes a row that is not
 // sent, and is safe to run beside relays, producers and another
 // DeleteSent. A negative retention is refused.
+//
+// It records, with each batch, when the newest row it deleted was written
+// (migration 10's <table>_cleanup): [Outbox.Replay] refuses a range that
+// begins then or before, whatever rows of it the table still holds.
 //
 // Deleting a row does not free its id: the identity's sequence hands out
 // larger ones. What consumers remember, though, is [Message.Key], which stays

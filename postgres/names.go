@@ -13,8 +13,9 @@ import (
 // <table>_payload_or_body and <table>_headers_strings, its NOTIFY triggers and function
 // (<table>_notify, <table>_released), the channel they notify and Run listens on
 // (<table>), the publication of its inserts for the log relay
-// (<table>_inserts), the log relay's default slot (<table>), and the
-// record of its migrations (<table>_migrations). The consumer's tables,
+// (<table>_inserts), the log relay's default slot (<table>), the record of
+// its migrations (<table>_migrations), and of what cleanup cut
+// (<table>_cleanup). The consumer's tables,
 // processed_messages and aggregate_positions, are not the outbox's: every
 // outbox of the database shares them, each consumer's records under its
 // name (Config.Consumer). A tables is immutable.
@@ -82,7 +83,7 @@ var tableName = regexp.MustCompile(`^[a-z][a-z0-9_]{0,39}$`)
 
 // outboxName matches the names the package's SQL gives the default
 // outbox's objects, each a whole word.
-var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_scheduled|_released|_payload_or_body|_headers_strings|_notify|_inserts|_migrations)?\b`)
+var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_scheduled|_released|_payload_or_body|_headers_strings|_notify|_inserts|_migrations|_cleanup)?\b`)
 
 // named is query with the default outbox's names replaced by o's: the
 // table, its indexes, trigger, function, channel, publication and record

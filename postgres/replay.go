@@ -20,11 +20,13 @@ var ErrInvalidReplay = errors.New("postgres: invalid replay")
 
 // ErrNotKept is returned, wrapped, by [Outbox.Replay] when the outbox no
 // longer keeps what the replay asks for: no sent row in its range, a range
-// that begins before the oldest row the table keeps (DeleteSent removes
-// sent rows after their retention), or an aggregate whose first events are
-// gone. The error says what the table keeps. Nothing is written: a replay
-// with a hole in it would hand a consumer that lost its state events whose
-// predecessors never come.
+// that begins before the oldest row the table keeps, or at or before the
+// newest row cleanup deleted (DeleteSent, or a log relay that deletes what
+// it delivered, records it: migration 10), or an aggregate whose first
+// events, or any between its first and last kept, are gone. The error says
+// what the table keeps. Nothing is written: a replay with a hole in it
+// would hand a consumer that lost its state events whose predecessors
+// never come.
 var ErrNotKept = errors.New("postgres: the outbox no longer keeps what the replay asks for")
 
 // ErrReplayTooLarge is returned, wrapped, by [Outbox.Replay] for a range that
@@ -53,12 +55,16 @@ type Replay struct {
 
 // replayCheck counts, in one read of the table, the sent rows a replay
 // selects ($1 its aggregate or ”, $2 and $3 its bounds or NULL), the lowest
-// seq among the rows it selects, and when the oldest row the table keeps
-// was written.
+// and highest seq among the rows it selects and how many of them have one,
+// when the oldest row the table keeps was written, and the newest row
+// cleanup deleted (NULL if none).
 const replayCheck = `
 SELECT count(*) FILTER (WHERE selected AND sent_at IS NOT NULL),
        COALESCE(min(seq) FILTER (WHERE selected), 0),
-       min(created_at)
+       COALESCE(max(seq) FILTER (WHERE selected), 0),
+       count(seq) FILTER (WHERE selected),
+       min(created_at),
+       (SELECT NULLIF(deleted_through, '-infinity') FROM outbox_cleanup)
 FROM (SELECT sent_at, seq, created_at,
              ($1 = '' OR aggregate = $1)
              AND ($2::timestamptz IS NULL OR created_at >= $2::timestamptz)
@@ -121,9 +127,9 @@ func (o *Outbox[T]) Replay(ctx context.Context, r Replay) (int64, error) {
 		return 0, fmt.Errorf("replay %s: %w", what, err)
 	}
 	defer tx.rollback()
-	var sent, firstSeq int64
-	var oldest *time.Time
-	if err := tx.queryRow(ctx, o.t.sql.replayCheck, r.Aggregate, bound(r.From), bound(r.To)).Scan(&sent, &firstSeq, &oldest); err != nil {
+	var sent, firstSeq, lastSeq, seqs int64
+	var oldest, cut *time.Time // cut: nil until cleanup deletes a row
+	if err := tx.queryRow(ctx, o.t.sql.replayCheck, r.Aggregate, bound(r.From), bound(r.To)).Scan(&sent, &firstSeq, &lastSeq, &seqs, &oldest, &cut); err != nil {
 		return 0, fmt.Errorf("replay %s: %w", what, err)
 	}
 	switch {
@@ -132,9 +138,15 @@ func (o *Outbox[T]) Replay(ctx context.Context, r Replay) (int64, error) {
 	case !r.From.IsZero() && r.From.Before(*oldest):
 		return 0, fmt.Errorf("replay %s: %w: the oldest row %s keeps was written at %s; replay from then on",
 			what, ErrNotKept, o.t.table, oldest.Format(time.RFC3339Nano))
+	case !r.From.IsZero() && cut != nil && !r.From.After(*cut):
+		return 0, fmt.Errorf("replay %s: %w: cleanup deleted rows of %s written up to %s; replay from after then",
+			what, ErrNotKept, o.t.table, cut.Format(time.RFC3339Nano))
 	case r.Aggregate != "" && r.From.IsZero() && firstSeq > 1:
 		return 0, fmt.Errorf("replay %s: %w: its events before seq %d are gone (cleanup); replay a range from the oldest kept, %s",
 			what, ErrNotKept, firstSeq, oldest.Format(time.RFC3339Nano))
+	case r.Aggregate != "" && seqs > 0 && lastSeq-firstSeq+1 != seqs:
+		return 0, fmt.Errorf("replay %s: %w: %d of its events from seq %d to %d are kept, and the others are gone (cleanup)",
+			what, ErrNotKept, seqs, firstSeq, lastSeq)
 	case sent == 0:
 		return 0, fmt.Errorf("replay %s: %w: no sent row in it (rows not yet sent go anyway)", what, ErrNotKept)
 	case sent > MaxReplay:

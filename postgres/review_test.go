@@ -526,3 +526,72 @@ func TestDueScheduledRowsGoOutInTheOrderOfTheirTimes(t *testing.T) {
 		t.Fatalf("published %v; want %v, the order of their times", got, ids)
 	}
 }
+
+// TestReplayRefusesWhatCleanupCutWhateverTheTableStillHolds: X1 parked (an
+// old row not sent), X2 sent and deleted by DeleteSent, X3 written and sent
+// after: a replay from X1's time, and a replay of X, are refused
+// (ErrNotKept), since X2 is gone; a replay from X3's time puts X3 back.
+// The guard used to compare From with the oldest row the table holds (X1),
+// and the aggregate's first seq (1, X1's): both replays returned (1, nil),
+// X3 alone, and said nothing of X2.
+func TestReplayRefusesWhatCleanupCutWhateverTheTableStillHolds(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	ob := sqlOutbox(t, db, postgres.Config{})
+	insertEvents(t, db, "X", "X")
+	if _, err := db.Exec(`UPDATE outbox SET parked_at = now() WHERE id = 1; UPDATE outbox SET sent_at = now() WHERE id = 2`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := ob.DeleteSent(ctx, 0); n != 1 || err != nil {
+		t.Fatalf("DeleteSent: %d, %v; want X2 deleted", n, err)
+	}
+	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+		_, err := postgres.InsertOutboxFor(ctx, tx, "X", 3, "Changed", map[string]int{"seq": 3})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var x1, x3 time.Time
+	if err := db.QueryRow(`UPDATE outbox SET sent_at = now() WHERE seq = 3 RETURNING (SELECT created_at FROM outbox WHERE id = 1), created_at`).Scan(&x1, &x3); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []postgres.Replay{{From: x1}, {Aggregate: "X"}, {Aggregate: "X", From: x1}} {
+		n, err := ob.Replay(ctx, r)
+		t.Logf("%s: %d, %v", r, n, err)
+		if n != 0 || !errors.Is(err, postgres.ErrNotKept) {
+			t.Errorf("Replay of %s: %d, %v; want ErrNotKept, X2 being gone", r, n, err)
+		}
+	}
+	if n, err := ob.Replay(ctx, postgres.Replay{From: x3}); n != 1 || err != nil {
+		t.Fatalf("Replay from X3's time: %d, %v; want X3 put back", n, err)
+	}
+}
+
+// TestMigrationsKeepWhatCameBefore: on a database at the schema before
+// migrations, with a key a consumer recorded and rows written, Migrate
+// makes the key the default consumer's (ApplyOnce drops its message) and
+// records that cleanup may have cut anything written before it, so a
+// range replay from before the migration is refused (ErrNotKept).
+func TestMigrationsKeepWhatCameBefore(t *testing.T) {
+	ctx := context.Background()
+	db := atTheSchemaBeforeMigrations(t)
+	place(t, db, 100)
+	if _, err := db.Exec(`INSERT INTO processed_messages (message_key) VALUES ('applied-before'); UPDATE outbox SET sent_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	var written time.Time
+	if err := db.QueryRow(`SELECT created_at FROM outbox`).Scan(&written); err != nil {
+		t.Fatal(err)
+	}
+	if err := postgres.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	ob := sqlOutbox(t, db, postgres.Config{})
+	if applied, err := ob.ApplyOnce(ctx, postgres.Message{Key: "applied-before", Type: "OrderPlaced"}, false,
+		func(context.Context, postgres.SQLTx) error { return nil }); applied || err != nil {
+		t.Fatalf("a key recorded before migration 9: applied %v, %v; want a copy", applied, err)
+	}
+	if n, err := ob.Replay(ctx, postgres.Replay{From: written}); n != 0 || !errors.Is(err, postgres.ErrNotKept) {
+		t.Fatalf("a replay of rows written before migration 10: %d, %v; want ErrNotKept", n, err)
+	}
+}
