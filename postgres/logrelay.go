@@ -65,10 +65,16 @@ var ErrSlotOfAnotherDatabase = errors.New("postgres: the replication slot belong
 // A row written with a time to deliver still to come (Event.DeliverAt) is
 // passed over: the log carries it at its commit, too soon, and does not
 // carry its release. A polling pass (OutboxRelay's PublishPending or Run,
-// at least once a PollInterval) releases it at its time and publishes it;
-// the log relay publishes the aggregate's later events as they commit,
-// before it, so an aggregate whose order matters is not scheduled where a
-// log relay runs.
+// at least once a PollInterval; outbox-relay's sweep) releases it at its
+// time and publishes it. Its aggregate is held back meanwhile, as behind a
+// row the relay parked: the relay leaves the aggregate's later rows unsent,
+// and the polling pass publishes them after it, in their order, as it keeps
+// an aggregate behind its scheduled and parked rows; the relay lets go of
+// the aggregate at its first row with no unsent row of the aggregate
+// before it. So the order per aggregate is the polling relay's, at the
+// cost of a polling pass's delay for a held aggregate. Unmarked, nothing is
+// held back: the log relay publishes the aggregate's later events as they
+// commit, before the scheduled one.
 //
 // Its place in the log is the slot's: the server keeps every record from the
 // slot's position on, and sends again, after a reconnect or a restart, every
@@ -183,7 +189,9 @@ type LogRelayConfig struct {
 	// ErrRejected, counted in the row's rejections as the polling relay
 	// counts them) set a row aside, parked: 0 means DefaultParkAfter. The
 	// relay then skips it and delivers the rest of its transaction, and
-	// those after it. A parked row is listed by ListParked; put back
+	// those after it, but for its aggregate's later rows, which it holds
+	// back behind it (see LogRelay), until a polling pass has published
+	// it, put back. A parked row is listed by ListParked; put back
 	// (Unpark), it is published by a polling pass (OutboxRelay's, or
 	// RecoverLogSlot's), since the log relay has gone past it. A row the
 	// relay cannot read at all (headers that are not an object of

@@ -117,6 +117,12 @@ func (r *LogRelay) session(ctx context.Context, markIn *sql.DB) (completed int, 
 	if theirs := slotElsewhere(ctx, conn, slot); theirs != "" {
 		return 0, fmt.Errorf("%w: %s is database %q's", ErrSlotOfAnotherDatabase, slot, theirs)
 	}
+	var held map[string]uint32 // unless Unmarked, the aggregates held back as the session begins
+	if markIn != nil {
+		if held, err = heldAggregates(ctx, conn, r.table); err != nil {
+			return 0, fmt.Errorf("log relay: read the aggregates held back: %w", err)
+		}
+	}
 	// Position 0: from where the slot says the relay confirmed.
 	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
 		PluginArgs: []string{"proto_version '1'", "publication_names '" + publication + "'"},
@@ -141,7 +147,7 @@ func (r *LogRelay) session(ctx context.Context, markIn *sql.DB) (completed int, 
 		replyIn:   orDefault(r.cfg.ReplyTimeout, 10*time.Second),
 	}
 	if markIn != nil {
-		s.marks, s.markIn = newMarks(r, markIn), markIn
+		s.marks, s.markIn, s.held = newMarks(r, markIn), markIn, held
 	}
 	err = s.run(ctx)
 	// Whatever ended the session, the server hears how far the broker
@@ -208,12 +214,13 @@ type stream struct {
 	txnDone   int         // rows of the transaction being read published already
 	sentIDs   []int64     // rows published and not yet handed to the marks, and their tables
 	sentIn    []string
-	marks     *marks        // unless Unmarked, the marking of what was delivered
-	markIn    *sql.DB       // unless Unmarked, where the marks go and rejections are counted
-	confirmed pglogrepl.LSN // the end of the last transaction delivered whole, or a keepalive's position past it
-	toldPos   pglogrepl.LSN // the position the server was last told
-	told      time.Time     // when the server was last told where the relay is
-	asked     time.Time     // when a status update asked for an answer that has not come; zero if none waits
+	marks     *marks            // unless Unmarked, the marking of what was delivered
+	markIn    *sql.DB           // unless Unmarked, where the marks go and rejections are counted
+	held      map[string]uint32 // unless Unmarked, the aggregates held back, each by the transaction that last held it (0: before the session)
+	confirmed pglogrepl.LSN     // the end of the last transaction delivered whole, or a keepalive's position past it
+	toldPos   pglogrepl.LSN     // the position the server was last told
+	told      time.Time         // when the server was last told where the relay is
+	asked     time.Time         // when a status update asked for an answer that has not come; zero if none waits
 	every     time.Duration
 	replyIn   time.Duration
 	delivered int
@@ -328,13 +335,21 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 				if msg.ID == 0 || !s.parkUnreadable(ctx, table, msg.ID, err) {
 					return err
 				}
+				s.hold(msg.Aggregate)
 				return nil
 			}
 			if scheduled {
 				// Written with a time to deliver still to come: the log
 				// carries it now, too soon. A polling pass releases it at
-				// its time and publishes it (see LogRelay).
+				// its time and publishes it (see LogRelay), and its
+				// aggregate's later rows wait behind it.
+				s.hold(msg.Aggregate)
 				return nil
+			}
+			if held, err := s.heldBack(ctx, table, msg); err != nil {
+				return err
+			} else if held {
+				return nil // left unsent, for a polling pass to publish after the row that holds it back
 			}
 			s.txn = append(s.txn, msg)
 			s.tables = append(s.tables, table)
@@ -390,8 +405,12 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 		res.published += accepted
 		i += accepted
 		if err != nil && errors.Is(err, ErrRejected) && s.park(ctx, i, err) {
+			// Set aside: the rest of the transaction goes on, but for the
+			// rows of its aggregate, which it holds back.
+			s.hold(s.txn[i].Aggregate)
+			s.leaveOut(i+1, s.txn[i].Aggregate)
 			i++
-			continue // set aside: the rest of the transaction goes on
+			continue
 		}
 		if err != nil {
 			return fmt.Errorf("publish message %d, row %d of a transaction, which goes again whole: %w",
@@ -475,6 +494,93 @@ func (s *stream) park(ctx context.Context, i int, refusal error) bool {
 		r.cfg.Logger.Warn("outbox: message parked after too many rejections", "id", msg.ID, "key", msg.Key, "err", refusal)
 	}
 	return parked
+}
+
+// An aggregate with a row parked, scheduled for later, or left unsent
+// behind one, is held back: the log relay leaves its later rows unsent, in
+// the table, where a polling pass (OutboxRelay's, outbox-relay's sweep)
+// publishes them after the row that holds them, in their order, as it keeps
+// an aggregate behind its parked and scheduled rows. The relay lets go of
+// an aggregate at its next row that no unsent row of the aggregate comes
+// before, in a snapshot that sees the transaction that last held it.
+
+// heldAggregates reads the aggregates of table that a row parked or
+// scheduled for later holds back as the session begins (outbox_held finds
+// them), on the replication connection conn, which takes plain queries
+// until the stream starts.
+func heldAggregates(ctx context.Context, conn *pgconn.PgConn, table string) (map[string]uint32, error) {
+	res, err := conn.Exec(ctx, `SELECT DISTINCT aggregate FROM `+pgx.Identifier{table}.Sanitize()+`
+		WHERE sent_at IS NULL AND aggregate IS NOT NULL AND (parked_at IS NOT NULL OR deliver_at IS NOT NULL)`).ReadAll()
+	if err != nil {
+		return nil, err
+	}
+	held := map[string]uint32{}
+	for _, r := range res {
+		for _, row := range r.Rows {
+			held[string(row[0])] = 0
+		}
+	}
+	return held, nil
+}
+
+// hold holds back aggregate (none if empty), by the transaction being read.
+// Unmarked, nothing is held back.
+func (s *stream) hold(aggregate string) {
+	if aggregate != "" && s.held != nil {
+		s.held[aggregate] = s.xid
+	}
+}
+
+// leaveOut takes the rows of aggregate, from the transaction's row from on,
+// out of those to publish: they stay unsent.
+func (s *stream) leaveOut(from int, aggregate string) {
+	if aggregate == "" {
+		return
+	}
+	n := from
+	for j := from; j < len(s.txn); j++ {
+		if s.txn[j].Aggregate != aggregate {
+			s.txn[n], s.tables[n] = s.txn[j], s.tables[j]
+			n++
+		}
+	}
+	s.txn, s.tables = s.txn[:n], s.tables[:n]
+}
+
+// stillHeld reports whether an unsent row of aggregate comes before id in
+// table, or the transaction xid (0: none) that last held the aggregate is
+// not yet visible to the query's snapshot, which then cannot tell.
+var stillHeld = `
+SELECT ($3 <> 0 AND NOT pg_visible_in_snapshot(` + fullXid("snap.xmax", "$3::bigint") + `::text::xid8, snap.s))
+       OR EXISTS (SELECT FROM %s WHERE aggregate = $1 AND id < $2 AND sent_at IS NULL)
+FROM (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax FROM pg_current_snapshot() AS s) snap`
+
+// heldBack reports whether msg, a row of table, is held back behind an
+// earlier row of its aggregate, and if so holds the aggregate by it;
+// otherwise it lets go of the aggregate. Within PublishTimeout.
+func (s *stream) heldBack(ctx context.Context, table string, msg Message) (bool, error) {
+	by, ok := s.held[msg.Aggregate]
+	switch {
+	case msg.Aggregate == "" || !ok:
+		return false, nil
+	case by != 0 && by == s.xid: // held by a row of this very transaction
+		return true, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, orDefault(s.relay.cfg.PublishTimeout, DefaultPassTimeout))
+	defer cancel()
+	var held bool
+	if err := s.markIn.QueryRowContext(ctx, fmt.Sprintf(stillHeld, table), msg.Aggregate, msg.ID, int64(by)).Scan(&held); err != nil {
+		return false, fmt.Errorf("log relay: is %s held back before row %d: %w", msg.Aggregate, msg.ID, err)
+	}
+	if !held {
+		delete(s.held, msg.Aggregate)
+		return false, nil
+	}
+	s.held[msg.Aggregate] = s.xid
+	if l := s.relay.cfg.Logger; l != nil {
+		l.Info("outbox: log relay left a row unsent behind an earlier one of its aggregate", "id", msg.ID, "aggregate", msg.Aggregate)
+	}
+	return true, nil
 }
 
 // parkUnreadable parks the row id of table, which the relay could not read

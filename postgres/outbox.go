@@ -409,10 +409,10 @@ type Event struct {
 	Seq       int64
 	// DeliverAt, if not zero and still to come when the row is written, is
 	// the earliest time the event may go to the broker: no relay claims the
-	// row before it. A relay with order per aggregate (the default) holds
-	// the aggregate's later events behind it too, so they go out after it;
-	// a relay with WholeTable, and the log relay, publish them as they come
-	// (see LogRelay). The first relay pass after its time releases the row,
+	// row before it. A relay with order per aggregate (the default), and
+	// the log relay unless Unmarked, hold the aggregate's later events
+	// behind it too, so they go out after it; a relay with WholeTable
+	// publishes them as they come (see LogRelay). The first relay pass after its time releases the row,
 	// at its place by id, and the next publishes it: Run passes at least
 	// every PollInterval, and at once after a release. A time already
 	// passed is no time at all.

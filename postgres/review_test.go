@@ -8,10 +8,12 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"maps"
 	"runtime"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -593,5 +595,125 @@ func TestMigrationsKeepWhatCameBefore(t *testing.T) {
 	}
 	if n, err := ob.Replay(ctx, postgres.Replay{From: written}); n != 0 || !errors.Is(err, postgres.ErrNotKept) {
 		t.Fatalf("a replay of rows written before migration 10: %d, %v; want ErrNotKept", n, err)
+	}
+}
+
+// TestLogRelayHoldsAnAggregateBehindItsParkedRow: the broker refuses A1
+// for ever, in a transaction with A2 and B1, and A3 and B2 follow. The log
+// relay parks A1 and delivers B1 and B2, but leaves A2 and A3 unsent
+// behind A1; put back, A1 goes out with a polling pass, then A2 and A3, and
+// the log relay delivers A4 as it comes: A in its order, each once. (The
+// log relay used to deliver A2 and A3 at once, ahead of A1, which a
+// consumer then took for out of order.)
+func TestLogRelayHoldsAnAggregateBehindItsParkedRow(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	broker := &recorder{}
+	var refusing atomic.Bool
+	refusing.Store(true)
+	refuseA1 := brokerFunc(func(ctx context.Context, m postgres.Message) error {
+		if m.Aggregate == "A" && m.Seq == 1 && refusing.Load() {
+			return fmt.Errorf("payload over the broker's limit: %w", postgres.ErrRejected)
+		}
+		return broker.Publish(ctx, m)
+	})
+	relay := logRelayOn(t, db, logConnString(name), name, refuseA1, postgres.LogRelayConfig{ParkAfter: 1})
+	write := func(rows ...any) map[string]int64 {
+		t.Helper()
+		ids := map[string]int64{}
+		if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+			for i := 0; i < len(rows); i += 2 {
+				a, seq := rows[i].(string), int64(rows[i+1].(int))
+				id, err := postgres.InsertOutboxFor(ctx, tx, a, seq, "Changed", map[string]int64{"seq": seq})
+				if err != nil {
+					return err
+				}
+				ids[fmt.Sprint(a, seq)] = id
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return ids
+	}
+	ids := write("A", 1, "A", 2, "B", 1)
+	maps.Copy(ids, write("A", 3))
+	maps.Copy(ids, write("B", 2))
+	runLog(t, relay)
+	waitUntil(t, "B1 and B2 delivered", func() bool { return seenAll(broker, map[int64]string{ids["B1"]: "", ids["B2"]: ""}) })
+	for _, m := range broker.Published() {
+		if m.Aggregate == "A" {
+			t.Fatalf("delivered A%d while A1 is parked", m.Seq)
+		}
+	}
+	var parked, unsent int
+	if err := db.QueryRow(`SELECT count(*) FILTER (WHERE parked_at IS NOT NULL), count(*) FILTER (WHERE parked_at IS NULL)
+		FROM outbox WHERE aggregate = 'A' AND sent_at IS NULL`).Scan(&parked, &unsent); err != nil {
+		t.Fatal(err)
+	}
+	if parked != 1 || unsent != 2 {
+		t.Fatalf("A: %d rows parked and %d unsent; want A1 parked, A2 and A3 left unsent behind it", parked, unsent)
+	}
+	refusing.Store(false)
+	if err := postgres.Unpark(ctx, db, ids["A1"]); err != nil {
+		t.Fatal(err)
+	}
+	sweep := newRelay(t, db, broker, postgres.RelayConfig{PollOnly: true})
+	for {
+		n, err := sweep.PublishPending(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			break
+		}
+	}
+	maps.Copy(ids, write("A", 4))
+	waitUntil(t, "A4 delivered by the log relay", func() bool { return seenAll(broker, map[int64]string{ids["A4"]: ""}) })
+	var seqs []int64
+	for _, m := range broker.Published() {
+		if m.Aggregate == "A" {
+			seqs = append(seqs, m.Seq)
+		}
+	}
+	if !slices.Equal(seqs, []int64{1, 2, 3, 4}) {
+		t.Fatalf("A delivered as %v; want 1, 2, 3, 4, each once", seqs)
+	}
+}
+
+// TestLogRelayHoldsAnAggregateBehindItsScheduledRow: C1 is scheduled for an
+// hour from now; C2 and D1 follow. The log relay delivers D1 and leaves C2
+// unsent behind C1, and a session that begins with C1 in the table (a
+// restart) holds C back too: C3 is left unsent. (The log relay used to
+// deliver C2 and C3 as they came, an hour ahead of C1.)
+func TestLogRelayHoldsAnAggregateBehindItsScheduledRow(t *testing.T) {
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	broker := &recorder{}
+	relay := logRelayOn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{})
+	writeEvent(t, db, postgres.Event{Type: "Reminded", Payload: map[string]int{"n": 1}, Aggregate: "C", Seq: 1, DeliverAt: time.Now().Add(time.Hour)})
+	writeEvent(t, db, postgres.Event{Type: "Reminded", Payload: map[string]int{"n": 2}, Aggregate: "C", Seq: 2})
+	d1 := writeEvent(t, db, postgres.Event{Type: "Noted", Payload: map[string]int{"n": 1}, Aggregate: "D", Seq: 1})
+	stop := runLog(t, relay)
+	waitUntil(t, "D1 delivered", func() bool { return seenAll(broker, map[int64]string{d1: ""}) })
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Fatalf("the log relay's Run: %v", err)
+	}
+	writeEvent(t, db, postgres.Event{Type: "Reminded", Payload: map[string]int{"n": 3}, Aggregate: "C", Seq: 3})
+	d2 := writeEvent(t, db, postgres.Event{Type: "Noted", Payload: map[string]int{"n": 2}, Aggregate: "D", Seq: 2})
+	runLog(t, relay)
+	waitUntil(t, "D2 delivered by a second session", func() bool { return seenAll(broker, map[int64]string{d2: ""}) })
+	for _, m := range broker.Published() {
+		if m.Aggregate == "C" {
+			t.Fatalf("delivered C%d while C1 waits for its time", m.Seq)
+		}
+	}
+	var unsent int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox WHERE aggregate = 'C' AND sent_at IS NULL`).Scan(&unsent); err != nil {
+		t.Fatal(err)
+	}
+	if unsent != 3 {
+		t.Fatalf("%d rows of C unsent; want C1 scheduled, C2 and C3 behind it", unsent)
 	}
 }
