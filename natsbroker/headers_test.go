@@ -48,7 +48,7 @@ func TestTeamHeadersAndBytesReachTheConsumer(t *testing.T) {
 	b := startBroker(t, nil)
 	js, _ := setUp(t, connect(t, b.url()), 0, 0)
 	events := []postgres.Event{
-		{Type: "PlanChanged", Payload: map[string]int{"accountId": 7}, Headers: map[string]string{"Tenant": "acme", "schema-version": "3"}},
+		{Type: "PlanChanged", Payload: map[string]int{"accountId": 7}, Headers: map[string]string{"Tenant": "acme", "schema-version": "3", "X-Request-Id": "r-17"}},
 		{Type: "PlanChanged", Payload: []byte{0x08, 0x96, 0x01, 0x00, 0xff}, ContentType: "application/x-protobuf",
 			Headers: map[string]string{"Tenant": "globex"}},
 		{Type: "PlanChanged", Payload: json.RawMessage(`{"accountId":9}`)},

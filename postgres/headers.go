@@ -16,10 +16,12 @@ import (
 // Event.Headers that a broker could not carry as it is, naming the header:
 // a name that is not 1 to [MaxHeaderNameLen] bytes of letters, digits, '-',
 // '_' and '.' (NATS refuses ':' and spaces in a name, and both brokers
-// compare names byte for byte); a name this package's brokers use for
-// themselves (Outbox-*, Nats-*, RabbitMQ's x-*, CloudEvents' ce-*, ce_*
-// and cloudEvents_*, content-type, traceparent, tracestate, in any case); a
-// value longer than [MaxHeaderValueLen] bytes, not UTF-8, or holding a
+// compare names byte for byte); a name the brokers or this repository's
+// publishers set themselves ([ReservedHeader]: Outbox-Id, Outbox-Aggregate,
+// Outbox-Seq, content-type, traceparent, tracestate, RabbitMQ's own x-
+// headers such as x-death and x-delivery-count, and the namespaces NATS
+// and CloudEvents keep, Nats-*, ce-*, ce_* and cloudEvents_*, in any
+// case; a team's own X-Request-Id is carried); a value longer than [MaxHeaderValueLen] bytes, not UTF-8, or holding a
 // control character (a line break would end a NATS header); or more than
 // [MaxHeaders] of them. Nothing is written.
 var ErrInvalidHeader = errors.New("postgres: header no broker can carry")
@@ -37,19 +39,42 @@ const (
 	MaxHeaderValueLen = 1024
 )
 
-// reservedHeaders are the prefixes, in lower case, of the header names the
-// brokers of this repository set themselves: a team's header of the same
-// name would be overwritten, or would overwrite one.
-var reservedHeaders = []string{"outbox-", "nats-", "x-", "ce-", "ce_", "cloudevents_", "cloudevents:", "content-type", "traceparent", "tracestate"}
+// reservedNames are the header names, in lower case, that this
+// repository's publishers and the brokers set themselves: a team's header
+// of the same name would be overwritten, or would overwrite one. The x-
+// names are RabbitMQ's: what it adds to a message it dead-letters, counts,
+// moves (a shovel), reads from a stream, or delays (the delayed message
+// exchange).
+var reservedNames = map[string]bool{
+	"outbox-id": true, "outbox-aggregate": true, "outbox-seq": true,
+	"content-type": true, "traceparent": true, "tracestate": true,
+	"x-death": true, "x-delivery-count": true,
+	"x-first-death-exchange": true, "x-first-death-queue": true, "x-first-death-reason": true,
+	"x-last-death-exchange": true, "x-last-death-queue": true, "x-last-death-reason": true,
+	"x-received-from": true, "x-shovelled": true, "x-shovelled-timestamp": true,
+	"x-stream-offset": true, "x-stream-filter-value": true, "x-delay": true,
+}
+
+// reservedPrefixes are the namespaces, in lower case, that a broker or a
+// specification keeps for itself: NATS's Nats-*, which the server reads;
+// CloudEvents' attributes in each binding (ce-, ce_, cloudEvents_, and
+// cloudEvents: as this repository's RabbitMQ publisher writes them); and
+// RabbitMQ's x-opt-*, its AMQP 1.0 annotations.
+var reservedPrefixes = []string{"nats-", "ce-", "ce_", "cloudevents_", "cloudevents:", "x-opt-"}
 
 // ReservedHeader reports whether name, in any case, names a header that
-// this repository's publishers or the brokers set themselves (see
+// this repository's publishers or the brokers set themselves, by its exact
+// name or in a namespace a broker or CloudEvents keeps (see
 // [ErrInvalidHeader]): Event.Headers may not hold one, and a consumer
-// leaves them out of Message.Headers, which are the team's own.
+// leaves them out of Message.Headers, which are the team's own. A team's
+// own X- header, such as X-Request-Id, is not one.
 func ReservedHeader(name string) bool {
 	lower := strings.ToLower(name)
-	for _, r := range reservedHeaders {
-		if strings.HasPrefix(lower, r) {
+	if reservedNames[lower] {
+		return true
+	}
+	for _, p := range reservedPrefixes {
+		if strings.HasPrefix(lower, p) {
 			return true
 		}
 	}

@@ -22,7 +22,7 @@ import (
 // teamEvents are three events: JSON with headers of the team's, Protobuf
 // bytes (not UTF-8: 0xff) with a header, and JSON with none.
 var teamEvents = []postgres.Event{
-	{Type: "PlanChanged", Payload: map[string]int{"accountId": 7}, Headers: map[string]string{"Tenant": "acme", "Schema-Version": "3"}},
+	{Type: "PlanChanged", Payload: map[string]int{"accountId": 7}, Headers: map[string]string{"Tenant": "acme", "Schema-Version": "3", "X-Request-Id": "r-17"}},
 	{Type: "PlanChanged", Payload: []byte{0x08, 0x96, 0x01, 0x00, 0xff}, ContentType: "application/x-protobuf",
 		Headers: map[string]string{"Tenant": "globex"}},
 	{Type: "PlanChanged", Payload: json.RawMessage(`{"accountId":9}`), ContentType: "application/json"},

@@ -717,3 +717,30 @@ func TestLogRelayHoldsAnAggregateBehindItsScheduledRow(t *testing.T) {
 		t.Fatalf("%d rows of C unsent; want C1 scheduled, C2 and C3 behind it", unsent)
 	}
 }
+
+// TestHeadersAreReservedByTheirExactNames: the brokers' own headers, and
+// the namespaces NATS and CloudEvents keep, are reserved in any case; a
+// team's X- headers are not, and Write takes them. (Every x- header used to
+// be reserved, so a team's X-Request-Id was refused.)
+func TestHeadersAreReservedByTheirExactNames(t *testing.T) {
+	for name, want := range map[string]bool{
+		"X-Request-Id": false, "x-tenant": false, "X-Correlation-Id": false, "Outbox-Tenant": false, "Tenant": false,
+		"x-death": true, "X-Delivery-Count": true, "x-first-death-queue": true, "x-opt-sequence-number": true,
+		"Outbox-Id": true, "outbox-seq": true, "Nats-Msg-Id": true, "nats-anything": true,
+		"ce-id": true, "ce_type": true, "cloudEvents_source": true, "cloudEvents:id": true,
+		"Content-Type": true, "traceparent": true, "TraceState": true,
+	} {
+		if got := postgres.ReservedHeader(name); got != want {
+			t.Errorf("ReservedHeader(%q) = %v, want %v", name, got, want)
+		}
+	}
+	db := newDatabase(t)
+	id := writeEvent(t, db, postgres.Event{Type: "Noted", Payload: map[string]int{"n": 1}, Headers: map[string]string{"X-Request-Id": "r-17"}})
+	broker := &recorder{}
+	if n, err := newRelay(t, db, broker).PublishPending(context.Background()); n != 1 || err != nil {
+		t.Fatalf("pass: %d, %v", n, err)
+	}
+	if m := broker.Published()[0]; m.ID != id || m.Headers["X-Request-Id"] != "r-17" {
+		t.Fatalf("published %+v; want row %d with X-Request-Id r-17", m, id)
+	}
+}

@@ -49,7 +49,7 @@ func TestTeamHeadersAndBytesReachTheConsumer(t *testing.T) {
 	db := newDatabase(t)
 	top := declare(t, node.URL(), 0)
 	events := []postgres.Event{
-		{Type: "PlanChanged", Payload: map[string]int{"accountId": 7}, Headers: map[string]string{"Tenant": "acme", "schema-version": "3"}},
+		{Type: "PlanChanged", Payload: map[string]int{"accountId": 7}, Headers: map[string]string{"Tenant": "acme", "schema-version": "3", "X-Request-Id": "r-17"}},
 		{Type: "PlanChanged", Payload: []byte{0x08, 0x96, 0x01, 0x00, 0xff}, ContentType: "application/x-protobuf",
 			Headers: map[string]string{"Tenant": "globex"}},
 		{Type: "PlanChanged", Payload: json.RawMessage(`{"accountId":9}`)},
