@@ -110,4 +110,3 @@ func runNamedConsumer(t *testing.T, js jetstream.JetStream, durable string, h na
 	c.Logger = slog.New(slog.NewTextHandler(testLog{t}, nil))
 	goRun(t, c.Run)
 }
-
