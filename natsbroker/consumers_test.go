@@ -29,7 +29,7 @@ type effectOnce struct {
 }
 
 func (e *effectOnce) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
-	applied, err := e.ob.ApplyOnce(ctx, msg, false, func(ctx context.Context, tx postgres.SQLTx) error {
+	applied, err := e.ob.ApplyOnce(ctx, msg, postgres.ApplyOptions{}, func(ctx context.Context, tx postgres.SQLTx) error {
 		_, err := tx.ExecContext(ctx, `INSERT INTO `+e.table+` (message_key) VALUES ($1)`, msg.Key)
 		return err
 	})

@@ -148,9 +148,9 @@ func applyBatch[T any](t *testing.T, ob *postgres.Outbox[T], check *sql.DB, effe
 	}
 	refuse = ""
 
-	// last closes the aggregate, as ApplyOnce's does.
+	// Last closes the aggregate, as ApplyOnce's does.
 	applied, err = ob.ApplyBatch(ctx, []postgres.Message{msg("a-3", "a", 3)},
-		func(m postgres.Message) bool { return m.Key == "a-3" }, apply)
+		func(m postgres.Message) postgres.ApplyOptions { return postgres.ApplyOptions{Last: m.Key == "a-3"} }, apply)
 	if err != nil || !slices.Equal(applied, []bool{true}) {
 		t.Fatalf("a-3: applied %v, %v", applied, err)
 	}
@@ -225,7 +225,7 @@ func TestApplyBatchWritesAPositionItStartsOnce(t *testing.T) {
 		}
 		return strings.Join(got, ", ")
 	}
-	last := func(m postgres.Message) bool { return m.Key == "b-1" }
+	last := func(m postgres.Message) postgres.ApplyOptions { return postgres.ApplyOptions{Last: m.Key == "b-1"} }
 
 	if _, err := ob.ApplyBatch(ctx, []postgres.Message{msg("c-1", "c", 1), msg("c-2", "c", 2)}, nil, apply); err != nil {
 		t.Fatal(err)

@@ -118,12 +118,12 @@ func TestACommitCutAfterTheServerCommittedIsUnknown(t *testing.T) {
 			return postgres.Commit(ctx, tx)
 		}},
 		{"ApplyOnce/database/sql", func(key string) error {
-			_, err := sob.ApplyOnce(ctx, postgres.Message{Key: key, Type: "OrderPlaced"}, false,
+			_, err := sob.ApplyOnce(ctx, postgres.Message{Key: key, Type: "OrderPlaced"}, postgres.ApplyOptions{},
 				func(context.Context, postgres.SQLTx) error { return nil })
 			return err
 		}},
 		{"ApplyOnce/pgx", func(key string) error {
-			_, err := pob.ApplyOnce(ctx, postgres.Message{Key: key, Type: "OrderPlaced"}, false,
+			_, err := pob.ApplyOnce(ctx, postgres.Message{Key: key, Type: "OrderPlaced"}, postgres.ApplyOptions{},
 				func(context.Context, postgres.PgxTx) error { return nil })
 			return err
 		}},
@@ -315,10 +315,10 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 			return err
 		}
 		unknown("ApplyOnce", func() error {
-			_, err := ob.ApplyOnce(ctx, msg, false, apply)
+			_, err := ob.ApplyOnce(ctx, msg, postgres.ApplyOptions{}, apply)
 			return err
 		})
-		applied, err := ob.ApplyOnce(ctx, msg, false, apply)
+		applied, err := ob.ApplyOnce(ctx, msg, postgres.ApplyOptions{}, apply)
 		if applied || err != nil {
 			t.Fatalf("delivered again: applied %v, %v; want a duplicate", applied, err)
 		}

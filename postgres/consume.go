@@ -13,6 +13,20 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
+// ApplyOptions is what a consumer says of a message it applies
+// ([Outbox.ApplyOnce], [Outbox.ApplyOnceIn], and [Outbox.ApplyBatch], which
+// asks for each message's). The zero ApplyOptions is an event like any
+// other.
+type ApplyOptions struct {
+	// Last says that the message is its aggregate's last event (an order
+	// cancelled, an account closed): applied, it closes the aggregate's
+	// position, which ForgetProcessed may then forget after its retention.
+	// Say it of the last event only: an aggregate whose position was
+	// forgotten while it was still open refuses its next event as out of
+	// order for ever.
+	Last bool
+}
+
 // ErrOutOfOrder is returned, wrapped, by [Outbox.ApplyOnce] for a message that
 // arrives before its predecessor in its aggregate: it is not applied, and
 // applies once the predecessor has been.
@@ -56,8 +70,8 @@ var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates ca
 // refused with [ErrOutOfOrder], to be delivered again later; one at or
 // below it was applied before (a copy that came after its key was
 // forgotten, or a replay of the stream) and is a duplicate, whatever its
-// key says. last says that msg is its aggregate's last event, so that
-// [Outbox.ForgetProcessed] may later forget the aggregate's position.
+// key says. opts says what the consumer knows of msg: that it is its
+// aggregate's last event ([ApplyOptions]), say.
 //
 // ApplyOnce is a span, "apply <type>", of otel's global tracer provider, in
 // the trace ctx carries: a consumer starts ctx from the message's
@@ -76,7 +90,7 @@ var ErrNoMessageKey = errors.New("postgres: message has no key, so duplicates ca
 // live in the consumer's database.
 // [Outbox.ApplyOnceIn] does the same in a transaction the caller already
 // has.
-func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply func(ctx context.Context, tx T) error) (applied bool, err error) {
+func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, opts ApplyOptions, apply func(ctx context.Context, tx T) error) (applied bool, err error) {
 	if err := o.usable(); err != nil {
 		return false, err
 	}
@@ -101,7 +115,7 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 	}
 	t := o.tx(tx)
 	defer t.rollback() // after a commit this does nothing; otherwise it undoes apply's writes
-	fresh, err := applyOnceIn(ctx, t, o.consumer, msg, last, true)
+	fresh, err := applyOnceIn(ctx, t, o.consumer, msg, opts.Last, true)
 	if err != nil || !fresh {
 		return false, err // !fresh: a duplicate, and nothing was written
 	}
@@ -125,8 +139,8 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 // in the batch is written once, where ApplyOnce makes, locks and moves
 // it. apply is not called when every message is a duplicate.
 // applied[i] reports whether msgs[i] was applied (false: a duplicate,
-// also of a copy earlier in the same batch). last, if not nil, says which
-// messages are their aggregate's last event, as ApplyOnce's last does.
+// also of a copy earlier in the same batch). opts, if not nil, gives each
+// message's [ApplyOptions], as ApplyOnce takes them.
 //
 // It is all or nothing: an error (a message out of order, a malformed one,
 // apply's, the database's) rolls the whole batch back and is returned,
@@ -146,7 +160,7 @@ func (o *Outbox[T]) ApplyOnce(ctx context.Context, msg Message, last bool, apply
 // deadlocking. Delivery order between different aggregates carries no
 // meaning, so nothing is lost by it. apply gets ctx with
 // ApplyBatch's span, "apply batch", with messaging.batch.message_count.
-func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Message) bool, apply func(ctx context.Context, tx T, msgs []Message) error) (applied []bool, err error) {
+func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, opts func(Message) ApplyOptions, apply func(ctx context.Context, tx T, msgs []Message) error) (applied []bool, err error) {
 	if err := o.usable(); err != nil {
 		return nil, err
 	}
@@ -172,6 +186,10 @@ func (o *Outbox[T]) ApplyBatch(ctx context.Context, msgs []Message, last func(Me
 		}
 		span.End()
 	}()
+	var last func(Message) bool // a message its aggregate's last event
+	if opts != nil {
+		last = func(m Message) bool { return opts(m).Last }
+	}
 	order := make([]int, len(msgs))
 	for i := range order {
 		order[i] = i
@@ -437,14 +455,14 @@ func movePositions(ctx context.Context, tx stmts, consumer string, moved, made m
 // [ErrMalformedMessage], never taken for a duplicate. It starts no span:
 // the caller's ctx carries its own. The records are o's consumer's
 // ([Config.Consumer]).
-func (o *Outbox[T]) ApplyOnceIn(ctx context.Context, tx T, msg Message, last bool) (fresh bool, err error) {
+func (o *Outbox[T]) ApplyOnceIn(ctx context.Context, tx T, msg Message, opts ApplyOptions) (fresh bool, err error) {
 	if err := o.usable(); err != nil {
 		return false, err
 	}
 	if any(tx) == nil {
 		return false, errNoTx
 	}
-	return applyOnceIn(ctx, o.tx(tx), o.consumer, msg, last, true)
+	return applyOnceIn(ctx, o.tx(tx), o.consumer, msg, opts.Last, true)
 }
 
 // applyOnceIn records msg as applied by consumer in tx, or reports a

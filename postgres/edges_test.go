@@ -118,7 +118,7 @@ func TestApplyOnceInTheCallersTransaction(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer tx.Rollback()
-		fresh, err := ob.ApplyOnceIn(ctx, tx, msg, false)
+		fresh, err := ob.ApplyOnceIn(ctx, tx, msg, postgres.ApplyOptions{})
 		if err != nil || !fresh {
 			return fresh, err
 		}

@@ -156,7 +156,7 @@ func ExampleOutbox_ApplyOnceIn() {
 	}
 	handle := func(ctx context.Context, msg postgres.Message) (applied bool, err error) {
 		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			fresh, err := ob.ApplyOnceIn(ctx, tx, msg, false)
+			fresh, err := ob.ApplyOnceIn(ctx, tx, msg, postgres.ApplyOptions{})
 			if err != nil || !fresh {
 				return err // !fresh: a duplicate, dropped
 			}

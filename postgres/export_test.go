@@ -188,7 +188,7 @@ func ForgetProcessed(ctx context.Context, db *sql.DB, retention time.Duration, b
 
 // ApplyOnce is Outbox.ApplyOnce on db.
 func ApplyOnce(ctx context.Context, db *sql.DB, msg Message, last bool, apply func(ctx context.Context, tx *sql.Tx) error) (bool, error) {
-	return sqlOutbox(db, 0).ApplyOnce(ctx, msg, last, func(ctx context.Context, tx SQLTx) error {
+	return sqlOutbox(db, 0).ApplyOnce(ctx, msg, ApplyOptions{Last: last}, func(ctx context.Context, tx SQLTx) error {
 		return apply(ctx, tx.(*sql.Tx))
 	})
 }

@@ -199,7 +199,7 @@ func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.
 		t.Helper()
 		tx, commit, rollback := begin(ctx)
 		defer rollback()
-		fresh, err := ob.ApplyOnceIn(ctx, tx, msg, false)
+		fresh, err := ob.ApplyOnceIn(ctx, tx, msg, postgres.ApplyOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -228,11 +228,11 @@ func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.
 	calls := 0
 	failed := errors.New("the effect failed")
 	mail := postgres.Message{ID: 4, Key: "producer-a/4", Type: "Welcomed", Payload: "{}"}
-	if applied, err := ob.ApplyOnce(ctx, mail, false, func(context.Context, T) error { calls++; return failed }); applied || !errors.Is(err, failed) {
+	if applied, err := ob.ApplyOnce(ctx, mail, postgres.ApplyOptions{}, func(context.Context, T) error { calls++; return failed }); applied || !errors.Is(err, failed) {
 		t.Errorf("ApplyOnce, its effect failing = %v, %v; want not applied, the effect's error", applied, err)
 	}
 	for i, want := range []bool{true, false} {
-		applied, err := ob.ApplyOnce(ctx, mail, false, func(context.Context, T) error { calls++; return nil })
+		applied, err := ob.ApplyOnce(ctx, mail, postgres.ApplyOptions{}, func(context.Context, T) error { calls++; return nil })
 		if applied != want || err != nil {
 			t.Errorf("ApplyOnce, delivery %d = %v, %v; want applied %v", i+1, applied, err, want)
 		}
@@ -240,7 +240,7 @@ func operations[T any](t *testing.T, ob *postgres.Outbox[T], begin func(context.
 	if calls != 2 {
 		t.Errorf("the effect ran %d times, want 2 (the failure and the first delivery after it)", calls)
 	}
-	if _, err := ob.ApplyOnce(ctx, postgres.Message{Key: "producer-a/5"}, false, nil); err == nil {
+	if _, err := ob.ApplyOnce(ctx, postgres.Message{Key: "producer-a/5"}, postgres.ApplyOptions{}, nil); err == nil {
 		t.Error("ApplyOnce with no apply function: no error")
 	}
 	if n := count(t, check, `SELECT count(*) FROM processed_messages`); n != 4 {
@@ -309,7 +309,7 @@ func TestOpenChecksItsConfig(t *testing.T) {
 	if _, err := ob.Write(ctx, nil, postgres.Event{Type: "ItemPicked", Payload: "{}"}); err == nil {
 		t.Error("Write with no transaction: no error")
 	}
-	if _, err := ob.ApplyOnceIn(ctx, nil, postgres.Message{Key: "k"}, false); err == nil {
+	if _, err := ob.ApplyOnceIn(ctx, nil, postgres.Message{Key: "k"}, postgres.ApplyOptions{}); err == nil {
 		t.Error("ApplyOnceIn with no transaction: no error")
 	}
 	if n := count(t, db, `SELECT count(*) FROM outbox`) + count(t, db, `SELECT count(*) FROM processed_messages`); n != 0 {
@@ -367,21 +367,21 @@ func f(ctx context.Context, ob *postgres.Outbox[postgres.PgxTx], sob *postgres.O
 `
 	good := []string{
 		`ob.Write(ctx, ptx, e)`,
-		`ob.ApplyOnceIn(ctx, ptx, m, false)`,
+		`ob.ApplyOnceIn(ctx, ptx, m, postgres.ApplyOptions{})`,
 		`sob.Write(ctx, stx, e)`,
 		`sob.Write(ctx, wrappedTx{stx}, e)`,
-		`sob.ApplyOnceIn(ctx, stx, m, false)`,
-		`ob.ApplyOnce(ctx, m, false, func(ctx context.Context, tx postgres.PgxTx) error { return nil })`,
-		`sob.ApplyOnce(ctx, m, false, func(ctx context.Context, tx postgres.SQLTx) error { return nil })`,
+		`sob.ApplyOnceIn(ctx, stx, m, postgres.ApplyOptions{})`,
+		`ob.ApplyOnce(ctx, m, postgres.ApplyOptions{}, func(ctx context.Context, tx postgres.PgxTx) error { return nil })`,
+		`sob.ApplyOnce(ctx, m, postgres.ApplyOptions{}, func(ctx context.Context, tx postgres.SQLTx) error { return nil })`,
 	}
 	bad := []string{
 		`ob.Write(ctx, pool, e)`,
 		`ob.Write(ctx, pconn, e)`,
 		`ob.Write(ctx, conn, e)`,
-		`ob.ApplyOnceIn(ctx, pool, m, false)`,
+		`ob.ApplyOnceIn(ctx, pool, m, postgres.ApplyOptions{})`,
 		`sob.Write(ctx, db, e)`,
 		`sob.Write(ctx, sconn, e)`,
-		`sob.ApplyOnceIn(ctx, db, m, false)`,
+		`sob.ApplyOnceIn(ctx, db, m, postgres.ApplyOptions{})`,
 	}
 	dir := t.TempDir()
 	write := func(pkg, call string) {

@@ -283,7 +283,7 @@ func TestTwoConsumersInOneDatabaseEachApplyEveryMessageOnce(t *testing.T) {
 		ob := consumer(name)
 		for round, want := range []bool{true, false} {
 			for _, m := range msgs {
-				if applied, err := ob.ApplyOnce(ctx, m, false, nothing); applied != want || err != nil {
+				if applied, err := ob.ApplyOnce(ctx, m, postgres.ApplyOptions{}, nothing); applied != want || err != nil {
 					t.Fatalf("%s, delivery %d of %s: applied %v, %v; want %v", name, round+1, m.Key, applied, err, want)
 				}
 			}
@@ -311,7 +311,7 @@ func TestTwoConsumersInOneDatabaseEachApplyEveryMessageOnce(t *testing.T) {
 	if n, err := consumer("mailer").ForgetProcessed(ctx, 0); n != 4 || err != nil {
 		t.Fatalf("the mailer forgot %d records, %v; want its 4 keys (its positions are open)", n, err)
 	}
-	if applied, err := consumer("reservations").ApplyOnce(ctx, msgs[3], false, nothing); applied || err != nil {
+	if applied, err := consumer("reservations").ApplyOnce(ctx, msgs[3], postgres.ApplyOptions{}, nothing); applied || err != nil {
 		t.Fatalf("after the mailer forgot its keys, the reservations applied %s again: %v, %v", msgs[3].Key, applied, err)
 	}
 }
@@ -357,7 +357,7 @@ func TestAReplayWithNewKeysAppliesAgainOnceThePositionIsForgotten(t *testing.T) 
 			}
 		}
 		for _, m := range broker.Published()[before:] {
-			ok, err := ob.ApplyOnce(ctx, m, false, func(context.Context, postgres.SQLTx) error { applied++; return nil })
+			ok, err := ob.ApplyOnce(ctx, m, postgres.ApplyOptions{}, func(context.Context, postgres.SQLTx) error { applied++; return nil })
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -430,7 +430,7 @@ func TestDeliveriesUnderDifferentKeysOfOneSeqApplyOnce(t *testing.T) {
 					applied[m.Key]++
 				}
 				if via == "ApplyOnce" {
-					return ob.ApplyOnce(ctx, m, false, func(context.Context, postgres.SQLTx) error { effect(); return nil })
+					return ob.ApplyOnce(ctx, m, postgres.ApplyOptions{}, func(context.Context, postgres.SQLTx) error { effect(); return nil })
 				}
 				got, err := ob.ApplyBatch(ctx, []postgres.Message{m}, nil, func(context.Context, postgres.SQLTx, []postgres.Message) error {
 					effect()
@@ -589,7 +589,7 @@ func TestMigrationsKeepWhatCameBefore(t *testing.T) {
 		t.Fatal(err)
 	}
 	ob := sqlOutbox(t, db, postgres.Config{})
-	if applied, err := ob.ApplyOnce(ctx, postgres.Message{Key: "applied-before", Type: "OrderPlaced"}, false,
+	if applied, err := ob.ApplyOnce(ctx, postgres.Message{Key: "applied-before", Type: "OrderPlaced"}, postgres.ApplyOptions{},
 		func(context.Context, postgres.SQLTx) error { return nil }); applied || err != nil {
 		t.Fatalf("a key recorded before migration 9: applied %v, %v; want a copy", applied, err)
 	}

@@ -51,7 +51,7 @@ func (w *Warehouse) Handle(ctx context.Context, msg postgres.Message) (applied b
 	if w.err != nil {
 		return false, w.err
 	}
-	return w.outbox.ApplyOnce(ctx, msg, last(msg), func(ctx context.Context, tx postgres.SQLTx) error {
+	return w.outbox.ApplyOnce(ctx, msg, options(msg), func(ctx context.Context, tx postgres.SQLTx) error {
 		return reserve(ctx, tx, msg)
 	})
 }
@@ -65,13 +65,15 @@ func (w *Warehouse) HandleBatch(ctx context.Context, msgs []postgres.Message) (a
 	if w.err != nil {
 		return nil, w.err
 	}
-	return w.outbox.ApplyBatch(ctx, msgs, last, reserveAll)
+	return w.outbox.ApplyBatch(ctx, msgs, options, reserveAll)
 }
 
-// last reports whether msg is its order's last event: CancelOrder refuses
+// options says whether msg is its order's last event: CancelOrder refuses
 // an order that is cancelled already, so OrderCancelled is. Its position
 // may then be forgotten.
-func last(msg postgres.Message) bool { return msg.Type == OrderCancelled }
+func options(msg postgres.Message) postgres.ApplyOptions {
+	return postgres.ApplyOptions{Last: msg.Type == OrderCancelled}
+}
 
 // reserve writes msg's effect in tx: OrderPlaced reserves the order's
 // stock, OrderCancelled releases it, any other type has none.

@@ -135,7 +135,7 @@ type warehouse struct {
 
 func (w *warehouse) Handle(ctx context.Context, msg postgres.Message) (applied bool, err error) {
 	err = pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
-		fresh, err := w.ob.ApplyOnceIn(ctx, tx, msg, false)
+		fresh, err := w.ob.ApplyOnceIn(ctx, tx, msg, postgres.ApplyOptions{})
 		if err != nil || !fresh {
 			return err // !fresh: a duplicate, dropped
 		}
