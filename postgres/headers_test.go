@@ -88,7 +88,13 @@ func TestTeamHeadersAndBytesReachTheBrokerAsWritten(t *testing.T) {
 // bytes in bytea's hex form. (Caught: a log relay that read only payload.)
 func TestLogRelayDeliversTeamHeadersAndBytesAsWritten(t *testing.T) {
 	name := newDatabaseName(t)
-	db := open(t, name, "")
+	logRelayDeliversTeamEvents(t, name, open(t, name, ""))
+}
+
+// logRelayDeliversTeamEvents writes teamEvents to db, the database name,
+// and checks that a log relay delivers them as written.
+func logRelayDeliversTeamEvents(t *testing.T, name string, db *sql.DB) {
+	t.Helper()
 	broker := &recorder{}
 	relay := logRelayOn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{})
 	for _, e := range teamEvents {

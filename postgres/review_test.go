@@ -165,11 +165,7 @@ func TestPassStopsWhileItWaitsForAConnection(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		relay, err := ob.NewRelay(&recorder{}, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		stops(t, relay)
+		stops(t, newRelayOn(t, ob, &recorder{}, cfg))
 	})
 	t.Run("database/sql", func(t *testing.T) {
 		db := open(t, name, "")
@@ -181,15 +177,7 @@ func TestPassStopsWhileItWaitsForAConnection(t *testing.T) {
 			}
 			defer held.Close()
 		}
-		ob, err := postgres.OpenDB(db, postgres.Config{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		relay, err := ob.NewRelay(&recorder{}, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		stops(t, relay)
+		stops(t, newRelayOn(t, sqlOutbox(t, db, postgres.Config{}), &recorder{}, cfg))
 	})
 }
 
@@ -206,14 +194,7 @@ func TestLogRelayReadsRowsWhateverTheDatabasesSettings(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	broker := &recorder{}
-	relay := logRelayOn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{})
-	for _, e := range teamEvents {
-		writeEvent(t, db, e)
-	}
-	runLog(t, relay)
-	waitUntil(t, "three messages delivered", func() bool { return len(broker.Published()) >= 3 })
-	wantTeamEvents(t, broker.Published()[:3])
+	logRelayDeliversTeamEvents(t, name, db)
 }
 
 // TestLogRelayParksARowItCannotRead: a row the log relay cannot read (its
@@ -347,15 +328,7 @@ func TestAReplayWithNewKeysAppliesAgainOnceThePositionIsForgotten(t *testing.T) 
 	deliver := func() (fresh []bool) {
 		t.Helper()
 		before := len(broker.Published())
-		for {
-			n, err := relay.PublishPending(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if n == 0 {
-				break
-			}
-		}
+		drain(t, relay)
 		for _, m := range broker.Published()[before:] {
 			ok, err := ob.ApplyOnce(ctx, m, postgres.ApplyOptions{}, func(context.Context, postgres.SQLTx) error { applied++; return nil })
 			if err != nil {
@@ -659,16 +632,7 @@ func TestLogRelayHoldsAnAggregateBehindItsParkedRow(t *testing.T) {
 	if err := postgres.Unpark(ctx, db, ids["A1"]); err != nil {
 		t.Fatal(err)
 	}
-	sweep := newRelay(t, db, broker, postgres.RelayConfig{PollOnly: true})
-	for {
-		n, err := sweep.PublishPending(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if n == 0 {
-			break
-		}
-	}
+	drain(t, newRelay(t, db, broker, postgres.RelayConfig{PollOnly: true})) // outbox-relay's sweep
 	maps.Copy(ids, write("A", 4))
 	waitUntil(t, "A4 delivered by the log relay", func() bool { return seenAll(broker, map[int64]string{ids["A4"]: ""}) })
 	var seqs []int64
