@@ -55,9 +55,15 @@ fi
 # postgres user may not be allowed into the folder make runs in, and the
 # programs complain when they cannot change back to it.
 server() { (cd "$dir" && "${as[@]}" "$@"); }
+# started is set once this script's pg_ctl start succeeded: in a kept
+# folder the exit trap stops only a server this script started, never one
+# it found running (a second make shop on the same SHOP_DATA folder, whose
+# start would fail on the first one's lock file). A temporary folder is
+# this script's own, and so is any server in it.
+started=
 cleanup() {
 	if [ -n "$keep" ]; then
-		[ -f "$dir/data/postmaster.pid" ] && server "$bindir/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null 2>&1
+		[ -n "$started" ] && server "$bindir/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null 2>&1
 		return
 	fi
 	if [ -f "$dir/data/postmaster.pid" ]; then
@@ -76,6 +82,10 @@ chmod 755 "$dir"
 fsync=${OUTBOX_POSTGRES_FSYNC:-off}
 [ -n "$keep" ] && fsync=${OUTBOX_POSTGRES_FSYNC:-on}
 
+if [ -n "$keep" ] && server "$bindir/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+	echo "with-server.sh: a server already runs on $dir/data (another make shop?); it is left as it is" >&2
+	exit 1
+fi
 if [ -f "$dir/data/PG_VERSION" ]; then
 	: # a kept cluster, made by an earlier run
 elif ! server "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/initdb.log" 2>&1; then
@@ -87,6 +97,7 @@ if ! server "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
 	cat "$dir/server.log" >&2
 	exit 1
 fi
+started=1
 
 export OUTBOX_POSTGRES_URL="host=$dir user=postgres dbname=postgres sslmode=disable"
 "$@"
