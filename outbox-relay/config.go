@@ -193,7 +193,7 @@ func readable(p *string) func(string) error {
 func parse(cmd string, args []string) (config, []string, error) {
 	var c config
 	s := &settings{fs: flag.NewFlagSet(cmd, flag.ContinueOnError)}
-	s.str(&c.database, "database", "OUTBOX_DATABASE_URL", "", "PostgreSQL connection string, pgx's (TLS, several hosts, PGPASSWORD or a .pgpass file for the password)")
+	s.str(&c.database, "database", "OUTBOX_DATABASE_URL", "", "PostgreSQL connection string, pgx's (TLS, several hosts), with no password in it: PGPASSWORD or a .pgpass file holds it")
 	s.str(&c.broker, "broker", "OUTBOX_BROKER", "nats", "the broker: nats (JetStream) or rabbitmq")
 	s.str(&c.mode, "mode", "OUTBOX_MODE", "polling", "polling (OutboxRelay) or log (LogRelay: logical decoding)")
 	s.str(&c.table, "table", "OUTBOX_TABLE", postgres.DefaultTable, "the outbox table")
@@ -291,11 +291,32 @@ func parse(cmd string, args []string) (config, []string, error) {
 	return c, s.fs.Args(), errors.Join(errs...)
 }
 
+// holdsPassword reports whether conn, a PostgreSQL connection string as a
+// URL (postgres://user:password@host/db) or as keywords (password=…),
+// holds a password.
+func holdsPassword(conn string) bool {
+	if strings.HasPrefix(conn, "postgres://") || strings.HasPrefix(conn, "postgresql://") {
+		u, err := url.Parse(conn)
+		if err != nil {
+			return false // pgx refuses it, and says why
+		}
+		_, has := u.User.Password()
+		return has || u.Query().Has("password")
+	}
+	return passwordKeyword.MatchString(conn)
+}
+
+// passwordKeyword finds the keyword password in a connection string of
+// keywords and values.
+var passwordKeyword = regexp.MustCompile(`(^|\s)password\s*=`)
+
 // check is what no single flag can say alone.
 func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	var errs []error
 	if c.database == "" {
 		errs = append(errs, errors.New("-database (OUTBOX_DATABASE_URL) is not set"))
+	} else if holdsPassword(c.database) {
+		errs = append(errs, errors.New("-database (OUTBOX_DATABASE_URL): the connection string holds a password; give it in PGPASSWORD or a .pgpass file (PGPASSFILE), which are never printed"))
 	}
 	if c.mode != "polling" && c.mode != "log" {
 		errs = append(errs, fmt.Errorf("-mode %q: want polling or log", c.mode))

@@ -64,6 +64,9 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 		{[]string{"-delivery-limit", "0"}, "", "-delivery-limit (OUTBOX_DELIVERY_LIMIT)"},
 		{[]string{"-json=sometimes"}, "", "-json (OUTBOX_JSON)"},
 		{[]string{"extra"}, "", "run takes no argument"},
+		{[]string{"-database", "host=db.internal user=relay password=s3cret"}, "", "-database (OUTBOX_DATABASE_URL): the connection string holds a password"},
+		{[]string{"-database", "postgres://relay:s3cret@db.internal/shop"}, "", "the connection string holds a password"},
+		{[]string{"-database", "postgresql://db.internal/shop?password=s3cret"}, "", "the connection string holds a password"},
 	} {
 		if tc.env != "" {
 			name, value, _ := strings.Cut(tc.env, "=")
