@@ -55,7 +55,11 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	relay, err := ob.NewRelay(natsbroker.NewPublisher(js), postgres.RelayConfig{})
+	publisher, err := natsbroker.NewPublisher(js, natsbroker.PublisherOptions{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	relay, err := ob.NewRelay(publisher, postgres.RelayConfig{})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -64,11 +64,8 @@ func TestBatchConsumerAppliesInBatchesAndGivesUpOnlyOnTheBadMessage(t *testing.T
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := natsbroker.NewConsumer(cons, h)
-	c.MaxBatch = 10
 	logs := &logBuffer{}
-	c.Logger = slog.New(slog.NewTextHandler(logs, nil))
-	goRun(t, c.Run)
+	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{MaxBatch: 10, Logger: slog.New(slog.NewTextHandler(logs, nil))}).Run)
 
 	waitFor(t, "every good order reserved and the bad one terminated", func() bool {
 		return count(t, db, `SELECT count(*) FROM reservations`) == good &&
@@ -116,8 +113,7 @@ func TestConsumerWithoutABatchHandlerHandlesOneAtATime(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := natsbroker.NewConsumer(cons, h) // MaxBatch zero: one at a time
-	goRun(t, c.Run)
+	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{}).Run) // MaxBatch zero: one at a time
 	waitFor(t, "every order reserved", func() bool {
 		return count(t, db, `SELECT count(*) FROM reservations`) == 12
 	})

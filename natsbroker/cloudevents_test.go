@@ -1,12 +1,13 @@
 package natsbroker_test
 
-// CloudEvents on the wire: what the Publisher sends with UseCloudEvents is
+// CloudEvents on the wire: what the Publisher sends with a CloudEventsSource is
 // read, by the CloudEvents Go SDK and its JetStream binding (a client no
 // one here wrote), as an event that validates.
 
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -16,19 +17,20 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 // Four events: the first relayed by a Publisher as it comes (no
 // CloudEvents: the default), the other three by one with
-// UseCloudEvents("/shop"): JSON of an aggregate, Protobuf bytes, JSON of
+// CloudEventsSource "/shop": JSON of an aggregate, Protobuf bytes, JSON of
 // none. Each delivered message is handed to the SDK: the first is no
 // binary-mode event; each of the others becomes an event that validates,
 // with the row's key as its id, its type, the source, the aggregate as its
 // subject (none without one), the row's created_at as its time, its content
 // type (application/json for JSON), and its payload as its data. A source
 // that is no URI-reference is refused and changes nothing. (Caught: the
-// Publisher before UseCloudEvents, which sent no ce- header.)
+// Publisher before CloudEvents, which sent no ce- header.)
 func TestCloudEventsAreReadByTheSDK(t *testing.T) {
 	ctx := context.Background()
 	db := newDatabase(t)
@@ -47,15 +49,16 @@ func TestCloudEventsAreReadByTheSDK(t *testing.T) {
 	for _, e := range events[1:] {
 		writeEvent(t, db, e)
 	}
-	pub := newPublisher(t, connect(t, b.url()))
-	for _, bad := range []string{"", "/shop two", "/shop\n", "%zz"} {
-		if err := pub.UseCloudEvents(bad); err == nil {
-			t.Errorf("UseCloudEvents(%q) = nil, want an error: no URI-reference", bad)
-		}
-	}
-	if err := pub.UseCloudEvents("/shop"); err != nil {
+	js, err := jetstream.New(connect(t, b.url()))
+	if err != nil {
 		t.Fatal(err)
 	}
+	for _, bad := range []string{"/shop two", "/shop\n", "%zz"} {
+		if _, err := natsbroker.NewPublisher(js, natsbroker.PublisherOptions{CloudEventsSource: bad}); !errors.Is(err, postgres.ErrInvalidConfig) {
+			t.Errorf("NewPublisher with CloudEventsSource %q = %v, want ErrInvalidConfig: no URI-reference", bad, err)
+		}
+	}
+	pub := newPublisher(t, connect(t, b.url()), natsbroker.PublisherOptions{CloudEventsSource: "/shop"})
 	if n, err := newRelay(t, db, pub).PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("the CloudEvents relay's pass = %d, %v; want the other three", n, err)
 	}

@@ -59,6 +59,62 @@ const DefaultMaxOutOfOrder = 20
 // MaxOutOfOrder too small for the consumer's AckWait and RetryDelay.
 var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a message whose predecessor is only late")
 
+// ConsumerOptions configures a [Consumer]: [NewConsumer] checks it and
+// refuses a bad value with an error wrapping [postgres.ErrInvalidConfig]
+// that names it. Zero means the default in every field; a negative value
+// is refused.
+type ConsumerOptions struct {
+	// RetryDelay is how long a failed message waits before it is delivered
+	// again; zero means DefaultRetryDelay.
+	RetryDelay time.Duration
+
+	// MaxRetryDelay is the longest a message that keeps failing waits
+	// between deliveries: the wait doubles from RetryDelay up to it. Zero
+	// means DefaultMaxRetryDelay.
+	MaxRetryDelay time.Duration
+
+	// Prefetch is how many messages Run asks for at a time; zero means
+	// DefaultPrefetch, and it is at least MaxBatch.
+	Prefetch int
+
+	// MaxBatch is the most messages Run hands a BatchHandler at once, of
+	// those already delivered: it never waits to fill a batch. Zero, 1,
+	// or a handler that is not a BatchHandler, means one message at a
+	// time, the article's way.
+	MaxBatch int
+
+	// MaxOutOfOrder is how many deliveries a message that arrives before
+	// its predecessor gets before it is terminated, counting those that
+	// found it out of order only (a delivery that failed for another
+	// reason, a database that was down, spends none); each Consumer counts
+	// the deliveries it saw, in memory. The rule: MaxOutOfOrder
+	// times RetryDelay must be at least twice the JetStream consumer's
+	// AckWait, since a predecessor whose delivery was lost (a server that
+	// died with it in flight, a consumer that died before its ack) comes
+	// again only after AckWait, and its successor must not be terminated
+	// before that. Zero means DefaultMaxOutOfOrder or the rule's least,
+	// whichever is more (61 with the defaults: about a minute); NewConsumer
+	// refuses a value below the rule's least, with ErrOutOfOrderBound.
+	MaxOutOfOrder int
+
+	// Logger, if not nil, is told of each message terminated.
+	Logger *slog.Logger
+
+	// TracerProvider and MeterProvider are where the consumer reports (nil:
+	// otel's global ones). Each message is a consumer span, "process
+	// <subject>", with a link to the relay's publish span whose context the
+	// message carries in its traceparent header (its creation context, as
+	// OpenTelemetry's messaging conventions ask), and also its child, which
+	// the conventions allow when one message is processed at a time: so the
+	// trace of the request that wrote the row goes on, in one trace, to its
+	// Handle and the warehouse's transaction. The meter counts
+	// messaging.client.consumed.messages by outbox.result: applied,
+	// duplicate, retry, out_of_order or terminated. They are read when Run
+	// starts.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+}
+
 // Consumer feeds the messages of a JetStream pull consumer to a Handler, one
 // at a time, and tells JetStream what became of each:
 //   - handled (applied, or a duplicate): Ack, only after the handler has
@@ -122,55 +178,7 @@ type Consumer struct {
 	prefix   string // of its subjects, which decode takes off for the type
 	handler  Handler
 
-	// RetryDelay is how long a failed message waits before it is delivered
-	// again; zero or less means DefaultRetryDelay.
-	RetryDelay time.Duration
-
-	// MaxRetryDelay is the longest a message that keeps failing waits
-	// between deliveries: the wait doubles from RetryDelay up to it. Zero
-	// or less means DefaultMaxRetryDelay.
-	MaxRetryDelay time.Duration
-
-	// Prefetch is how many messages Run asks for at a time; zero or less
-	// means DefaultPrefetch, and it is at least MaxBatch.
-	Prefetch int
-
-	// MaxBatch is the most messages Run hands a BatchHandler at once, of
-	// those already delivered: it never waits to fill a batch. Zero or
-	// less, 1, or a handler that is not a BatchHandler, means one message
-	// at a time, the article's way.
-	MaxBatch int
-
-	// MaxOutOfOrder is how many deliveries a message that arrives before
-	// its predecessor gets before it is terminated, counting those that
-	// found it out of order only (a delivery that failed for another
-	// reason, a database that was down, spends none); each Consumer counts
-	// the deliveries it saw, in memory. The rule: MaxOutOfOrder
-	// times RetryDelay must be at least twice the JetStream consumer's
-	// AckWait, since a predecessor whose delivery was lost (a server that
-	// died with it in flight, a consumer that died before its ack) comes
-	// again only after AckWait, and its successor must not be terminated
-	// before that. Zero or less means DefaultMaxOutOfOrder or the rule's
-	// least, whichever is more (61 with the defaults: about a minute); a
-	// value below the rule's least makes Run fail with ErrOutOfOrderBound.
-	MaxOutOfOrder int
-
-	// Logger, if not nil, is told of each message terminated.
-	Logger *slog.Logger
-
-	// TracerProvider and MeterProvider are where the consumer reports (nil:
-	// otel's global ones). Each message is a consumer span, "process
-	// <subject>", with a link to the relay's publish span whose context the
-	// message carries in its traceparent header (its creation context, as
-	// OpenTelemetry's messaging conventions ask), and also its child, which
-	// the conventions allow when one message is processed at a time: so the
-	// trace of the request that wrote the row goes on, in one trace, to its
-	// Handle and the warehouse's transaction. The meter counts
-	// messaging.client.consumed.messages by outbox.result: applied,
-	// duplicate, retry, out_of_order or terminated. They are read when Run
-	// starts.
-	TracerProvider trace.TracerProvider
-	MeterProvider  metric.MeterProvider
+	opts ConsumerOptions // with the defaults filled in, but MaxOutOfOrder's
 
 	telemetry *postgres.ConsumerTelemetry
 
@@ -233,9 +241,56 @@ func (c *Consumer) waiting(key string, done bool) {
 
 // NewConsumer returns a Consumer that feeds the messages of c, a consumer
 // created with ConsumerConfig (or Names.ConsumerConfig: the subject prefix
-// it takes off for each message's type is c's filter's), to h.
-func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
-	return &Consumer{consumer: c, handler: h, prefix: prefixOf(c)}
+// it takes off for each message's type is c's filter's), to h, as opts
+// says. It refuses, with an error wrapping [postgres.ErrInvalidConfig] that
+// names it, no consumer, no handler, a negative setting, a MaxRetryDelay
+// below RetryDelay, and a MaxOutOfOrder below its rule's least for c's
+// AckWait (wrapping [ErrOutOfOrderBound] too). It connects to nothing.
+func NewConsumer(c jetstream.Consumer, h Handler, opts ConsumerOptions) (*Consumer, error) {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: natsbroker: %s", postgres.ErrInvalidConfig, fmt.Sprintf(format, args...))
+	}
+	switch {
+	case c == nil:
+		return nil, bad("NewConsumer: no JetStream consumer")
+	case h == nil:
+		return nil, bad("NewConsumer: no handler")
+	case opts.RetryDelay < 0, opts.MaxRetryDelay < 0:
+		return nil, bad("ConsumerOptions: a negative delay (RetryDelay %v, MaxRetryDelay %v)", opts.RetryDelay, opts.MaxRetryDelay)
+	case opts.Prefetch < 0, opts.MaxBatch < 0, opts.MaxOutOfOrder < 0:
+		return nil, bad("ConsumerOptions: a negative count (Prefetch %d, MaxBatch %d, MaxOutOfOrder %d)", opts.Prefetch, opts.MaxBatch, opts.MaxOutOfOrder)
+	}
+	opts.RetryDelay = orDefault(opts.RetryDelay, DefaultRetryDelay)
+	opts.MaxRetryDelay = orDefault(opts.MaxRetryDelay, max(DefaultMaxRetryDelay, opts.RetryDelay))
+	if opts.MaxRetryDelay < opts.RetryDelay {
+		return nil, bad("ConsumerOptions.MaxRetryDelay %v is below RetryDelay %v", opts.MaxRetryDelay, opts.RetryDelay)
+	}
+	if _, _, err := outOfOrderBound(c, opts); err != nil {
+		return nil, fmt.Errorf("%w: natsbroker: %w", postgres.ErrInvalidConfig, err)
+	}
+	return &Consumer{consumer: c, handler: h, prefix: prefixOf(c), opts: opts}, nil
+}
+
+// outOfOrderBound is how many deliveries a message out of order gets, as
+// opts.MaxOutOfOrder and its rule for c's AckWait say, and that AckWait; an
+// error wrapping ErrOutOfOrderBound if opts.MaxOutOfOrder is below the
+// rule's least.
+func outOfOrderBound(c jetstream.Consumer, opts ConsumerOptions) (int, time.Duration, error) {
+	ackWait := c.CachedInfo().Config.AckWait
+	if ackWait <= 0 {
+		ackWait = 30 * time.Second // the server's default
+	}
+	retry := orDefault(opts.RetryDelay, DefaultRetryDelay)
+	least := int(2*ackWait/retry) + 1
+	switch n := opts.MaxOutOfOrder; {
+	case n == 0:
+		return max(DefaultMaxOutOfOrder, least), ackWait, nil
+	case n < least:
+		return 0, ackWait, fmt.Errorf("%w: ConsumerOptions.MaxOutOfOrder %d: %d deliveries %v apart is less than twice AckWait, %v; want at least %d",
+			ErrOutOfOrderBound, n, n, retry, ackWait, least)
+	default:
+		return n, ackWait, nil
+	}
 }
 
 // Run handles messages until ctx ends, and then returns ctx's error; or
@@ -248,32 +303,25 @@ func NewConsumer(c jetstream.Consumer, h Handler) *Consumer {
 // rule's least makes Run return at once with an error wrapping
 // ErrOutOfOrderBound.
 func (c *Consumer) Run(ctx context.Context) error {
+	if c == nil || c.consumer == nil || c.handler == nil {
+		return fmt.Errorf("%w: natsbroker: a Consumer that NewConsumer did not make", postgres.ErrInvalidConfig)
+	}
 	maxBatch := 1
 	batcher, ok := c.handler.(BatchHandler)
 	if ok {
-		maxBatch = max(c.MaxBatch, 1)
+		maxBatch = max(c.opts.MaxBatch, 1)
 	}
-	prefetch := max(orDefault(c.Prefetch, DefaultPrefetch), maxBatch)
-	ackWait := c.consumer.CachedInfo().Config.AckWait
-	if ackWait <= 0 {
-		ackWait = 30 * time.Second // the server's default
+	prefetch := max(orDefault(c.opts.Prefetch, DefaultPrefetch), maxBatch)
+	maxOutOfOrder, ackWait, err := outOfOrderBound(c.consumer, c.opts)
+	if err != nil {
+		return err
 	}
 	deadline := ackWait / time.Duration(2*prefetch)
-	retry := orDefault(c.RetryDelay, DefaultRetryDelay)
-	least := int(2*ackWait/retry) + 1
-	maxOutOfOrder := c.MaxOutOfOrder
-	switch {
-	case maxOutOfOrder <= 0:
-		maxOutOfOrder = max(DefaultMaxOutOfOrder, least)
-	case maxOutOfOrder < least:
-		return fmt.Errorf("%w: %d deliveries %v apart is less than twice AckWait, %v; want at least %d",
-			ErrOutOfOrderBound, maxOutOfOrder, retry, ackWait, least)
-	}
 	// Each pull request lasts pullExpiry, with idle heartbeats from the
 	// server every half of it: a pull parked on a server that died is given
 	// up, and made again to whichever server leads the consumer now, within
 	// about pullExpiry, not the client's default 30 s.
-	c.telemetry = postgres.NewConsumerTelemetry(c.TracerProvider, c.MeterProvider, instrumentationName, "nats",
+	c.telemetry = postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "nats",
 		"applied, duplicate, retry, out_of_order or terminated")
 	c.outOfOrder = map[string]int{}
 	defer func() { c.mu.Lock(); clear(c.waitingSince); c.mu.Unlock() }()
@@ -342,8 +390,8 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 			if pending := c.pendingBefore(ctx, msg); pending != nil {
 				// Its predecessor may be among them, failing for a reason
 				// that passes: it waits, however long that takes.
-				if n == maxOutOfOrder && c.Logger != nil {
-					c.Logger.Warn("message still before its predecessor, which may still be pending; waiting for it",
+				if n == maxOutOfOrder && c.opts.Logger != nil {
+					c.opts.Logger.Warn("message still before its predecessor, which may still be pending; waiting for it",
 						"key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "out_of_order_deliveries", n, "pending", pending)
 				}
 			} else {
@@ -360,8 +408,8 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 		result = map[bool]string{true: "applied", false: "duplicate"}[applied]
 		delete(c.outOfOrder, m.Key)
 		c.waiting(m.Key, true)
-		if n := deliveries(msg); n > 1 && c.Logger != nil {
-			c.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "deliveries", n)
+		if n := deliveries(msg); n > 1 && c.opts.Logger != nil {
+			c.opts.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "deliveries", n)
 		}
 		return ack(msg.Ack(), "ack", msg)
 	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, postgres.ErrPermanent), errors.Is(err, errNotOutbox):
@@ -369,7 +417,7 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 		return c.terminate(msg, m, err)
 	case errors.Is(err, postgres.ErrOutOfOrder):
 		c.waiting(m.Key, false)
-		return ack(msg.NakWithDelay(orDefault(c.RetryDelay, DefaultRetryDelay)), "ask again for", msg)
+		return ack(msg.NakWithDelay(c.opts.RetryDelay), "ask again for", msg)
 	default:
 		c.waiting(m.Key, false)
 		return ack(msg.NakWithDelay(c.backoff(msg, m, err)), "ask again for", msg)
@@ -427,8 +475,8 @@ func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []jets
 		m := msgs[i]
 		delete(c.outOfOrder, m.Key)
 		c.waiting(m.Key, true)
-		if n := deliveries(msg); n > 1 && c.Logger != nil {
-			c.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "deliveries", n)
+		if n := deliveries(msg); n > 1 && c.opts.Logger != nil {
+			c.opts.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "deliveries", n)
 		}
 		if err := ack(msg.Ack(), "ack", msg); err != nil {
 			return err
@@ -460,8 +508,8 @@ func handBack(ctx context.Context, it jetstream.MessagesContext) error {
 func (c *Consumer) backoff(msg jetstream.Msg, m postgres.Message, err error) time.Duration {
 	n := deliveries(msg)
 	delay := c.delayAfter(n)
-	if c.Logger != nil && (n == 1 || c.delayAfter(n-1) < delay) {
-		c.Logger.Warn("message failed; asking for it again", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq,
+	if c.opts.Logger != nil && (n == 1 || c.delayAfter(n-1) < delay) {
+		c.opts.Logger.Warn("message failed; asking for it again", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq,
 			"delivery", n, "next_delivery_in", delay, "error", err)
 	}
 	return delay
@@ -469,8 +517,8 @@ func (c *Consumer) backoff(msg jetstream.Msg, m postgres.Message, err error) tim
 
 // delayAfter is the backoff after a message's nth delivery failed.
 func (c *Consumer) delayAfter(n int) time.Duration {
-	delay := orDefault(c.RetryDelay, DefaultRetryDelay)
-	most := max(orDefault(c.MaxRetryDelay, DefaultMaxRetryDelay), delay)
+	delay := c.opts.RetryDelay
+	most := c.opts.MaxRetryDelay
 	for i := 1; i < n && delay < most; i++ {
 		delay *= 2
 	}
@@ -528,8 +576,8 @@ const instrumentationName = "example.com/patterns/enterprise/outbox/natsbroker"
 func (c *Consumer) terminate(msg jetstream.Msg, m postgres.Message, err error) error {
 	delete(c.outOfOrder, m.Key)
 	c.waiting(m.Key, true)
-	if c.Logger != nil {
-		c.Logger.Error("message terminated: it can never be applied", "subject", msg.Subject(), "key", m.Key,
+	if c.opts.Logger != nil {
+		c.opts.Logger.Error("message terminated: it can never be applied", "subject", msg.Subject(), "key", m.Key,
 			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)
 	}
 	return ack(msg.TermWithReason(err.Error()), "terminate", msg)

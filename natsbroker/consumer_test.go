@@ -87,15 +87,13 @@ func TestMessageBeforeItsPredecessorWaitsBoundedly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := natsbroker.NewConsumer(cons, h)
-	c.RetryDelay, c.MaxOutOfOrder = retry, 5
-	c.Prefetch = 1 // a Handle deadline of AckWait / 2
 	var logs logBuffer
-	c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
-	tooFew := natsbroker.NewConsumer(cons, h)
-	tooFew.RetryDelay, tooFew.MaxOutOfOrder = retry, 3 // 0.9 s of deliveries against an AckWait of 0.5 s
-	if err := tooFew.Run(ctx); !errors.Is(err, natsbroker.ErrOutOfOrderBound) {
-		t.Errorf("Run with MaxOutOfOrder 3 = %v, want ErrOutOfOrderBound", err)
+	c := newConsumer(t, cons, h, natsbroker.ConsumerOptions{RetryDelay: retry, MaxOutOfOrder: 5,
+		Prefetch: 1, // a Handle deadline of AckWait / 2
+		Logger:   slog.New(slog.NewTextHandler(&logs, nil))})
+	// 0.9 s of deliveries against an AckWait of 0.5 s
+	if _, err := natsbroker.NewConsumer(cons, h, natsbroker.ConsumerOptions{RetryDelay: retry, MaxOutOfOrder: 3}); !errors.Is(err, natsbroker.ErrOutOfOrderBound) || !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("NewConsumer with MaxOutOfOrder 3 = %v, want ErrOutOfOrderBound and ErrInvalidConfig", err)
 	}
 	goRun(t, c.Run)
 
@@ -161,7 +159,7 @@ func TestPrefetchFitsWithinAckWait(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	goRun(t, natsbroker.NewConsumer(cons, h).Run)
+	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{}).Run)
 	waitFor(t, "every order reserved", func() bool {
 		return count(t, db, `SELECT count(*) FROM reservations`) == orders
 	})
@@ -208,9 +206,7 @@ func TestAHungHandleLeavesTheRestOfThePrefetchInTime(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := natsbroker.NewConsumer(cons, h)
-	c.Prefetch = 10
-	goRun(t, c.Run)
+	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{Prefetch: 10}).Run)
 	waitFor(t, "every order reserved", func() bool {
 		return count(t, db, `SELECT count(*) FROM reservations`) == orders
 	})
@@ -307,9 +303,7 @@ func TestHandleThatHangsIsCutAtItsDeadline(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := &hangOnce{warehouse: shop.NewWarehouse(db)}
-	c := natsbroker.NewConsumer(cons, h)
-	c.RetryDelay = 10 * time.Millisecond
-	goRun(t, c.Run)
+	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{RetryDelay: 10 * time.Millisecond}).Run)
 	waitFor(t, "the order reserved after the hung Handle", func() bool {
 		return count(t, db, `SELECT count(*) FROM reservations`) == 1
 	})
@@ -366,11 +360,10 @@ func TestOutOfOrderBoundCountsOutOfOrderDeliveriesOnly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := natsbroker.NewConsumer(cons, h)
-	c.RetryDelay, c.MaxRetryDelay, c.MaxOutOfOrder = 100*time.Millisecond, 100*time.Millisecond, 11 // the least for an AckWait of 0.5 s
 	var logs logBuffer
-	c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
-	goRun(t, c.Run)
+	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{RetryDelay: 100 * time.Millisecond, MaxRetryDelay: 100 * time.Millisecond,
+		MaxOutOfOrder: 11, // the least for an AckWait of 0.5 s
+		Logger:        slog.New(slog.NewTextHandler(&logs, nil))}).Run)
 	if err := pub.Publish(ctx, postgres.Message{Key: "k3-cancelled", Aggregate: "order/3", Seq: 2, ID: 2,
 		Type: shop.OrderCancelled, Payload: `{"orderId":3,"totalCents":300}`}); err != nil {
 		t.Fatal(err)
@@ -407,16 +400,14 @@ func TestStopHandsBackWhatWasPrefetched(t *testing.T) {
 		t.Fatal(err)
 	}
 	blocked := &scripted{script: map[string][]error{}, applied: map[string]int{}, block: make(chan struct{})}
-	first := natsbroker.NewConsumer(cons, blocked)
-	first.Prefetch = 10
-	stop := goRun(t, first.Run)
+	stop := goRun(t, newConsumer(t, cons, blocked, natsbroker.ConsumerOptions{Prefetch: 10}).Run)
 	waitFor(t, "the first message in Handle and the buffer full", func() bool {
 		info, err := cons.Info(ctx)
 		return err == nil && blocked.seen.Load() == 1 && info.NumAckPending == 10
 	})
 	stop()
 	next := &scripted{script: map[string][]error{}, applied: map[string]int{}}
-	goRun(t, natsbroker.NewConsumer(cons, next).Run)
+	goRun(t, newConsumer(t, cons, next, natsbroker.ConsumerOptions{}).Run)
 	waitFor(t, "every message but the one cut short applied by the next consumer", func() bool {
 		next.mu.Lock()
 		defer next.mu.Unlock()
@@ -467,11 +458,10 @@ func TestSuccessorWaitsForAPredecessorThatFailsAndThenApplies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := natsbroker.NewConsumer(cons, h)
 	const maxOutOfOrder = 11 // the least for an AckWait of 0.5 s and a RetryDelay of 0.1 s
-	c.RetryDelay, c.MaxRetryDelay, c.MaxOutOfOrder = 100*time.Millisecond, 400*time.Millisecond, maxOutOfOrder
 	var logs logBuffer
-	c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	c := newConsumer(t, cons, h, natsbroker.ConsumerOptions{RetryDelay: 100 * time.Millisecond, MaxRetryDelay: 400 * time.Millisecond,
+		MaxOutOfOrder: maxOutOfOrder, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	goRun(t, c.Run)
 	for _, m := range []postgres.Message{
 		{Key: "k5-placed", Aggregate: "order/5", Seq: 1, ID: 1, Type: shop.OrderPlaced, Payload: `{"orderId":5,"totalCents":500}`},

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -105,8 +106,42 @@ func runNamedConsumer(t *testing.T, js jetstream.JetStream, durable string, h na
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := natsbroker.NewConsumer(cons, h)
-	c.RetryDelay, c.MaxRetryDelay = 100*time.Millisecond, 400*time.Millisecond
-	c.Logger = slog.New(slog.NewTextHandler(testLog{t}, nil))
-	goRun(t, c.Run)
+	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{RetryDelay: 100 * time.Millisecond, MaxRetryDelay: 400 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(testLog{t}, nil))}).Run)
+}
+
+// NewConsumer checks its options when it makes the Consumer and refuses a
+// bad one with an error wrapping postgres.ErrInvalidConfig that names it;
+// the zero options are every default. (The options used to be fields set
+// after NewConsumer, read when Run began, a negative one taken for zero.)
+func TestNewConsumerChecksItsOptions(t *testing.T) {
+	b := startBroker(t, nil)
+	js, _ := setUp(t, connect(t, b.url()), 0, 5*time.Second)
+	cons, err := js.Consumer(context.Background(), natsbroker.Stream, "warehouse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &effectOnce{}
+	for _, tc := range []struct {
+		cons jetstream.Consumer
+		h    natsbroker.Handler
+		opts natsbroker.ConsumerOptions
+		want string
+	}{
+		{nil, h, natsbroker.ConsumerOptions{}, "no JetStream consumer"},
+		{cons, nil, natsbroker.ConsumerOptions{}, "no handler"},
+		{cons, h, natsbroker.ConsumerOptions{RetryDelay: -time.Second}, "RetryDelay -1s"},
+		{cons, h, natsbroker.ConsumerOptions{Prefetch: -1}, "Prefetch -1"},
+		{cons, h, natsbroker.ConsumerOptions{MaxBatch: -2}, "MaxBatch -2"},
+		{cons, h, natsbroker.ConsumerOptions{RetryDelay: time.Minute, MaxRetryDelay: time.Second}, "MaxRetryDelay 1s is below RetryDelay 1m0s"},
+		{cons, h, natsbroker.ConsumerOptions{RetryDelay: time.Second, MaxOutOfOrder: 2}, "MaxOutOfOrder 2"},
+	} {
+		c, err := natsbroker.NewConsumer(tc.cons, tc.h, tc.opts)
+		if c != nil || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("NewConsumer(%+v) = %v, %v; want ErrInvalidConfig saying %q", tc.opts, c, err, tc.want)
+		}
+	}
+	if _, err := natsbroker.NewConsumer(cons, h, natsbroker.ConsumerOptions{}); err != nil {
+		t.Errorf("the zero options: %v", err)
+	}
 }

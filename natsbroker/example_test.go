@@ -61,7 +61,10 @@ func ExamplePublisher() {
 		log.Fatal(err)
 	}
 
-	publisher := natsbroker.NewPublisher(js)
+	publisher, err := natsbroker.NewPublisher(js, natsbroker.PublisherOptions{}) // or CloudEventsSource: "/shop"
+	if err != nil {
+		log.Fatal(err)
+	}
 	relay, err := ob.NewRelay(publisher, postgres.RelayConfig{})
 	if err != nil {
 		log.Fatal(err)
@@ -97,7 +100,10 @@ func ExampleConsumer() {
 		log.Fatal(err)
 	}
 
-	warehouse := natsbroker.NewConsumer(cons, shop.NewWarehouse(db))
+	warehouse, err := natsbroker.NewConsumer(cons, shop.NewWarehouse(db), natsbroker.ConsumerOptions{})
+	if err != nil {
+		log.Fatal(err)
+	}
 	if err := warehouse.Run(ctx); !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
 	}

@@ -64,7 +64,7 @@ func TestTeamHeadersAndBytesReachTheConsumer(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := &collecting{}
-	goRun(t, natsbroker.NewConsumer(cons, h).Run)
+	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{}).Run)
 	waitFor(t, "three messages handled", func() bool { return len(h.handled()) >= 3 })
 	got := h.handled()[:3]
 	slices.SortFunc(got, func(a, b postgres.Message) int { return cmp.Compare(a.ID, b.ID) }) // rows 1 to 3, however handled

@@ -158,9 +158,7 @@ func newPipeline(b *testing.B, url, relay, consumer string) *pipeline {
 		if err != nil {
 			b.Fatal(err)
 		}
-		c := natsbroker.NewConsumer(cons, p)
-		c.MaxBatch = kneeBatch
-		goRun(b, c.Run)
+		goRun(b, newConsumer(b, cons, p, natsbroker.ConsumerOptions{MaxBatch: kneeBatch}).Run)
 	case "four":
 		for range 4 {
 			runConsumer(b, connect(b, url), p)

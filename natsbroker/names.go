@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"example.com/patterns/enterprise/outbox/postgres"
 )
 
 // Names name one outbox on JetStream, in one place: the stream its
@@ -68,8 +70,14 @@ func (n Names) ConsumerConfig(name string, ackWait time.Duration) jetstream.Cons
 
 // NewPublisher is [NewPublisher] for n: it publishes each message to n's
 // prefix followed by its type.
-func (n Names) NewPublisher(js jetstream.JetStream) *Publisher {
-	return &Publisher{js: js, prefix: n.prefix}
+func (n Names) NewPublisher(js jetstream.JetStream, opts PublisherOptions) (*Publisher, error) {
+	if js == nil {
+		return nil, fmt.Errorf("%w: natsbroker: NewPublisher: no JetStream", postgres.ErrInvalidConfig)
+	}
+	if err := opts.Check(); err != nil {
+		return nil, err
+	}
+	return &Publisher{js: js, prefix: n.prefix, ceSource: opts.CloudEventsSource}, nil
 }
 
 // prefixOf is the subject prefix of a consumer created with a

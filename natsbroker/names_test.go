@@ -82,7 +82,7 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 			t.Fatal(err)
 		}
 		seen[n.Stream()] = &typesSeen{}
-		goRun(t, natsbroker.NewConsumer(cons, seen[n.Stream()]).Run)
+		goRun(t, newConsumer(t, cons, seen[n.Stream()], natsbroker.ConsumerOptions{}).Run)
 	}
 
 	if err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
@@ -97,8 +97,8 @@ func TestTwoOutboxesThroughTwoStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, relay := range []*postgres.OutboxRelay{
-		must(t)(billingOutbox.NewRelay(billing.NewPublisher(js), postgres.RelayConfig{})),
-		newRelay(t, db, natsbroker.NewPublisher(js)),
+		must(t)(billingOutbox.NewRelay(publisherOf(t, billing, js), postgres.RelayConfig{})),
+		newRelay(t, db, publisherOf(t, natsbroker.DefaultNames, js)),
 	} {
 		for {
 			n, err := relay.PublishPending(ctx)

@@ -165,14 +165,28 @@ func createStream(t testing.TB, url string, edit func(*jetstream.StreamConfig)) 
 	return js, stream
 }
 
-// newPublisher is a Publisher over nc.
-func newPublisher(t testing.TB, nc *nats.Conn) *natsbroker.Publisher {
+// newPublisher is a Publisher over nc, as opts (if given) says.
+func newPublisher(t testing.TB, nc *nats.Conn, opts ...natsbroker.PublisherOptions) *natsbroker.Publisher {
 	t.Helper()
 	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(time.Minute))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return natsbroker.NewPublisher(js)
+	return publisherOf(t, natsbroker.DefaultNames, js, opts...)
+}
+
+// publisherOf is names.NewPublisher(js, opts[0]), failing t on its error.
+func publisherOf(t testing.TB, names natsbroker.Names, js jetstream.JetStream, opts ...natsbroker.PublisherOptions) *natsbroker.Publisher {
+	t.Helper()
+	var o natsbroker.PublisherOptions
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	p, err := names.NewPublisher(js, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
 
 // runConsumer runs a Consumer of the warehouse's durable consumer over nc,
@@ -194,9 +208,8 @@ func runConsumerDone(t testing.TB, nc *nats.Conn, h natsbroker.Handler) (stop fu
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := natsbroker.NewConsumer(cons, h)
-	c.RetryDelay, c.MaxRetryDelay = 100*time.Millisecond, 400*time.Millisecond
-	c.Logger = slog.New(slog.NewTextHandler(testLog{t}, nil)) // a termination is said in the test's log
+	c := newConsumer(t, cons, h, natsbroker.ConsumerOptions{RetryDelay: 100 * time.Millisecond, MaxRetryDelay: 400 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(testLog{t}, nil))}) // a termination is said in the test's log
 	exited := make(chan struct{})
 	stop = goRun(t, func(ctx context.Context) error {
 		defer close(exited)
@@ -207,6 +220,16 @@ func runConsumerDone(t testing.TB, nc *nats.Conn, h natsbroker.Handler) (stop fu
 		return err
 	})
 	return stop, exited
+}
+
+// newConsumer is natsbroker.NewConsumer, failing tb on its error.
+func newConsumer(tb testing.TB, c jetstream.Consumer, h natsbroker.Handler, opts natsbroker.ConsumerOptions) *natsbroker.Consumer {
+	tb.Helper()
+	consumer, err := natsbroker.NewConsumer(c, h, opts)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return consumer
 }
 
 // goRun runs f in a goroutine until the returned stop is called or t ends;

@@ -59,23 +59,33 @@ type Publisher struct {
 	duplicates atomic.Int64
 }
 
-// UseCloudEvents makes p publish each message as a CloudEvent too, in the
-// binary content mode of the CloudEvents NATS protocol binding (spec 1.0):
-// beside its own headers, a message carries ce-specversion 1.0, ce-id its
-// key, ce-type its type, ce-source source, ce-subject its aggregate (if
-// any), ce-time when it was written, and content-type its payload's media
-// type (application/json for JSON), so that a consumer that knows
-// CloudEvents and not this package, such as the CloudEvents Go SDK, reads
-// it as an event. source names the producer: a URI-reference such as
-// "/shop" or "https://shop.example.com". A source that is empty or not a
-// URI-reference is refused with an error, and p is left as it was. Call it
-// before the first publish. Without it (the default) p publishes no
-// CloudEvents attributes.
-func (p *Publisher) UseCloudEvents(source string) error {
-	if err := checkSource(source); err != nil {
-		return err
+// PublisherOptions configures a [Publisher]: [NewPublisher] checks it and
+// refuses a bad value with an error wrapping [postgres.ErrInvalidConfig]
+// that names it. The zero PublisherOptions publishes no CloudEvents
+// attributes.
+type PublisherOptions struct {
+	// CloudEventsSource, if not empty, makes the Publisher publish each
+	// message as a CloudEvent too, in the binary content mode of the
+	// CloudEvents NATS protocol binding (spec 1.0): beside its own
+	// headers, a message carries ce-specversion 1.0, ce-id its key,
+	// ce-type its type, ce-source this source, ce-subject its aggregate
+	// (if any), ce-time when it was written, and content-type its
+	// payload's media type (application/json for JSON), so that a consumer
+	// that knows CloudEvents and not this package, such as the CloudEvents
+	// Go SDK, reads it as an event. It names the producer: a URI-reference
+	// such as "/shop" or "https://shop.example.com".
+	CloudEventsSource string
+}
+
+// Check reports, with an error wrapping [postgres.ErrInvalidConfig] that
+// names it, what [NewPublisher] would refuse of o: a CloudEventsSource that
+// is not a URI-reference. It connects to nothing.
+func (o PublisherOptions) Check() error {
+	if o.CloudEventsSource != "" {
+		if err := checkSource(o.CloudEventsSource); err != nil {
+			return fmt.Errorf("%w: PublisherOptions.CloudEventsSource: %w", postgres.ErrInvalidConfig, err)
+		}
 	}
-	p.ceSource = source
 	return nil
 }
 
@@ -93,10 +103,12 @@ func checkSource(source string) error {
 // prefix, jetstream.WithPublishAsyncMaxPending, and
 // jetstream.WithPublishAsyncTimeout, which frees the client's slot for an
 // asynchronous publish whose ack was lost: PublishBatch itself stops
-// waiting when its context ends). It does not create the stream: provision
-// it apart with StreamConfig, and check it with CheckStream.
-func NewPublisher(js jetstream.JetStream) *Publisher {
-	return DefaultNames.NewPublisher(js)
+// waiting when its context ends), as opts says. It refuses no js, and
+// what opts.Check refuses, with an error wrapping [postgres.ErrInvalidConfig].
+// It does not create the stream: provision it apart with StreamConfig, and
+// check it with CheckStream.
+func NewPublisher(js jetstream.JetStream, opts PublisherOptions) (*Publisher, error) {
+	return DefaultNames.NewPublisher(js, opts)
 }
 
 // Duplicates is how many messages the stream acknowledged as duplicates: it

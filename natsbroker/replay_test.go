@@ -38,7 +38,7 @@ func TestReplayOfAnAggregateReachesAConsumerThatLostItsState(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	goRun(t, natsbroker.NewConsumer(cons, shop.NewWarehouse(db)).Run)
+	goRun(t, newConsumer(t, cons, shop.NewWarehouse(db), natsbroker.ConsumerOptions{}).Run)
 	waitFor(t, "three reservations", func() bool { return count(t, db, `SELECT count(*) FROM reservations`) == 3 })
 
 	if _, err := db.Exec(`DELETE FROM reservations; DELETE FROM processed_messages; DELETE FROM aggregate_positions`); err != nil {

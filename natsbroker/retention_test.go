@@ -29,7 +29,7 @@ func TestReplayAfterCleanupAppliesNothingTwice(t *testing.T) {
 	warehouse := shop.NewWarehouse(db)
 	// A message without an aggregate, so that only its key can tell a copy.
 	msg := postgres.Message{Key: "k-stored", ID: 1, Type: "CustomerRegistered", Payload: `{}`}
-	if err := natsbroker.NewPublisher(js).Publish(ctx, msg); err != nil {
+	if err := publisherOf(t, natsbroker.DefaultNames, js).Publish(ctx, msg); err != nil {
 		t.Fatal(err)
 	}
 	replay := func(name string) (applied int64) {
@@ -39,7 +39,7 @@ func TestReplayAfterCleanupAppliesNothingTwice(t *testing.T) {
 			t.Fatal(err)
 		}
 		rec := newRecorder(warehouse)
-		stop := goRun(t, natsbroker.NewConsumer(cons, rec).Run)
+		stop := goRun(t, newConsumer(t, cons, rec, natsbroker.ConsumerOptions{}).Run)
 		waitFor(t, "consumer "+name+" through the stream", func() bool {
 			info, err := cons.Info(ctx)
 			return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && rec.calls.Load() > 0

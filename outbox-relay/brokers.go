@@ -108,11 +108,11 @@ func refusedTLS(err error) bool {
 // natsBroker is JetStream, over a connection that reconnects for ever once
 // made.
 type natsBroker struct {
-	nc          *nats.Conn
-	js          jetstream.JetStream
-	names       natsbroker.Names
-	stream      jetstream.StreamConfig
-	cloudEvents string // the source, if the publisher sends CloudEvents
+	nc        *nats.Conn
+	js        jetstream.JetStream
+	names     natsbroker.Names
+	stream    jetstream.StreamConfig
+	publisher *natsbroker.Publisher
 }
 
 func dialNATS(n natsConfig, cloudEvents string) (broker, error) {
@@ -120,10 +120,9 @@ func dialNATS(n natsConfig, cloudEvents string) (broker, error) {
 	if err != nil {
 		return nil, err
 	}
-	if cloudEvents != "" {
-		if err := names.NewPublisher(nil).UseCloudEvents(cloudEvents); err != nil {
-			return nil, refusal{fmt.Errorf("-cloudevents-source: %w", err)}
-		}
+	publisherOptions := natsbroker.PublisherOptions{CloudEventsSource: cloudEvents}
+	if err := publisherOptions.Check(); err != nil {
+		return nil, refusal{fmt.Errorf("-cloudevents-source: %w", err)}
 	}
 	opts := []nats.Option{nats.Name(n.name), nats.MaxReconnects(-1), nats.Timeout(5 * time.Second)}
 	secured := n.ca != "" || n.cert != "" || n.serverName != "" || strings.Contains(n.urls, "tls://")
@@ -164,9 +163,14 @@ func dialNATS(n natsConfig, cloudEvents string) (broker, error) {
 		nc.Close()
 		return nil, err
 	}
+	publisher, err := names.NewPublisher(js, publisherOptions)
+	if err != nil {
+		nc.Close()
+		return nil, err
+	}
 	stream := names.StreamConfig(0)
 	stream.Replicas = n.replicas
-	return &natsBroker{nc: nc, js: js, names: names, stream: stream, cloudEvents: cloudEvents}, nil
+	return &natsBroker{nc: nc, js: js, names: names, stream: stream, publisher: publisher}, nil
 }
 
 func (b *natsBroker) Provision(ctx context.Context) (string, error) {
@@ -183,13 +187,7 @@ func (b *natsBroker) Check(ctx context.Context) error {
 	return natsbroker.CheckStream(ctx, b.js, b.stream)
 }
 
-func (b *natsBroker) Publisher() postgres.MessageBroker {
-	p := b.names.NewPublisher(b.js)
-	if b.cloudEvents != "" {
-		_ = p.UseCloudEvents(b.cloudEvents) // dialNATS checked it
-	}
-	return p
-}
+func (b *natsBroker) Publisher() postgres.MessageBroker { return b.publisher }
 
 func (b *natsBroker) CheckRetention(ctx context.Context, retention time.Duration) error {
 	if retention == 0 {
@@ -276,12 +274,11 @@ func dialRabbit(ctx context.Context, r rabbitConfig, cloudEvents string) (broker
 		return nil, rabbitError(err)
 	}
 	b.conn = conn
-	b.publisher = rabbitbroker.NewPublisher(b.dial, r.topology.Exchange, r.maxMessageSize)
-	if cloudEvents != "" {
-		if err := b.publisher.UseCloudEvents(cloudEvents); err != nil {
-			conn.Close()
-			return nil, refusal{fmt.Errorf("-cloudevents-source: %w", err)}
-		}
+	b.publisher, err = rabbitbroker.NewPublisher(b.dial, rabbitbroker.PublisherOptions{Exchange: r.topology.Exchange,
+		MaxMessageSize: r.maxMessageSize, CloudEventsSource: cloudEvents})
+	if err != nil {
+		conn.Close()
+		return nil, refusal{fmt.Errorf("-cloudevents-source, -rabbitmq-max-message-size: %w", err)}
 	}
 	return b, nil
 }

@@ -37,7 +37,7 @@ func ExampleOutboxRelay_Run() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	var broker postgres.MessageBroker // natsbroker.NewPublisher(js) for JetStream, or your broker's client
+	var broker postgres.MessageBroker // natsbroker.NewPublisher's for JetStream, or your broker's client
 	// As it comes: order per aggregate, batches, a message refused
 	// DefaultParkAfter times set aside.
 	relay, err := ob.NewRelay(broker, postgres.RelayConfig{Logger: slog.Default()})

@@ -168,8 +168,9 @@ func (r *LogRelay) session(ctx context.Context, markIn *sql.DB) (completed int, 
 
 // decodingSettings are the settings of the replication session that pgoutput's
 // text form of a row depends on, as decodeRow reads it: bytea in hex, dates
-// in ISO 8601.
-var decodingSettings = map[string]string{"bytea_output": "hex", "DateStyle": "ISO, MDY"}
+// in ISO 8601 (with their offset, so any TimeZone reads alike), text in
+// UTF-8. No other column it reads has a text form a setting changes.
+var decodingSettings = map[string]string{"bytea_output": "hex", "DateStyle": "ISO, MDY", "client_encoding": "UTF8"}
 
 // slotElsewhere is the name of the database the slot named slot belongs
 // to, if it is not the one conn is on; empty if it is, or if it cannot be

@@ -67,8 +67,7 @@ func TestBatchConsumerAppliesInBatchesAndGivesUpOnlyOnTheBadMessage(t *testing.T
 				}
 			}
 			h := &batching{warehouse: shop.NewWarehouse(db), alone: map[string]int{}}
-			c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
-			c.MaxBatch, c.Prefetch, c.Concurrency = 10, 50, workers
+			c := newConsumer(t, dialer(node.URL()), top.Queue, h, rabbitbroker.ConsumerOptions{MaxBatch: 10, Prefetch: 50, Concurrency: workers})
 			stop := goRun(t, c.Run)
 			waitFor(t, "every good order reserved and the bad one dead-lettered", func() bool {
 				return count(t, db, `SELECT count(*) FROM reservations`) == good &&

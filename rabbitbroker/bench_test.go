@@ -100,8 +100,7 @@ func latency(b *testing.B, rate, workers, maxBatch int) {
 	relay := newRelay(b, db, newPublisher(b, node.URL(), top, 0))
 	goRun(b, relay.Run)
 	l := &latencies{committed: map[int64]time.Time{}, delivered: map[int64]time.Time{}, applied: map[int64]time.Time{}, w: shop.NewWarehouse(db)}
-	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, l)
-	c.Concurrency, c.Prefetch, c.MaxBatch = workers, 40, maxBatch
+	c := newConsumer(b, dialer(node.URL()), top.Queue, l, rabbitbroker.ConsumerOptions{Concurrency: workers, Prefetch: 40, MaxBatch: maxBatch})
 	goRun(b, c.Run)
 	service := shop.NewOrderService(db)
 	// One order through the whole pipeline first, outside the measure: the

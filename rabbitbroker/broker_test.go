@@ -29,8 +29,8 @@ func TestEveryOrderReservedOnceEndToEnd(t *testing.T) {
 		goRun(t, relay.Run)
 	}
 	consumers := []*rabbitbroker.Consumer{
-		rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, shop.NewWarehouse(db)),
-		rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, shop.NewWarehouse(db)),
+		newConsumer(t, dialer(node.URL()), top.Queue, shop.NewWarehouse(db), rabbitbroker.ConsumerOptions{}),
+		newConsumer(t, dialer(node.URL()), top.Queue, shop.NewWarehouse(db), rabbitbroker.ConsumerOptions{}),
 	}
 	for _, c := range consumers {
 		goRun(t, c.Run)
@@ -92,7 +92,7 @@ func TestLostConfirmIsSentAgainAndTheCopyDropped(t *testing.T) {
 	if n := queued(t, node.URL(), top.Queue); n != 2 {
 		t.Errorf("the queue holds %d messages, want 2: the message and its copy", n)
 	}
-	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, shop.NewWarehouse(db))
+	c := newConsumer(t, dialer(node.URL()), top.Queue, shop.NewWarehouse(db), rabbitbroker.ConsumerOptions{})
 	goRun(t, c.Run)
 	waitFor(t, "both copies handled", func() bool { return c.Applied()+c.Duplicates() == 2 })
 	if c.Applied() != 1 || c.Duplicates() != 1 {
@@ -363,8 +363,7 @@ func TestRefusedMessageClosesItsChannel(t *testing.T) {
 	if err := ch.QueueBind(name, "", name, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	pub := rabbitbroker.NewPublisher(dialer(node.URL()), name, 0)
-	defer pub.Close()
+	pub := publisherOf(t, dialer(node.URL()), rabbitbroker.PublisherOptions{Exchange: name})
 	publish := func(id int64) error {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
@@ -429,8 +428,7 @@ func TestPublishToAServerThatStopsReadingEndsWithItsContext(t *testing.T) {
 		}})
 	}
 	const big = 32 << 20
-	pub := rabbitbroker.NewPublisher(dial, top.Exchange, 2*big)
-	t.Cleanup(func() { pub.Close() })
+	pub := publisherOf(t, dial, rabbitbroker.PublisherOptions{Exchange: top.Exchange, MaxMessageSize: 2 * big})
 	publish := func(ctx context.Context, id int64, size int) error {
 		return pub.Publish(ctx, postgres.Message{ID: id, Key: fmt.Sprint("k", id), Type: "OrderPlaced", Payload: strings.Repeat("x", size)})
 	}

@@ -1,12 +1,13 @@
 package rabbitbroker_test
 
-// CloudEvents on the wire: what the Publisher sends with UseCloudEvents is
+// CloudEvents on the wire: what the Publisher sends with a CloudEventsSource is
 // read by the CloudEvents Go SDK as an event that validates.
 
 import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -93,13 +94,13 @@ func (m delivery) GetExtension(name string) any {
 
 // Four events: the first confirmed by a Publisher as it comes (no
 // CloudEvents: the default), the other three by one with
-// UseCloudEvents("/shop"): JSON of an aggregate, Protobuf bytes, JSON of
+// CloudEventsSource "/shop": JSON of an aggregate, Protobuf bytes, JSON of
 // none. Each delivered message is handed to the SDK: the first is no
 // binary-mode event; each of the others becomes an event that validates,
 // with the row's key as its id, its type, the source, the aggregate as its
 // subject (none without one), the row's created_at as its time, its content
 // type, and its payload as its data. A source that is no URI-reference is
-// refused. (Caught: the Publisher before UseCloudEvents, which sent no
+// refused. (Caught: the Publisher before CloudEvents, which sent no
 // cloudEvents: header.)
 func TestCloudEventsAreReadByTheSDK(t *testing.T) {
 	ctx := context.Background()
@@ -118,15 +119,12 @@ func TestCloudEventsAreReadByTheSDK(t *testing.T) {
 	for _, e := range events[1:] {
 		writeEvent(t, db, e)
 	}
-	pub := newPublisher(t, node.URL(), top, maxMessageSize)
-	for _, bad := range []string{"", "/shop two", "/shop\n", "%zz"} {
-		if err := pub.UseCloudEvents(bad); err == nil {
-			t.Errorf("UseCloudEvents(%q) = nil, want an error: no URI-reference", bad)
+	for _, bad := range []string{"/shop two", "/shop\n", "%zz"} {
+		if _, err := rabbitbroker.NewPublisher(dialer(node.URL()), rabbitbroker.PublisherOptions{CloudEventsSource: bad}); !errors.Is(err, postgres.ErrInvalidConfig) {
+			t.Errorf("NewPublisher with CloudEventsSource %q = %v, want ErrInvalidConfig: no URI-reference", bad, err)
 		}
 	}
-	if err := pub.UseCloudEvents("/shop"); err != nil {
-		t.Fatal(err)
-	}
+	pub := publisherOf(t, dialer(node.URL()), rabbitbroker.PublisherOptions{Exchange: top.Exchange, MaxMessageSize: maxMessageSize, CloudEventsSource: "/shop"})
 	if n, err := newRelay(t, db, pub).PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("the CloudEvents relay's pass = %d, %v; want the other three", n, err)
 	}

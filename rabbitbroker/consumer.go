@@ -43,6 +43,57 @@ const (
 	DefaultHandleTimeout = 30 * time.Second
 )
 
+// ConsumerOptions configures a [Consumer]: [NewConsumer] checks it and
+// refuses a bad value with an error wrapping [postgres.ErrInvalidConfig]
+// that names it. Zero means the default in every field; a negative value
+// is refused.
+type ConsumerOptions struct {
+	// Prefetch is how many unacked messages RabbitMQ sends ahead (the
+	// channel's basic.qos); zero means DefaultPrefetch, and it is at
+	// least MaxBatch.
+	Prefetch int
+	// MaxBatch is the most messages a worker hands a BatchHandler at once,
+	// of those it holds: it never waits to fill a batch. Zero, 1, or a
+	// handler that is not a BatchHandler, means one message at a
+	// time, the article's way.
+	MaxBatch int
+	// RetryDelay is the wait before a failed message is first tried again,
+	// or before one out of order is handed back, and between
+	// reconnections; zero means DefaultRetryDelay.
+	RetryDelay time.Duration
+	// MaxRetryDelay is the longest wait between two tries of a message
+	// that keeps failing for a reason that may pass: the wait doubles from
+	// RetryDelay up to it. Zero means DefaultMaxRetryDelay.
+	MaxRetryDelay time.Duration
+	// HandleTimeout bounds each call of the Handler: one that runs out of
+	// time failed for a reason that may pass, and is tried again. Zero means
+	// DefaultHandleTimeout.
+	HandleTimeout time.Duration
+	// Concurrency is how many messages Run handles at once, each on one of
+	// as many workers: all the messages of an aggregate go to the same
+	// worker (by a hash of the aggregate, or of the key for a message with
+	// none), which handles them in the queue's order, so each aggregate's
+	// order holds while different aggregates are applied side by side.
+	// Zero means 1. Prefetch bounds what the workers hold in all:
+	// set it to at least Concurrency.
+	Concurrency int
+	// Logger, if not nil, is told of each message dead-lettered, each
+	// failure and each reconnection.
+	Logger *slog.Logger
+
+	// TracerProvider and MeterProvider are where the consumer reports (nil:
+	// otel's global ones), as natsbroker's Consumer does. Each delivery is a
+	// consumer span, "process <queue>", the child of the relay's publish
+	// span whose context the message carries in its traceparent header, and
+	// linked to it (its creation context): the trace of the request that
+	// wrote the row goes on to Handle and the handler's transaction. The
+	// meter counts messaging.client.consumed.messages by outbox.result:
+	// applied, duplicate, retry (cut short by Run's end), out_of_order
+	// (handed back) or dead_lettered. They are read when Run starts.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+}
+
 // Consumer feeds the messages of a queue to a Handler, in the queue's order
 // (one at a time, or each aggregate's in order with Concurrency), and tells
 // RabbitMQ what became of each:
@@ -101,50 +152,7 @@ type Consumer struct {
 	queue   string
 	handler Handler
 
-	// Prefetch is how many unacked messages RabbitMQ sends ahead (the
-	// channel's basic.qos); zero or less means DefaultPrefetch, and it is
-	// at least MaxBatch.
-	Prefetch int
-	// MaxBatch is the most messages a worker hands a BatchHandler at once,
-	// of those it holds: it never waits to fill a batch. Zero or less, 1,
-	// or a handler that is not a BatchHandler, means one message at a
-	// time, the article's way.
-	MaxBatch int
-	// RetryDelay is the wait before a failed message is first tried again,
-	// or before one out of order is handed back, and between
-	// reconnections; zero or less means DefaultRetryDelay.
-	RetryDelay time.Duration
-	// MaxRetryDelay is the longest wait between two tries of a message
-	// that keeps failing for a reason that may pass: the wait doubles from
-	// RetryDelay up to it. Zero or less means DefaultMaxRetryDelay.
-	MaxRetryDelay time.Duration
-	// HandleTimeout bounds each call of the Handler: one that runs out of
-	// time failed for a reason that may pass, and is tried again. Zero or
-	// less means DefaultHandleTimeout.
-	HandleTimeout time.Duration
-	// Concurrency is how many messages Run handles at once, each on one of
-	// as many workers: all the messages of an aggregate go to the same
-	// worker (by a hash of the aggregate, or of the key for a message with
-	// none), which handles them in the queue's order, so each aggregate's
-	// order holds while different aggregates are applied side by side.
-	// Zero or less means 1. Prefetch bounds what the workers hold in all:
-	// set it to at least Concurrency.
-	Concurrency int
-	// Logger, if not nil, is told of each message dead-lettered, each
-	// failure and each reconnection.
-	Logger *slog.Logger
-
-	// TracerProvider and MeterProvider are where the consumer reports (nil:
-	// otel's global ones), as natsbroker's Consumer does. Each delivery is a
-	// consumer span, "process <queue>", the child of the relay's publish
-	// span whose context the message carries in its traceparent header, and
-	// linked to it (its creation context): the trace of the request that
-	// wrote the row goes on to Handle and the handler's transaction. The
-	// meter counts messaging.client.consumed.messages by outbox.result:
-	// applied, duplicate, retry (cut short by Run's end), out_of_order
-	// (handed back) or dead_lettered. They are read when Run starts.
-	TracerProvider trace.TracerProvider
-	MeterProvider  metric.MeterProvider
+	opts ConsumerOptions // with the defaults filled in
 
 	telemetry *postgres.ConsumerTelemetry
 
@@ -156,9 +164,35 @@ type Consumer struct {
 }
 
 // NewConsumer returns a Consumer of queue, over connections dial makes,
-// that feeds h.
-func NewConsumer(dial func() (*amqp.Connection, error), queue string, h Handler) *Consumer {
-	return &Consumer{dial: dial, queue: queue, handler: h}
+// that feeds h, as opts says. It refuses, with an error wrapping
+// [postgres.ErrInvalidConfig] that names it, no dial, no queue, no
+// handler, a negative setting, and a MaxRetryDelay below RetryDelay. It
+// connects to nothing.
+func NewConsumer(dial func() (*amqp.Connection, error), queue string, h Handler, opts ConsumerOptions) (*Consumer, error) {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: rabbitbroker: %s", postgres.ErrInvalidConfig, fmt.Sprintf(format, args...))
+	}
+	switch {
+	case dial == nil:
+		return nil, bad("NewConsumer: no dial")
+	case queue == "":
+		return nil, bad("NewConsumer: no queue")
+	case h == nil:
+		return nil, bad("NewConsumer: no handler")
+	case opts.RetryDelay < 0, opts.MaxRetryDelay < 0, opts.HandleTimeout < 0:
+		return nil, bad("ConsumerOptions: a negative duration (RetryDelay %v, MaxRetryDelay %v, HandleTimeout %v)",
+			opts.RetryDelay, opts.MaxRetryDelay, opts.HandleTimeout)
+	case opts.Prefetch < 0, opts.MaxBatch < 0, opts.Concurrency < 0:
+		return nil, bad("ConsumerOptions: a negative count (Prefetch %d, MaxBatch %d, Concurrency %d)", opts.Prefetch, opts.MaxBatch, opts.Concurrency)
+	}
+	opts.RetryDelay = orDefault(opts.RetryDelay, DefaultRetryDelay)
+	opts.MaxRetryDelay = orDefault(opts.MaxRetryDelay, max(DefaultMaxRetryDelay, opts.RetryDelay))
+	if opts.MaxRetryDelay < opts.RetryDelay {
+		return nil, bad("ConsumerOptions.MaxRetryDelay %v is below RetryDelay %v", opts.MaxRetryDelay, opts.RetryDelay)
+	}
+	opts.HandleTimeout = orDefault(opts.HandleTimeout, DefaultHandleTimeout)
+	opts.Concurrency = orDefault(opts.Concurrency, 1)
+	return &Consumer{dial: dial, queue: queue, handler: h, opts: opts}, nil
 }
 
 // Applied, Duplicates, HandedBack and DeadLettered count the messages the
@@ -199,17 +233,20 @@ func (c *Consumer) OldestWaiting() time.Duration {
 // whose handling ctx cut short is neither acked nor handed back: RabbitMQ
 // delivers it again once the channel closes.
 func (c *Consumer) Run(ctx context.Context) error {
-	c.telemetry = postgres.NewConsumerTelemetry(c.TracerProvider, c.MeterProvider, instrumentationName, "rabbitmq",
+	if c == nil || c.dial == nil || c.handler == nil {
+		return fmt.Errorf("%w: rabbitbroker: a Consumer that NewConsumer did not make", postgres.ErrInvalidConfig)
+	}
+	c.telemetry = postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "rabbitmq",
 		"applied, duplicate, retry, out_of_order or dead_lettered")
 	for {
 		err := c.consume(ctx)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if c.Logger != nil {
-			c.Logger.Warn("consumer disconnected; connecting again", "queue", c.queue, "error", err)
+		if c.opts.Logger != nil {
+			c.opts.Logger.Warn("consumer disconnected; connecting again", "queue", c.queue, "error", err)
 		}
-		if !sleep(ctx, orDefault(c.RetryDelay, DefaultRetryDelay)) {
+		if !sleep(ctx, c.opts.RetryDelay) {
 			return ctx.Err()
 		}
 	}
@@ -230,9 +267,9 @@ func (c *Consumer) consume(ctx context.Context) error {
 	maxBatch := 1
 	batcher, ok := c.handler.(BatchHandler)
 	if ok {
-		maxBatch = max(c.MaxBatch, 1)
+		maxBatch = max(c.opts.MaxBatch, 1)
 	}
-	prefetch := max(orDefault(c.Prefetch, DefaultPrefetch), maxBatch)
+	prefetch := max(orDefault(c.opts.Prefetch, DefaultPrefetch), maxBatch)
 	if err := ch.Qos(prefetch, 0, false); err != nil {
 		return fmt.Errorf("qos: %w", err)
 	}
@@ -246,7 +283,7 @@ func (c *Consumer) consume(ctx context.Context) error {
 	// acked is delivered again once it does.
 	ctx, stop := context.WithCancelCause(ctx)
 	defer stop(nil)
-	workers := make([]chan amqp.Delivery, orDefault(c.Concurrency, 1))
+	workers := make([]chan amqp.Delivery, c.opts.Concurrency)
 	var wg sync.WaitGroup
 	for i := range workers {
 		workers[i] = make(chan amqp.Delivery, prefetch)
@@ -314,11 +351,11 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 		result = "dead_lettered"
 		return c.deadLetter(d, m, err)
 	}
-	delay := orDefault(c.RetryDelay, DefaultRetryDelay)
-	maxDelay := max(orDefault(c.MaxRetryDelay, DefaultMaxRetryDelay), delay)
+	delay := c.opts.RetryDelay
+	maxDelay := c.opts.MaxRetryDelay
 	defer c.waitingSince.Delete(d.DeliveryTag)
 	for attempt := 1; ; attempt++ {
-		hctx, cancel := context.WithTimeout(sctx, orDefault(c.HandleTimeout, DefaultHandleTimeout))
+		hctx, cancel := context.WithTimeout(sctx, c.opts.HandleTimeout)
 		var applied bool
 		applied, err = c.handler.Handle(hctx, m)
 		cancel()
@@ -339,10 +376,10 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 			result = "dead_lettered"
 			return c.deadLetter(d, m, err)
 		case errors.Is(err, postgres.ErrOutOfOrder):
-			if c.Logger != nil {
-				c.Logger.Warn("message arrived before its predecessor; handing it back", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "error", err)
+			if c.opts.Logger != nil {
+				c.opts.Logger.Warn("message arrived before its predecessor; handing it back", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "error", err)
 			}
-			if !sleep(ctx, orDefault(c.RetryDelay, DefaultRetryDelay)) {
+			if !sleep(ctx, c.opts.RetryDelay) {
 				return nil
 			}
 			result = "out_of_order"
@@ -354,8 +391,8 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
 		}
 		// One line a step of the backoff, not a try: an outage of an hour
 		// logs a handful of lines a message, not thousands.
-		if c.Logger != nil && (attempt == 1 || delay < maxDelay) {
-			c.Logger.Warn("message failed; trying it again in place", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq,
+		if c.opts.Logger != nil && (attempt == 1 || delay < maxDelay) {
+			c.opts.Logger.Warn("message failed; trying it again in place", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq,
 				"attempt", attempt, "next_try_in", delay, "error", err)
 		}
 		if !sleep(ctx, delay) {
@@ -405,7 +442,7 @@ func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []amqp
 	var applied []bool
 	if err == nil {
 		sctx, done := c.telemetry.ProcessBatch(ctx, msgs, c.queue)
-		hctx, cancel := context.WithTimeout(sctx, orDefault(c.HandleTimeout, DefaultHandleTimeout))
+		hctx, cancel := context.WithTimeout(sctx, c.opts.HandleTimeout)
 		applied, err = h.HandleBatch(hctx, msgs)
 		cancel()
 		if err == nil && len(applied) != len(msgs) {
@@ -452,16 +489,16 @@ func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []amqp
 
 // appliedAfter logs a message handled after it had failed.
 func (c *Consumer) appliedAfter(m postgres.Message, attempt int) {
-	if attempt > 1 && c.Logger != nil {
-		c.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "attempts", attempt)
+	if attempt > 1 && c.opts.Logger != nil {
+		c.opts.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "attempts", attempt)
 	}
 }
 
 // deadLetter hands d back for good: the queue dead-letters it.
 func (c *Consumer) deadLetter(d amqp.Delivery, m postgres.Message, err error) error {
 	c.deadLettered.Add(1)
-	if c.Logger != nil {
-		c.Logger.Error("message dead-lettered: it can never be applied", "queue", c.queue, "key", m.Key,
+	if c.opts.Logger != nil {
+		c.opts.Logger.Error("message dead-lettered: it can never be applied", "queue", c.queue, "key", m.Key,
 			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)
 	}
 	return d.Nack(false, false)

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
@@ -77,8 +80,7 @@ func TestConsumerRetriesInPlaceAndDeadLettersWhatCannotApply(t *testing.T) {
 		}
 	}
 	h := &flaky{handler: shop.NewWarehouse(db), failures: 4, tries: map[string]int{}}
-	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
-	c.RetryDelay, c.MaxRetryDelay = 10*time.Millisecond, 10*time.Millisecond
+	c := newConsumer(t, dialer(node.URL()), top.Queue, h, rabbitbroker.ConsumerOptions{RetryDelay: 10 * time.Millisecond, MaxRetryDelay: 10 * time.Millisecond})
 	goRun(t, c.Run)
 	waitFor(t, "k4, k5 and k7 dead-lettered", func() bool { return queued(t, node.URL(), top.DeadLetterQueue()) >= 3 })
 	waitFor(t, "the queue empty", func() bool { return queued(t, node.URL(), top.Queue) == 0 })
@@ -112,8 +114,7 @@ func TestNodeRestartedMidDrainLosesNothing(t *testing.T) {
 		relay := newRelay(t, db, newPublisher(t, own.URL(), top, 0), postgres.RelayConfig{BatchSize: 10, PollInterval: 50 * time.Millisecond})
 		goRun(t, relay.Run)
 	}
-	c := rabbitbroker.NewConsumer(dialer(own.URL()), top.Queue, shop.NewWarehouse(db))
-	c.RetryDelay = 100 * time.Millisecond
+	c := newConsumer(t, dialer(own.URL()), top.Queue, shop.NewWarehouse(db), rabbitbroker.ConsumerOptions{RetryDelay: 100 * time.Millisecond})
 	goRun(t, c.Run)
 	service := shop.NewOrderService(db)
 	place := func(from, to int) {
@@ -180,8 +181,7 @@ func TestConsumerWhoseDatabaseGoesDownAppliesEverythingOnceItIsBack(t *testing.T
 	relay := newRelay(t, db, newPublisher(t, node.URL(), top, 0), postgres.RelayConfig{PollInterval: 20 * time.Millisecond})
 	goRun(t, relay.Run)
 	h := &counting{handler: shoptest.NewOrdered(shop.NewWarehouse(wdb))}
-	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
-	c.RetryDelay, c.MaxRetryDelay = 5*time.Millisecond, 40*time.Millisecond
+	c := newConsumer(t, dialer(node.URL()), top.Queue, h, rabbitbroker.ConsumerOptions{RetryDelay: 5 * time.Millisecond, MaxRetryDelay: 40 * time.Millisecond})
 	goRun(t, c.Run)
 	service := shop.NewOrderService(db)
 	place := func(n int) {
@@ -269,8 +269,7 @@ func TestHandleThatHangsIsCutAndTriedAgain(t *testing.T) {
 		}
 	}
 	h := &hangsOnce{handler: shoptest.NewOrdered(shop.NewWarehouse(db)), calls: map[string]int{}}
-	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h)
-	c.RetryDelay, c.HandleTimeout = 10*time.Millisecond, 100*time.Millisecond
+	c := newConsumer(t, dialer(node.URL()), top.Queue, h, rabbitbroker.ConsumerOptions{RetryDelay: 10 * time.Millisecond, HandleTimeout: 100 * time.Millisecond})
 	goRun(t, c.Run)
 	waitFor(t, "both applied", func() bool { return c.Applied() == 2 })
 	h.mu.Lock()
@@ -306,18 +305,48 @@ func TestStopMidHandleHandsTheMessageBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	stuck := &stuckUntilStop{started: make(chan struct{})}
-	first := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, stuck)
-	first.HandleTimeout = time.Hour // only the stop ends it
+	first := newConsumer(t, dialer(node.URL()), top.Queue, stuck, rabbitbroker.ConsumerOptions{HandleTimeout: time.Hour}) // only the stop ends it
 	stop := goRun(t, first.Run)
 	<-stuck.started
 	stop()
 	if first.Applied() != 0 || first.DeadLettered() != 0 {
 		t.Fatalf("the stopped consumer applied %d, dead-lettered %d; want neither", first.Applied(), first.DeadLettered())
 	}
-	next := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, shop.NewWarehouse(db))
+	next := newConsumer(t, dialer(node.URL()), top.Queue, shop.NewWarehouse(db), rabbitbroker.ConsumerOptions{})
 	goRun(t, next.Run)
 	waitFor(t, "the message applied by the next consumer", func() bool { return next.Applied() == 1 })
 	if n := count(t, db, `SELECT count(*) FROM reservations WHERE order_id = 1`); n != 1 {
 		t.Errorf("%d reservations for order 1, want 1", n)
+	}
+}
+
+// NewConsumer checks its options when it makes the Consumer and refuses a
+// bad one with an error wrapping postgres.ErrInvalidConfig that names it;
+// the zero options are every default. (The options used to be fields set
+// after NewConsumer, read when Run began, a negative one taken for zero.)
+func TestNewConsumerChecksItsOptions(t *testing.T) {
+	dial := func() (*amqp.Connection, error) { return nil, errors.New("not dialled") }
+	h := &collecting{}
+	for _, tc := range []struct {
+		dial  func() (*amqp.Connection, error)
+		queue string
+		h     rabbitbroker.Handler
+		opts  rabbitbroker.ConsumerOptions
+		want  string
+	}{
+		{nil, "q", h, rabbitbroker.ConsumerOptions{}, "no dial"},
+		{dial, "", h, rabbitbroker.ConsumerOptions{}, "no queue"},
+		{dial, "q", nil, rabbitbroker.ConsumerOptions{}, "no handler"},
+		{dial, "q", h, rabbitbroker.ConsumerOptions{HandleTimeout: -time.Second}, "HandleTimeout -1s"},
+		{dial, "q", h, rabbitbroker.ConsumerOptions{Concurrency: -4}, "Concurrency -4"},
+		{dial, "q", h, rabbitbroker.ConsumerOptions{RetryDelay: time.Minute, MaxRetryDelay: time.Second}, "MaxRetryDelay 1s is below RetryDelay 1m0s"},
+	} {
+		c, err := rabbitbroker.NewConsumer(tc.dial, tc.queue, tc.h, tc.opts)
+		if c != nil || !errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("NewConsumer(%+v) = %v, %v; want ErrInvalidConfig saying %q", tc.opts, c, err, tc.want)
+		}
+	}
+	if _, err := rabbitbroker.NewConsumer(dial, "q", h, rabbitbroker.ConsumerOptions{}); err != nil {
+		t.Errorf("the zero options: %v", err)
 	}
 }

@@ -49,7 +49,10 @@ func ExampleNewPublisher() {
 	}
 	defer db.Close()
 	dial := func() (*amqp.Connection, error) { return amqp.Dial(os.Getenv("AMQP_URL")) }
-	pub := rabbitbroker.NewPublisher(dial, rabbitbroker.DefaultTopology.Exchange, 0) // 0: the server's default max_message_size
+	pub, err := rabbitbroker.NewPublisher(dial, rabbitbroker.PublisherOptions{}) // DefaultTopology's exchange, the server's default max_message_size
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer pub.Close()
 	// As it comes: batches of different aggregates, each aggregate in order.
 	ob, err := postgres.OpenDB(db, postgres.Config{})
@@ -76,8 +79,11 @@ func ExampleConsumer() {
 	}
 	defer db.Close()
 	dial := func() (*amqp.Connection, error) { return amqp.Dial(os.Getenv("AMQP_URL")) }
-	c := rabbitbroker.NewConsumer(dial, rabbitbroker.DefaultTopology.Queue, shop.NewWarehouse(db))
-	c.Concurrency, c.Prefetch = 4, 20
+	c, err := rabbitbroker.NewConsumer(dial, rabbitbroker.DefaultTopology.Queue, shop.NewWarehouse(db),
+		rabbitbroker.ConsumerOptions{Concurrency: 4, Prefetch: 20})
+	if err != nil {
+		log.Fatal(err)
+	}
 	if err := c.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
 	}

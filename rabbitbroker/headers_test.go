@@ -61,7 +61,7 @@ func TestTeamHeadersAndBytesReachTheConsumer(t *testing.T) {
 		t.Fatalf("pass = %d, %v; want the three", n, err)
 	}
 	h := &collecting{}
-	goRun(t, rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, h).Run)
+	goRun(t, newConsumer(t, dialer(node.URL()), top.Queue, h, rabbitbroker.ConsumerOptions{}).Run)
 	waitFor(t, "three messages handled", func() bool { return len(h.handled()) >= 3 })
 	got := h.handled()[:3]
 	slices.SortFunc(got, func(a, b postgres.Message) int { return cmp.Compare(a.ID, b.ID) }) // rows 1 to 3, however handled

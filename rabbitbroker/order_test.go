@@ -52,8 +52,7 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, ready func(queu
 	dial := dialAny(urls)
 	logger := slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})) // why passes and deliveries fail, if they do
 	startRelay := func() (stop func()) {
-		pub := rabbitbroker.NewPublisher(dial, top.Exchange, 0)
-		t.Cleanup(func() { pub.Close() })
+		pub := publisherOf(t, dial, rabbitbroker.PublisherOptions{Exchange: top.Exchange})
 		relay := newRelay(t, db, pub, postgres.RelayConfig{BatchSize: 10, PollInterval: 20 * time.Millisecond, PassTimeout: 5 * time.Second, Logger: logger})
 		return goRun(t, relay.Run)
 	}
@@ -64,8 +63,7 @@ func drainThroughAFault(t *testing.T, urls []string, relays int, ready func(queu
 	h := shoptest.NewOrdered(shop.NewWarehouse(db))
 	var consumers []*rabbitbroker.Consumer
 	for range 2 { // one active at a time: the queue's single active consumer
-		c := rabbitbroker.NewConsumer(dial, top.Queue, h)
-		c.RetryDelay, c.Concurrency, c.Prefetch, c.Logger = 50*time.Millisecond, 4, 20, logger
+		c := newConsumer(t, dial, top.Queue, h, rabbitbroker.ConsumerOptions{RetryDelay: 50 * time.Millisecond, Concurrency: 4, Prefetch: 20, Logger: logger})
 		goRun(t, c.Run)
 		consumers = append(consumers, c)
 	}

@@ -1,6 +1,7 @@
 package rabbitbroker
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -98,24 +99,49 @@ var (
 	_ postgres.MessagingSystem = (*Publisher)(nil)
 )
 
-// UseCloudEvents makes p publish each message as a CloudEvent too, in the
-// binary content mode of the CloudEvents AMQP protocol binding (spec 1.0),
-// as AMQP 0-9-1 carries it: beside its own headers, a message carries the
-// headers cloudEvents:specversion 1.0, cloudEvents:id its key,
-// cloudEvents:type its type, cloudEvents:source source,
-// cloudEvents:subject its aggregate (if any) and cloudEvents:time when it
-// was written, and its content_type says its payload's media type, as it
-// always does. source names the producer: a URI-reference such as "/shop"
-// or "https://shop.example.com". A source that is empty or not a
-// URI-reference is refused with an error, and p is left as it was. Call it
-// before the first publish. Without it (the default) p publishes no
-// CloudEvents attributes.
-func (p *Publisher) UseCloudEvents(source string) error {
-	if _, err := url.Parse(source); source == "" || err != nil ||
-		strings.ContainsFunc(source, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
-		return fmt.Errorf("rabbitbroker: CloudEvents source %q: want a URI-reference, such as /shop", source)
+// PublisherOptions configures a [Publisher]: [NewPublisher] checks it and
+// refuses a bad value with an error wrapping [postgres.ErrInvalidConfig]
+// that names it. Zero means the default in every field.
+type PublisherOptions struct {
+	// Exchange is the topic exchange the Publisher publishes to, as
+	// Topology declares it; "" means DefaultTopology's.
+	Exchange string
+
+	// MaxMessageSize is the largest body the server takes (its
+	// max_message_size); 0 means DefaultMaxMessageSize. A larger message is
+	// refused before it is sent, since the server would close the channel
+	// on it, and with it every other message in flight.
+	MaxMessageSize int
+
+	// CloudEventsSource, if not empty, makes the Publisher publish each
+	// message as a CloudEvent too, in the binary content mode of the
+	// CloudEvents AMQP protocol binding (spec 1.0), as AMQP 0-9-1 carries
+	// it: beside its own headers, a message carries the headers
+	// cloudEvents:specversion 1.0, cloudEvents:id its key, cloudEvents:type
+	// its type, cloudEvents:source this source, cloudEvents:subject its
+	// aggregate (if any) and cloudEvents:time when it was written, and its
+	// content_type says its payload's media type, as it always does. It
+	// names the producer: a URI-reference such as "/shop" or
+	// "https://shop.example.com".
+	CloudEventsSource string
+}
+
+// Check reports, with an error wrapping [postgres.ErrInvalidConfig] that
+// names it, what [NewPublisher] would refuse of o: a negative
+// MaxMessageSize, a CloudEventsSource that is not a URI-reference. It
+// connects to nothing.
+func (o PublisherOptions) Check() error {
+	switch source := o.CloudEventsSource; {
+	case o.MaxMessageSize < 0:
+		return fmt.Errorf("%w: rabbitbroker: PublisherOptions.MaxMessageSize %d: want a size, or 0 for %d",
+			postgres.ErrInvalidConfig, o.MaxMessageSize, DefaultMaxMessageSize)
+	case source == "":
+		return nil
+	case func() bool { _, err := url.Parse(source); return err != nil }(),
+		strings.ContainsFunc(source, func(r rune) bool { return r <= ' ' || r == 0x7f }):
+		return fmt.Errorf("%w: rabbitbroker: PublisherOptions.CloudEventsSource %q: want a URI-reference, such as /shop",
+			postgres.ErrInvalidConfig, source)
 	}
-	p.ceSource = source
 	return nil
 }
 
@@ -126,18 +152,19 @@ const CloudEventsPrefix = "cloudEvents:"
 // DefaultMaxMessageSize is RabbitMQ's own max_message_size, 128 MiB.
 const DefaultMaxMessageSize = 128 << 20
 
-// NewPublisher returns a Publisher that publishes to exchange (a topic
-// exchange, as Topology declares it) over connections dial makes, such as
-// func() (*amqp.Connection, error) { return amqp.Dial(url) }. maxSize is
-// the largest body the server takes (its max_message_size; zero or less
-// means DefaultMaxMessageSize): a larger message is refused before it is
-// sent, since the server would close the channel on it, and with it every
-// other message in flight.
-func NewPublisher(dial func() (*amqp.Connection, error), exchange string, maxSize int) *Publisher {
-	if maxSize <= 0 {
-		maxSize = DefaultMaxMessageSize
+// NewPublisher returns a Publisher that publishes over connections dial
+// makes, such as func() (*amqp.Connection, error) { return amqp.Dial(url) },
+// as opts says. It refuses no dial, and what opts.Check refuses, with an
+// error wrapping [postgres.ErrInvalidConfig]. It connects to nothing.
+func NewPublisher(dial func() (*amqp.Connection, error), opts PublisherOptions) (*Publisher, error) {
+	if dial == nil {
+		return nil, fmt.Errorf("%w: rabbitbroker: NewPublisher: no dial", postgres.ErrInvalidConfig)
 	}
-	return &Publisher{dial: dial, exchange: exchange, maxSize: maxSize}
+	if err := opts.Check(); err != nil {
+		return nil, err
+	}
+	return &Publisher{dial: dial, exchange: cmp.Or(opts.Exchange, DefaultTopology.Exchange),
+		maxSize: cmp.Or(opts.MaxMessageSize, DefaultMaxMessageSize), ceSource: opts.CloudEventsSource}, nil
 }
 
 // MessagingSystem is "rabbitmq", the relay's messaging.system for the spans

@@ -99,7 +99,17 @@ func channel(t testing.TB, url string) (ch *amqp.Channel, closing func()) {
 // newPublisher is a Publisher to top's exchange on the node at url, closed
 // when t ends.
 func newPublisher(t testing.TB, url string, top rabbitbroker.Topology, maxSize int) *rabbitbroker.Publisher {
-	p := rabbitbroker.NewPublisher(dialer(url), top.Exchange, maxSize)
+	return publisherOf(t, dialer(url), rabbitbroker.PublisherOptions{Exchange: top.Exchange, MaxMessageSize: maxSize})
+}
+
+// publisherOf is rabbitbroker.NewPublisher, failing t on its error; the
+// Publisher is closed when t ends.
+func publisherOf(t testing.TB, dial func() (*amqp.Connection, error), opts rabbitbroker.PublisherOptions) *rabbitbroker.Publisher {
+	t.Helper()
+	p, err := rabbitbroker.NewPublisher(dial, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() { p.Close() })
 	return p
 }
@@ -114,6 +124,16 @@ func queued(t testing.TB, url, queue string) int {
 		t.Fatal(err)
 	}
 	return q.Messages
+}
+
+// newConsumer is rabbitbroker.NewConsumer, failing tb on its error.
+func newConsumer(tb testing.TB, dial func() (*amqp.Connection, error), queue string, h rabbitbroker.Handler, opts rabbitbroker.ConsumerOptions) *rabbitbroker.Consumer {
+	tb.Helper()
+	c, err := rabbitbroker.NewConsumer(dial, queue, h, opts)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return c
 }
 
 // goRun runs f in a goroutine until t ends or the returned stop is

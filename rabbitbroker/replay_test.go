@@ -33,7 +33,7 @@ func TestReplayOfAnAggregateReachesAConsumerThatLostItsState(t *testing.T) {
 	if n, err := relay.PublishPending(ctx); n != 3 || err != nil {
 		t.Fatalf("pass = %d, %v; want the three orders", n, err)
 	}
-	c := rabbitbroker.NewConsumer(dialer(node.URL()), top.Queue, shop.NewWarehouse(db))
+	c := newConsumer(t, dialer(node.URL()), top.Queue, shop.NewWarehouse(db), rabbitbroker.ConsumerOptions{})
 	goRun(t, c.Run)
 	waitFor(t, "three reservations", func() bool { return count(t, db, `SELECT count(*) FROM reservations`) == 3 })
 

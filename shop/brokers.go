@@ -110,7 +110,13 @@ func startJetStream(store string, nodes int) (*jetStream, error) {
 		broker.Stop()
 		return nil, err
 	}
-	return &jetStream{embeddedBroker: broker, nc: nc, js: js, publisher: natsbroker.NewPublisher(js), nodes: nodes}, nil
+	publisher, err := natsbroker.NewPublisher(js, natsbroker.PublisherOptions{})
+	if err != nil {
+		nc.Close()
+		broker.Stop()
+		return nil, err
+	}
+	return &jetStream{embeddedBroker: broker, nc: nc, js: js, publisher: publisher, nodes: nodes}, nil
 }
 
 func (b *jetStream) Name() string { return "JetStream" }
@@ -165,8 +171,10 @@ func (b *jetStream) Warehouse(h handler, logger *slog.Logger, meters metric.Mete
 	if err != nil {
 		return nil, err
 	}
-	c := natsbroker.NewConsumer(cons, h)
-	c.Logger, c.MeterProvider = logger, meters
+	c, err := natsbroker.NewConsumer(cons, h, natsbroker.ConsumerOptions{Logger: logger, MeterProvider: meters})
+	if err != nil {
+		return nil, err
+	}
 	b.warehouse.Store(c)
 	return c, nil
 }
@@ -215,8 +223,10 @@ func (b *jetStream) Replay(ctx context.Context, h handler, meters metric.MeterPr
 		return err
 	}
 	defer stream.DeleteConsumer(context.WithoutCancel(ctx), cons.CachedInfo().Name)
-	c := natsbroker.NewConsumer(cons, h)
-	c.MeterProvider = meters
+	c, err := natsbroker.NewConsumer(cons, h, natsbroker.ConsumerOptions{MeterProvider: meters})
+	if err != nil {
+		return err
+	}
 	rctx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- c.Run(rctx) }()

@@ -50,7 +50,10 @@ func startRabbitMQ(store string, nodes int) (*rabbitMQ, error) {
 	}
 	b := &rabbitMQ{topology: rabbitbroker.DefaultTopology, node: node}
 	b.setURL()
-	b.publisher = rabbitbroker.NewPublisher(b.dial, b.topology.Exchange, 0)
+	if b.publisher, err = rabbitbroker.NewPublisher(b.dial, rabbitbroker.PublisherOptions{Exchange: b.topology.Exchange}); err != nil {
+		node.Stop()
+		return nil, err
+	}
 	return b, nil
 }
 
@@ -139,8 +142,10 @@ func (b *rabbitMQ) Publisher() postgres.MessageBroker { return b.publisher }
 
 // Warehouse is rabbitbroker's Consumer of the warehouse's queue.
 func (b *rabbitMQ) Warehouse(h handler, logger *slog.Logger, meters metric.MeterProvider) (runner, error) {
-	c := rabbitbroker.NewConsumer(b.dial, b.topology.Queue, h)
-	c.Logger, c.MeterProvider = logger, meters
+	c, err := rabbitbroker.NewConsumer(b.dial, b.topology.Queue, h, rabbitbroker.ConsumerOptions{Logger: logger, MeterProvider: meters})
+	if err != nil {
+		return nil, err
+	}
 	b.warehouse.Store(c)
 	return c, nil
 }

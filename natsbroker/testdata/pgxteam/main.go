@@ -74,7 +74,11 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	relay, err := ob.NewRelay(natsbroker.NewPublisher(js), postgres.RelayConfig{})
+	publisher, err := natsbroker.NewPublisher(js, natsbroker.PublisherOptions{})
+	if err != nil {
+		return err
+	}
+	relay, err := ob.NewRelay(publisher, postgres.RelayConfig{})
 	if err != nil {
 		return err
 	}
@@ -101,7 +105,11 @@ func run() error {
 	w := &warehouse{pool: pool, ob: ob, applied: make(chan postgres.Message, 1)}
 	consumeCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
-	go func() { done <- natsbroker.NewConsumer(cons, w).Run(consumeCtx) }()
+	consumer, err := natsbroker.NewConsumer(cons, w, natsbroker.ConsumerOptions{})
+	if err != nil {
+		return err
+	}
+	go func() { done <- consumer.Run(consumeCtx) }()
 	var msg postgres.Message
 	select {
 	case msg = <-w.applied:
