@@ -505,13 +505,15 @@ func (s *stream) park(ctx context.Context, i int, refusal error) bool {
 // an aggregate at its next row that no unsent row of the aggregate comes
 // before, in a snapshot that sees the transaction that last held it.
 
-// heldAggregates reads the aggregates of table that a row parked or
-// scheduled for later holds back as the session begins (outbox_held finds
-// them), on the replication connection conn, which takes plain queries
-// until the stream starts.
+// heldAggregates reads the aggregates of table that a row holds back as
+// the session begins, as the polling relay's claim reads them
+// (outbox_held): a row not sent that is parked, scheduled for later, or
+// was tried and failed, which an unparked row still is until a polling
+// pass publishes it. It reads them on the replication connection conn,
+// which takes plain queries until the stream starts.
 func heldAggregates(ctx context.Context, conn *pgconn.PgConn, table string) (map[string]uint32, error) {
 	res, err := conn.Exec(ctx, `SELECT DISTINCT aggregate FROM `+pgx.Identifier{table}.Sanitize()+`
-		WHERE sent_at IS NULL AND aggregate IS NOT NULL AND (parked_at IS NOT NULL OR deliver_at IS NOT NULL)`).ReadAll()
+		WHERE sent_at IS NULL AND aggregate IS NOT NULL AND (parked_at IS NOT NULL OR attempts > 0 OR deliver_at IS NOT NULL)`).ReadAll()
 	if err != nil {
 		return nil, err
 	}

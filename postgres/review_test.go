@@ -574,9 +574,10 @@ func TestMigrationsKeepWhatCameBefore(t *testing.T) {
 // TestLogRelayHoldsAnAggregateBehindItsParkedRow: the broker refuses A1
 // for ever, in a transaction with A2 and B1, and A3 and B2 follow. The log
 // relay parks A1 and delivers B1 and B2, but leaves A2 and A3 unsent
-// behind A1; put back, A1 goes out with a polling pass, then A2 and A3, and
-// the log relay delivers A4 as it comes: A in its order, each once. (The
-// log relay used to deliver A2 and A3 at once, ahead of A1, which a
+// behind A1. A1 put back and the relay restarted, its new session leaves
+// A4 unsent too (A1 is still to go) and delivers B3; a polling pass sends
+// A1 to A4, and the log relay A5 as it comes: A in its order, each once.
+// (The log relay used to deliver A2 and A3 at once, ahead of A1, which a
 // consumer then took for out of order.)
 func TestLogRelayHoldsAnAggregateBehindItsParkedRow(t *testing.T) {
 	ctx := context.Background()
@@ -613,7 +614,7 @@ func TestLogRelayHoldsAnAggregateBehindItsParkedRow(t *testing.T) {
 	ids := write("A", 1, "A", 2, "B", 1)
 	maps.Copy(ids, write("A", 3))
 	maps.Copy(ids, write("B", 2))
-	runLog(t, relay)
+	stop := runLog(t, relay)
 	waitUntil(t, "B1 and B2 delivered", func() bool { return seenAll(broker, map[int64]string{ids["B1"]: "", ids["B2"]: ""}) })
 	for _, m := range broker.Published() {
 		if m.Aggregate == "A" {
@@ -628,21 +629,35 @@ func TestLogRelayHoldsAnAggregateBehindItsParkedRow(t *testing.T) {
 	if parked != 1 || unsent != 2 {
 		t.Fatalf("A: %d rows parked and %d unsent; want A1 parked, A2 and A3 left unsent behind it", parked, unsent)
 	}
+	// Put back, and the log relay restarted before a polling pass: the
+	// new session holds A back from the start, behind A1 still unsent.
 	refusing.Store(false)
 	if err := postgres.Unpark(ctx, db, ids["A1"]); err != nil {
 		t.Fatal(err)
 	}
-	drain(t, newRelay(t, db, broker, postgres.RelayConfig{PollOnly: true})) // outbox-relay's sweep
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Fatalf("the log relay's Run: %v", err)
+	}
+	runLog(t, relay)
 	maps.Copy(ids, write("A", 4))
-	waitUntil(t, "A4 delivered by the log relay", func() bool { return seenAll(broker, map[int64]string{ids["A4"]: ""}) })
+	maps.Copy(ids, write("B", 3))
+	waitUntil(t, "B3 delivered by the second session", func() bool { return seenAll(broker, map[int64]string{ids["B3"]: ""}) })
+	for _, m := range broker.Published() {
+		if m.Aggregate == "A" {
+			t.Fatalf("the second session delivered A%d while A1, put back, waits for a polling pass", m.Seq)
+		}
+	}
+	drain(t, newRelay(t, db, broker, postgres.RelayConfig{PollOnly: true})) // outbox-relay's sweep
+	maps.Copy(ids, write("A", 5))
+	waitUntil(t, "A5 delivered by the log relay", func() bool { return seenAll(broker, map[int64]string{ids["A5"]: ""}) })
 	var seqs []int64
 	for _, m := range broker.Published() {
 		if m.Aggregate == "A" {
 			seqs = append(seqs, m.Seq)
 		}
 	}
-	if !slices.Equal(seqs, []int64{1, 2, 3, 4}) {
-		t.Fatalf("A delivered as %v; want 1, 2, 3, 4, each once", seqs)
+	if !slices.Equal(seqs, []int64{1, 2, 3, 4, 5}) {
+		t.Fatalf("A delivered as %v; want 1 to 5, each once", seqs)
 	}
 }
 
