@@ -49,10 +49,6 @@ func TestCloudEventsAreReadByTheSDK(t *testing.T) {
 	for _, e := range events[1:] {
 		writeEvent(t, db, e)
 	}
-	js, err := jetstream.New(connect(t, b.url()))
-	if err != nil {
-		t.Fatal(err)
-	}
 	for _, bad := range []string{"/shop two", "/shop\n", "%zz"} {
 		if _, err := natsbroker.NewPublisher(js, natsbroker.PublisherOptions{CloudEventsSource: bad}); !errors.Is(err, postgres.ErrInvalidConfig) {
 			t.Errorf("NewPublisher with CloudEventsSource %q = %v, want ErrInvalidConfig: no URI-reference", bad, err)
