@@ -538,8 +538,9 @@ func lockPosition(ctx context.Context, tx stmts, consumer string, msg Message) (
 // ForgetProcessed deletes the keys of messages that [Outbox.ApplyOnce] applied
 // longer than retention ago, and the positions of the aggregates whose last
 // event it applied longer than retention ago, at most [Config.CleanupBatch]
-// rows a transaction, and returns how many keys and
-// positions it deleted. It is safe to run beside ApplyOnce.
+// rows a transaction, and returns how many keys and positions it deleted:
+// o's consumer's alone ([Config.Consumer]), each consumer keeping its own
+// retention. It is safe to run beside ApplyOnce.
 // The position of an aggregate that is still open is kept, however old:
 // forgotten, the aggregate's next event would find no predecessor and be
 // refused as out of order for ever.
