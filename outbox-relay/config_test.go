@@ -177,3 +177,15 @@ func TestASecondSignalOrTheGraceEndsTheProcessAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// outbox-relay -h, -help, --help and help print the usage, and nothing
+// else, on the standard output and exit 0. (Caught: they said
+// "-database (OUTBOX_DATABASE_URL) is not set" first, and "unknown command".)
+func TestHelpPrintsTheUsageAlone(t *testing.T) {
+	for _, arg := range []string{"-h", "-help", "--help", "help"} {
+		var out, errOut bytes.Buffer
+		if code := cli([]string{arg}, &out, &errOut); code != 0 || !strings.Contains(out.String(), "usage: outbox-relay") || errOut.Len() != 0 {
+			t.Errorf("outbox-relay %s: exit %d, out %q, errors %q; want 0, the usage, no error", arg, code, out.String(), errOut.String())
+		}
+	}
+}

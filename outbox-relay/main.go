@@ -72,6 +72,11 @@ func cli(args []string, out, errOut io.Writer) int {
 		return 2
 	}
 	cmd := args[0]
+	switch cmd {
+	case "-h", "-help", "--help", "help": // asked for, not a mistake
+		fmt.Fprintln(out, usage)
+		return 0
+	}
 	cfg, rest, err := parse(cmd, args[1:])
 	if errors.Is(err, flag.ErrHelp) {
 		return 0
