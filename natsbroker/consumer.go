@@ -34,29 +34,31 @@ type BatchHandler interface {
 
 // DefaultRetryDelay is how long a [Consumer] asks JetStream to wait before
 // it delivers again a message whose handling failed, when
-// [Consumer.RetryDelay] is zero.
+// [ConsumerOptions.RetryDelay] is zero.
 const DefaultRetryDelay = time.Second
 
 // DefaultMaxRetryDelay is the longest a [Consumer] asks JetStream to wait
 // before it delivers again a message whose handling keeps failing, when
-// [Consumer.MaxRetryDelay] is zero.
+// [ConsumerOptions.MaxRetryDelay] is zero.
 const DefaultMaxRetryDelay = 30 * time.Second
 
 // pullExpiry is how long one of a Consumer's pull requests lasts.
 const pullExpiry = 5 * time.Second
 
 // DefaultPrefetch is how many messages a [Consumer] asks JetStream for at
-// a time, when [Consumer.Prefetch] is zero.
+// a time, when [ConsumerOptions.Prefetch] is zero.
 const DefaultPrefetch = 10
 
 // DefaultMaxOutOfOrder is how many deliveries a [Consumer] gives a message
-// that arrives before its predecessor, when [Consumer.MaxOutOfOrder] is
+// that arrives before its predecessor, when [ConsumerOptions.MaxOutOfOrder] is
 // zero, before it terminates it; more if the rule on MaxOutOfOrder asks
 // for more.
 const DefaultMaxOutOfOrder = 20
 
-// ErrOutOfOrderBound is returned, wrapped, by [Consumer.Run] for a
-// MaxOutOfOrder too small for the consumer's AckWait and RetryDelay.
+// ErrOutOfOrderBound is returned, wrapped, by [NewConsumer] (and by
+// [Consumer.Run], for a Consumer NewConsumer did not check) for a
+// ConsumerOptions.MaxOutOfOrder too small for the consumer's AckWait and
+// RetryDelay.
 var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a message whose predecessor is only late")
 
 // ConsumerOptions configures a [Consumer]: [NewConsumer] checks it and
@@ -299,9 +301,9 @@ func outOfOrderBound(c jetstream.Consumer, opts ConsumerOptions) (int, time.Dura
 // returns that error. A server that goes down and comes back is not such
 // an error: the client reconnects and Run goes on. A message whose
 // handling ctx cut short is neither acked nor asked for again: it is
-// delivered again after the consumer's AckWait. A MaxOutOfOrder below its
-// rule's least makes Run return at once with an error wrapping
-// ErrOutOfOrderBound.
+// delivered again after the consumer's AckWait. A Consumer that NewConsumer
+// did not make is refused at once, with an error wrapping
+// postgres.ErrInvalidConfig.
 func (c *Consumer) Run(ctx context.Context) error {
 	if c == nil || c.consumer == nil || c.handler == nil {
 		return fmt.Errorf("%w: natsbroker: a Consumer that NewConsumer did not make", postgres.ErrInvalidConfig)
