@@ -16,6 +16,7 @@
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's (shop/, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
 #   make rabbitbroker                        the rabbitbroker/ module's tests: RabbitMQ (Debian's, installed if missing) on throwaway nodes, a throwaway PostgreSQL (-race)
 #   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps and PgBouncer (Debian's, installed if missing)
+#   make kit                                 the kit's tests (kit/): the product modules copied under a team's module path, built, vetted and tested there
 #   make lint                                staticcheck (fetched through the Go module proxy), every module
 #   make fuzz [FUZZTIME=3m]                  the lesson's model-based fuzz test (lessoncheck/), for a while
 #   make bench                               the lesson's benchmarks (lessoncheck/), and each pair's ratio (benchstat)
@@ -32,7 +33,7 @@
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
 # test, make postgres, make natsbroker, make rabbitbroker, make outbox-relay,
-# make page and make lint; make postgres runs the test that every figure in the documents is one
+# make kit, make page and make lint; make postgres runs the test that every figure in the documents is one
 # a target printed into postgres/figures/, natsbroker/figures/ or
 # rabbitbroker/figures/.
 
@@ -51,7 +52,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
+.PHONY: kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -98,6 +99,7 @@ lint:
 	cd shop/kneeplot && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd rabbitbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd postgres/peerbench && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd kit && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 # module-tests checks the module in the folder $(1) with gofmt and go vet,
 # then runs its tests on a PostgreSQL that postgres/with-server.sh starts in a
@@ -239,6 +241,12 @@ natsbroker: rabbitmq-server
 # pooling; each removed after.
 outbox-relay: rabbitmq-server pgbouncer
 	$(call module-tests,outbox-relay)
+
+# The kit (kit/, standard library only): it copies the product modules into
+# a temporary folder under a team's module path, builds and vets each there,
+# and runs a part of their tests in the copies, on the throwaway server.
+kit:
+	$(call module-tests,kit)
 
 # PgBouncer from Debian's packages, installed where it is missing, its
 # service kept from starting, as rabbitmq-server is: the relay process's

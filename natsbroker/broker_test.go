@@ -415,6 +415,73 @@ func TestRefusedPayloadIsParkedAndLaterRowsFlow(t *testing.T) {
 	}
 }
 
+// A row parked for a payload over the server's max_payload goes once the
+// limit is raised and the row unparked, with the same publisher and no
+// restart: the client learned the limit when it connected and kept it,
+// so the publisher asks the server again before it refuses a message,
+// and reconnects to learn the new limit. While the limit stands, the
+// message is refused, parked, and named by ReadLag with its error.
+// (Caught: after raising max_payload the unparked row was refused and
+// parked again until the relays restarted.)
+func TestARowParkedForMaxPayloadGoesOnceTheLimitIsRaised(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	b := startBroker(t, func(o *server.Options) { o.MaxPayload = 16 << 10 })
+	_, stream := setUp(t, connect(t, b.url()), 0, 0)
+	nc := connect(t, b.url())
+	relay := newRelay(t, db, newPublisher(t, nc), postgres.RelayConfig{ParkAfter: 2, RetryDelay: time.Millisecond, MaxRetryDelay: time.Millisecond})
+	if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
+		VALUES ('OrderPlaced', json_build_object('orderId', 1, 'totalCents', 1, 'note', repeat('x', 32768)))`); err != nil {
+		t.Fatal(err)
+	}
+	ob := tableOutbox(db)
+	for attempt := 1; attempt <= 2; attempt++ {
+		// The second refusal parks the row, and the pass goes on.
+		if n, err := relay.PublishPending(ctx); n != 0 || attempt == 1 && !errors.Is(err, postgres.ErrRejected) || attempt == 2 && err != nil {
+			t.Fatalf("pass %d under the limit = %d, %v; want the row refused", attempt, n, err)
+		}
+		if attempt == 1 {
+			lag, err := ob.ReadLag(ctx)
+			if err != nil || lag.Blocking == nil || lag.Blocking.Attempts != 1 || !strings.Contains(lag.Blocking.LastError, "32814 bytes") {
+				t.Fatalf("ReadLag after a refusal = %+v, %v; want the row named, with its error", lag.Blocking, err)
+			}
+		}
+		waitFor(t, "the row's next attempt", func() bool {
+			return count(t, db, `SELECT count(*) FROM outbox WHERE retry_at IS NULL OR retry_at <= now()`) == 1
+		})
+	}
+	parked, err := ob.ListParked(ctx, 0)
+	if err != nil || len(parked) != 1 {
+		t.Fatalf("parked = %+v, %v; want the row", parked, err)
+	}
+
+	opts := b.opts.Clone()
+	opts.MaxPayload = 64 << 10
+	if err := b.srv.ReloadOptions(opts); err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Unpark(ctx, parked[0].ID); err != nil {
+		t.Fatal(err)
+	}
+	n, err := relay.PublishPending(ctx)
+	if n != 0 || !errors.Is(err, postgres.ErrBrokerUnavailable) || errors.Is(err, postgres.ErrRejected) || !strings.Contains(err.Error(), "the server now takes 65536") {
+		t.Fatalf("pass once the limit was raised = %d, %v; want the row held, to go again once the client reconnected", n, err)
+	}
+	waitFor(t, "the row sent", func() bool {
+		if nc.MaxPayload() < 64<<10 {
+			return false
+		}
+		n, _ := relay.PublishPending(ctx)
+		return n == 1
+	})
+	if info, err := stream.Info(ctx); err != nil || info.State.Msgs != 1 {
+		t.Fatalf("the stream holds %v (%v); want the row", info.State.Msgs, err)
+	}
+	if got := count(t, db, `SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL OR rejections > 0`); got != 0 {
+		t.Errorf("%d rows parked or counted refused once sent", got)
+	}
+}
+
 // flaky is a Handler whose first delivery of each message fails for a
 // reason that may pass (a database that is briefly down), and hands the
 // later ones to the warehouse.

@@ -39,7 +39,11 @@ import (
 //     message already (a duplicate, counted by Duplicates), is a success;
 //   - a payload over the server's or the stream's limit, and a type that
 //     makes no valid subject, can never succeed: errors wrapping
-//     [postgres.ErrRejected], which a relay may park;
+//     [postgres.ErrRejected], which a relay may park (the client checks
+//     the server's max_payload as it learned it when it connected; before
+//     refusing a message over it, the Publisher asks the server again, and
+//     if the limit was raised since, reconnects to learn it and returns
+//     an error wrapping [postgres.ErrBrokerUnavailable], to try again);
 //   - everything else, a server that does not answer, a connection that is
 //     closed or reconnecting, a stream with no leader, no stream that takes
 //     the subject (a broker not yet provisioned, or misconfigured: the
@@ -368,7 +372,9 @@ func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error)
 	case ctx.Err() != nil:
 		return fmt.Errorf("message %s to %s: no ack before the context ended, so whether the stream stored it is unknown: %w: %w",
 			msg.Key, subject, postgres.ErrBrokerUnavailable, err)
-	case errors.Is(err, nats.ErrMaxPayload), errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum):
+	case errors.Is(err, nats.ErrMaxPayload):
+		return p.overLimit(msg, subject, err)
+	case errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum):
 		return fmt.Errorf("message %s to %s: %d bytes: %w: %w", msg.Key, subject, len(msg.Payload), postgres.ErrRejected, err)
 	case errors.Is(err, nats.ErrBadSubject):
 		return fmt.Errorf("message %s: type %q makes no valid subject: %w: %w", msg.Key, msg.Type, postgres.ErrRejected, err)
@@ -382,6 +388,37 @@ func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error)
 		}
 	}
 	return fmt.Errorf("message %s to %s: %w: %w", msg.Key, subject, postgres.ErrBrokerUnavailable, err)
+}
+
+// overLimit says what a message over the client's max_payload means. The
+// client learned that limit when it connected, and keeps it: a server
+// whose max_payload was raised since is not asked again. So before it
+// refuses the message for good, overLimit asks the server its limit now,
+// on a connection of its own made with the same options and closed at
+// once. If the server takes the message now, it has the Publisher's
+// connection reconnect, to learn the new limit, and says to try again
+// (ErrBrokerUnavailable): a row parked for its size, put back once the
+// limit was raised, goes without a restart of the relay. Otherwise, or if
+// the server cannot be asked, the message is refused (ErrRejected).
+func (p *Publisher) overLimit(msg postgres.Message, subject string, err error) error {
+	nc := p.js.Conn()
+	size, learned := len(msg.Payload), nc.MaxPayload()
+	opts := nc.Opts
+	opts.Name += " (max_payload probe)"
+	opts.AllowReconnect, opts.RetryOnFailedConnect = false, false
+	opts.ClosedCB, opts.DisconnectedErrCB, opts.ReconnectedCB, opts.DiscoveredServersCB, opts.AsyncErrorCB = nil, nil, nil, nil, nil
+	opts.ConnectedCB, opts.LameDuckModeHandler, opts.ReconnectErrCB = nil, nil, nil
+	probe, perr := opts.Connect()
+	if perr == nil {
+		now := probe.MaxPayload()
+		probe.Close()
+		if now > learned {
+			nc.ForceReconnect()
+			return fmt.Errorf("message %s to %s: %d bytes, over the %d the client learned when it connected, where the server now takes %d: reconnecting to learn it, to publish the message again: %w",
+				msg.Key, subject, size, learned, now, postgres.ErrBrokerUnavailable)
+		}
+	}
+	return fmt.Errorf("message %s to %s: %d bytes, over the server's max_payload (%d): %w: %w", msg.Key, subject, size, learned, postgres.ErrRejected, err)
 }
 
 // natsMsg is msg as JetStream carries it.

@@ -5,6 +5,7 @@ package natsbroker_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"example.com/patterns/enterprise/outbox/natsbroker"
@@ -14,9 +15,10 @@ import (
 
 // Three orders go to the warehouse through JetStream. The warehouse then
 // loses its state (its reservations and its record of keys and positions).
-// A replay of order/2 with its original keys is dropped by the stream,
-// which saw those keys within its duplicate window: nothing is stored and
-// nothing applied. A replay with new keys is stored, and the warehouse
+// A replay of order/2 with its original keys, inside the stream's duplicate
+// window, is refused (ErrInDuplicateWindow), and nothing is put back;
+// allowed, it says the stream drops its one row, and it does: nothing is
+// stored and nothing applied. A replay with new keys is stored, and the warehouse
 // applies it: order 2's reservation is back, and no other. (Caught: the
 // outbox before Replay, where only parked rows could be put back.)
 func TestReplayOfAnAggregateReachesAConsumerThatLostItsState(t *testing.T) {
@@ -56,8 +58,22 @@ func TestReplayOfAnAggregateReachesAConsumerThatLostItsState(t *testing.T) {
 		}
 		return info.State.Msgs
 	}
-	if n, err := ob.Replay(ctx, postgres.Replay{Aggregate: shop.OrderAggregate(2)}); n != 1 || err != nil {
-		t.Fatalf("Replay of order/2 = %d, %v; want its one event", n, err)
+	info, err := stream.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	window := info.Config.Duplicates
+	r := postgres.Replay{Aggregate: shop.OrderAggregate(2), DuplicateWindow: window}
+	if res, err := ob.Replay(ctx, r); res.Rows != 0 || !errors.Is(err, postgres.ErrInDuplicateWindow) {
+		t.Fatalf("Replay of order/2 inside the stream's %v window = %+v, %v; want it refused with ErrInDuplicateWindow", window, res, err)
+	}
+	if n, err := relay.PublishPending(ctx); n != 0 || err != nil {
+		t.Fatalf("pass after a refused replay = %d, %v; want nothing put back", n, err)
+	}
+	r.AllowDropped = true
+	res, err := ob.Replay(ctx, r)
+	if res.Rows != 1 || res.Dropped != 1 || err != nil {
+		t.Fatalf("Replay of order/2 allowing it dropped = %+v, %v; want one row, dropped", res, err)
 	}
 	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
 		t.Fatalf("pass after the replay = %d, %v; want the one event", n, err)
@@ -65,7 +81,7 @@ func TestReplayOfAnAggregateReachesAConsumerThatLostItsState(t *testing.T) {
 	if got := stored(); got != 3 {
 		t.Fatalf("the stream holds %d messages after a replay with the old keys, want 3: a duplicate within its window", got)
 	}
-	if n, err := ob.Replay(ctx, postgres.Replay{Aggregate: shop.OrderAggregate(2), NewKeys: true}); n != 1 || err != nil {
+	if n, err := replayedRows(ob.Replay(ctx, postgres.Replay{Aggregate: shop.OrderAggregate(2), NewKeys: true})); n != 1 || err != nil {
 		t.Fatalf("Replay of order/2 with new keys = %d, %v; want its one event", n, err)
 	}
 	if n, err := relay.PublishPending(ctx); n != 1 || err != nil {
@@ -81,3 +97,6 @@ func TestReplayOfAnAggregateReachesAConsumerThatLostItsState(t *testing.T) {
 		t.Errorf("%d reservations after the replay of order/2, want 1", n)
 	}
 }
+
+// replayedRows is Replay's result as the rows it put back.
+func replayedRows(r postgres.ReplayResult, err error) (int64, error) { return r.Rows, err }

@@ -35,6 +35,9 @@ type broker interface {
 	// CheckRetention refuses a -processed-retention shorter than the broker
 	// may still deliver a message, where it can tell.
 	CheckRetention(ctx context.Context, retention time.Duration) error
+	// DuplicateWindow is how long after the broker took a message it drops
+	// another with the same key as a copy: 0 for a broker that drops none.
+	DuplicateWindow(ctx context.Context) (time.Duration, error)
 	// ForgetProcessed forgets the consumers' keys older than retention.
 	ForgetProcessed(ctx context.Context, outbox *postgres.Outbox[postgres.SQLTx], retention time.Duration) (int64, error)
 	Close()
@@ -208,6 +211,19 @@ func (b *natsBroker) CheckRetention(ctx context.Context, retention time.Duration
 	return nil
 }
 
+// DuplicateWindow is the stream's own, as the server reports it.
+func (b *natsBroker) DuplicateWindow(ctx context.Context) (time.Duration, error) {
+	s, err := b.js.Stream(ctx, b.stream.Name)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s: %w", b.stream.Name, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s: %w", b.stream.Name, err)
+	}
+	return info.Config.Duplicates, nil
+}
+
 func (b *natsBroker) ForgetProcessed(ctx context.Context, outbox *postgres.Outbox[postgres.SQLTx], retention time.Duration) (int64, error) {
 	return natsbroker.ForgetProcessed(ctx, b.js, b.stream.Name, outbox, retention)
 }
@@ -343,6 +359,10 @@ func (b *rabbitBroker) Publisher() postgres.MessageBroker { return b.publisher }
 // consumed, with no age limit the relay can read, so a retention is the
 // operator's word that no copy of a message waits in the queue longer.
 func (b *rabbitBroker) CheckRetention(context.Context, time.Duration) error { return nil }
+
+// DuplicateWindow is none: RabbitMQ keeps no record of what it took, and
+// its consumers drop copies by key.
+func (b *rabbitBroker) DuplicateWindow(context.Context) (time.Duration, error) { return 0, nil }
 
 func (b *rabbitBroker) ForgetProcessed(ctx context.Context, outbox *postgres.Outbox[postgres.SQLTx], retention time.Duration) (int64, error) {
 	return outbox.ForgetProcessed(ctx, retention)

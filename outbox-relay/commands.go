@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -9,7 +10,10 @@ import (
 	"io"
 	"log/slog"
 	"strconv"
+	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"example.com/patterns/enterprise/outbox/postgres"
 )
@@ -47,7 +51,9 @@ var operations = map[string]operation{
 	"unpark": unpark,
 	"drop":   drop,
 	"replay": replay,
-	"check":  check,
+
+	"forget-position": forgetPosition,
+	"check":           check,
 }
 
 // commandTimeout bounds each operator command.
@@ -60,10 +66,28 @@ func lag(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx],
 	if err != nil {
 		return err
 	}
-	return p.print(map[string]any{"table": outbox.Table(), "unsent": l.Unsent, "parked": l.Parked, "failing": l.Failing,
-		"scheduled": l.Scheduled, "oldestWaitSeconds": l.Oldest.Seconds()},
-		fmt.Sprintf("%s: %d unsent, %d parked, %d failing, %d scheduled for later; the oldest unsent waited %v",
-			outbox.Table(), l.Unsent, l.Parked, l.Failing, l.Scheduled, l.Oldest.Round(time.Millisecond)))
+	v := map[string]any{"table": outbox.Table(), "unsent": l.Unsent, "parked": l.Parked, "failing": l.Failing,
+		"scheduled": l.Scheduled, "oldestWaitSeconds": l.Oldest.Seconds()}
+	text := fmt.Sprintf("%s: %d unsent, %d parked, %d failing, %d scheduled for later; the oldest unsent waited %v",
+		outbox.Table(), l.Unsent, l.Parked, l.Failing, l.Scheduled, l.Oldest.Round(time.Millisecond))
+	if b := l.Blocking; b != nil {
+		v["blocking"] = map[string]any{"id": b.ID, "key": b.Key, "type": b.Type, "aggregate": b.Aggregate,
+			"attempts": b.Attempts, "lastError": b.LastError}
+		text += "\n" + blockingText(b)
+	}
+	return p.print(v, text)
+}
+
+// blockingText says which row holds the outbox up, and why.
+func blockingText(b *postgres.BlockingRow) string {
+	if b == nil {
+		return ""
+	}
+	of := ""
+	if b.Aggregate != "" {
+		of = ", aggregate " + b.Aggregate
+	}
+	return fmt.Sprintf("failing: row %d (%s%s, key %s) after %d attempts: %s", b.ID, b.Type, of, b.Key, b.Attempts, b.LastError)
 }
 
 func parked(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx], _ *sql.DB, _ []string, p printer, _ *slog.Logger) error {
@@ -119,17 +143,72 @@ func drop(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx]
 }
 
 // replay puts back the sent rows that -aggregate, -from and -to select, to
-// be published again (in log mode by the next sweep), and logs how many.
+// be published again (in log mode by the next sweep), and says how many,
+// and how many of them the broker drops as copies: without -new-keys it
+// asks the broker its duplicate window, and refuses rows sent within it
+// unless -allow-dropped.
 func replay(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], _ *sql.DB, _ []string, p printer, log *slog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, commandTimeout)
 	defer cancel()
-	n, err := outbox.Replay(ctx, c.replay)
+	r := c.replay
+	if !r.NewKeys {
+		b, err := dialBroker(ctx, c)
+		if err == nil {
+			r.DuplicateWindow, err = b.DuplicateWindow(ctx)
+			b.Close()
+		}
+		if err != nil {
+			return fmt.Errorf("replay with the old keys asks %s its duplicate window, and could not: %w (or replay -new-keys)", c.broker, err)
+		}
+	}
+	res, err := outbox.Replay(ctx, r)
+	if errors.Is(err, postgres.ErrInDuplicateWindow) {
+		return fmt.Errorf("%w: -new-keys (a consumer that kept the old keys applies them again), or -allow-dropped", err)
+	}
 	if err != nil {
 		return err
 	}
-	log.Warn("outbox-relay: sent rows put back, to be published again", "table", outbox.Table(), "rows", n,
-		"aggregate", c.replay.Aggregate, "from", c.replay.From, "to", c.replay.To, "newKeys", c.replay.NewKeys)
-	return p.print(map[string]any{"replayed": n}, fmt.Sprintf("%d rows put back (%s): the next pass publishes them", n, c.replay))
+	taken := res.Rows - res.Dropped
+	log.Warn("outbox-relay: sent rows put back, to be published again", "table", outbox.Table(), "rows", res.Rows,
+		"taken", taken, "dropped", res.Dropped, "window", r.DuplicateWindow.String(),
+		"aggregate", r.Aggregate, "from", r.From, "to", r.To, "newKeys", r.NewKeys)
+	text := fmt.Sprintf("%d rows put back (%s): the next pass publishes them; ", res.Rows, r)
+	switch {
+	case res.Dropped > 0:
+		text += fmt.Sprintf("%s takes %d and drops %d as copies (sent within its duplicate window, %v, until %s)",
+			c.broker, taken, res.Dropped, r.DuplicateWindow, res.Until.Format(time.RFC3339))
+	case r.DuplicateWindow > 0 || r.NewKeys:
+		text += fmt.Sprintf("%s takes all %d", c.broker, res.Rows)
+	default:
+		text += fmt.Sprintf("%s drops none: consumers drop by key what they applied", c.broker)
+	}
+	v := map[string]any{"replayed": res.Rows, "taken": taken, "dropped": res.Dropped, "duplicateWindowSeconds": r.DuplicateWindow.Seconds()}
+	return p.print(v, text)
+}
+
+// forgetPosition forgets -consumer's position of -aggregate, in the
+// consumer's database (-database), so that it applies the aggregate's
+// events again from its first: with replay -new-keys, how a consumer that
+// lost what those events did gets it back. Its keys of them are left: a
+// replay with the old keys is still dropped as copies.
+func forgetPosition(ctx context.Context, c config, _ *postgres.Outbox[postgres.SQLTx], db *sql.DB, _ []string, p printer, log *slog.Logger) error {
+	ctx, cancel := context.WithTimeout(ctx, commandTimeout)
+	defer cancel()
+	ob, err := postgres.OpenDB(db, postgres.Config{Table: c.table, Consumer: c.consumer})
+	if err != nil {
+		return fmt.Errorf("-consumer: %w", err)
+	}
+	forgot, err := ob.ForgetPosition(ctx, c.replay.Aggregate)
+	if err != nil {
+		return err
+	}
+	who := cmp.Or(c.consumer, `the default consumer ("")`)
+	log.Warn("outbox-relay: a consumer's position forgotten", "consumer", c.consumer, "aggregate", c.replay.Aggregate, "forgot", forgot)
+	text := fmt.Sprintf("%s: position of %q forgotten: it applies the aggregate's events again from its first (replay -new-keys sends them)", who, c.replay.Aggregate)
+	if !forgot {
+		text = fmt.Sprintf("%s: no position of %q: nothing to forget (is -consumer its name?)", who, c.replay.Aggregate)
+	}
+	return p.print(map[string]any{"consumer": c.consumer, "aggregate": c.replay.Aggregate, "forgot": forgot}, text)
 }
 
 // check checks what run needs, each part on a line of its own: the
@@ -155,10 +234,15 @@ func check(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx
 	if err := report("database", err, "PostgreSQL "+version); err != nil {
 		return err
 	}
-	if err := report("schema", outbox.CheckSchema(ctx), fmt.Sprintf("table %s at version %d", outbox.Table(), postgres.SchemaVersion)); err != nil {
+	role, _ := part(c)
+	schema, at := outbox.CheckSchema, fmt.Sprintf("table %s at version %d", outbox.Table(), postgres.SchemaVersion)
+	if role == postgres.RoleConsumer || role == postgres.RoleConsumerMigrator {
+		schema, at = outbox.CheckConsumerSchema, fmt.Sprintf("the consumer's tables at version %d", postgres.ConsumerSchemaVersion)
+	}
+	if err := report("schema", schema(ctx), at); err != nil {
 		return err
 	}
-	if err := report("privileges", privileges(ctx, c, outbox, db), "the role may do what -mode "+c.mode+" needs"); err != nil {
+	if err := report("privileges", privileges(ctx, c, outbox, db), "the role has what the "+string(role)+" needs"); err != nil {
 		return err
 	}
 	b, err := dialBroker(ctx, c)
@@ -175,33 +259,99 @@ func check(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx
 	return nil
 }
 
-// privileges checks what the mode needs beyond the outbox's tables: in log
-// mode a role that may replicate, and a slot; with -standbys, the
-// pg_read_all_stats role, to read the standbys' positions.
-func privileges(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], db *sql.DB) error {
-	var super, replicate, stats bool
-	if err := db.QueryRowContext(ctx, `SELECT rolsuper, rolreplication, pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
-		FROM pg_roles WHERE rolname = current_user`).Scan(&super, &replicate, &stats); err != nil {
-		return err
+// part is the role whose privileges grants prints and check checks
+// (-role, or the relay -mode runs), and what the flags add to it:
+// pg_read_all_stats with -standbys and the consumers' tables with
+// -processed-retention, for a relay; REPLICATION in log mode, for the
+// migrator, which makes the slot.
+func part(c config) (postgres.Role, []postgres.Privilege) {
+	role := postgres.Role(c.role)
+	if role == "" {
+		role = postgres.RoleRelay
+		if c.mode == "log" {
+			role = postgres.RoleLogRelay
+		}
 	}
-	var errs []error
-	if c.mode == "log" {
-		if !super && !replicate {
-			errs = append(errs, errors.New("-mode log: the role may not replicate (ALTER ROLE … REPLICATION)"))
+	var extra []postgres.Privilege
+	switch role {
+	case postgres.RoleMigrator:
+		if c.mode == "log" {
+			extra = append(extra, postgres.PrivilegeReplication)
 		}
-		slot := c.log.Slot
-		if slot == "" {
-			slot = outbox.Slot()
+	case postgres.RoleRelay, postgres.RoleLogRelay:
+		if len(c.relay.Standbys) > 0 {
+			extra = append(extra, postgres.PrivilegeReadAllStats)
 		}
+		if c.processedRetention > 0 {
+			consumer, _ := postgres.Privileges(c.table, postgres.RoleConsumer)
+			for _, p := range consumer {
+				if p.On == "TABLE" && p.Object != "outbox_consumer_migrations" && (p.Privilege == "DELETE" || p.Privilege == "SELECT") {
+					p.For += " (-processed-retention)"
+					extra = append(extra, p)
+				}
+			}
+		}
+	}
+	return role, extra
+}
+
+// privileges checks the privileges of the role check is for, and in log
+// mode that the slot exists.
+func privileges(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], db *sql.DB) error {
+	role, extra := part(c)
+	errs := []error{outbox.CheckPrivileges(ctx, role, extra...)}
+	if role == postgres.RoleLogRelay {
+		slot := cmp.Or(c.log.Slot, outbox.Slot())
 		var n int
 		if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`, slot).Scan(&n); err != nil {
 			errs = append(errs, err)
 		} else if n == 0 {
-			errs = append(errs, fmt.Errorf("-mode log: no replication slot %s in this database: run migrate -mode log", slot))
+			errs = append(errs, fmt.Errorf("-mode log: no replication slot %s in this database: run migrate-database -mode log", slot))
 		}
 	}
-	if len(c.relay.Standbys) > 0 && !super && !stats {
-		errs = append(errs, errors.New("-standbys: the role is not in pg_read_all_stats, so it cannot read the standbys' positions (GRANT pg_read_all_stats TO …)"))
-	}
 	return errors.Join(errs...)
+}
+
+// grants prints the statements that give -grantee what -role needs of the
+// outbox's tables in -schema, and nothing more, each privilege first as a
+// comment with what needs it: SQL for the migrator, or the tables' owner,
+// to run once migrate-database has made them. It connects to nothing; the
+// migrator's privilege on the database names -database's dbname.
+func grants(c config, p printer) error {
+	role, extra := part(c)
+	privs, err := postgres.Privileges(c.table, role)
+	if err != nil {
+		return fmt.Errorf("-table: %w", err)
+	}
+	privs = append(privs, extra...)
+	database := ""
+	if c.database != "" {
+		cfg, err := pgx.ParseConfig(c.database)
+		if err != nil {
+			return fmt.Errorf("-database: %w", err)
+		}
+		database = cfg.Database
+	}
+	if role == postgres.RoleMigrator && database == "" {
+		return errors.New("grants -role migrator: -database names the database it creates the publication in")
+	}
+	stmts, err := postgres.GrantStatements(privs, c.schema, database, c.grantee)
+	if err != nil {
+		return err
+	}
+	if p.json {
+		return p.print(map[string]any{"role": role, "grantee": c.grantee, "statements": stmts}, "")
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "-- %s, the outbox's %s (table %s.%s): what it needs, and nothing more.\n", c.grantee, role, c.schema, cmp.Or(c.table, postgres.DefaultTable))
+	for _, pr := range privs {
+		fmt.Fprintf(&b, "--   %s: %s\n", pr, pr.For)
+	}
+	if role == postgres.RoleMigrator {
+		b.WriteString("-- The migrator owns what it creates: run every migration as this role.\n")
+	}
+	for _, s := range stmts {
+		b.WriteString(s + ";\n")
+	}
+	return p.print(nil, strings.TrimSuffix(b.String(), "\n"))
 }

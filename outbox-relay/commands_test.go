@@ -54,8 +54,9 @@ func TestRelayProcessCommandsWithJSON(t *testing.T) {
 			failed[fmt.Sprint(v["check"])] = true
 		}
 	}
-	if code != 1 || !failed["schema"] || !failed["broker"] || failed["database"] || failed["privileges"] {
-		t.Errorf("check -json before migrate exited %d, failed %v; want schema and broker:\n%s", code, failed, out)
+	if code != 1 || !failed["schema"] || !failed["broker"] || failed["database"] || !failed["privileges"] ||
+		!strings.Contains(out, "no table outbox_migrations, outbox, outbox_cleanup in the search path") {
+		t.Errorf("check -json before migrate exited %d, failed %v; want schema, privileges (no tables) and broker:\n%s", code, failed, out)
 	}
 	code, out = e.runOnce("migrate", "-json")
 	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["provisioned"] != "stream OUTBOX" {
@@ -85,11 +86,11 @@ func TestRelayProcessCommandsWithJSON(t *testing.T) {
 	cfg := pgtest.Config
 	asRole := fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, role, e.name)
 	code, out = e.runOnce("check", "-database", asRole, "-standbys", "s1")
-	if code != 1 || !strings.Contains(out, "FAIL  privileges: -standbys: the role is not in pg_read_all_stats") || !strings.Contains(out, "ok    schema") {
+	if code != 1 || !strings.Contains(out, "FAIL  privileges: postgres: the role lacks a privilege: "+role+", as the outbox's relay, lacks membership of pg_read_all_stats") || !strings.Contains(out, "ok    schema") {
 		t.Errorf("check -standbys as a role without pg_read_all_stats exited %d, want 1 naming it:\n%s", code, out)
 	}
 	code, out = e.runOnce("check", "-database", asRole, "-mode", "log")
-	if code != 1 || !strings.Contains(out, "the role may not replicate") || !strings.Contains(out, "no replication slot outbox") {
+	if code != 1 || !strings.Contains(out, "lacks the REPLICATION attribute") || !strings.Contains(out, "no replication slot outbox") {
 		t.Errorf("check -mode log as a role that may not replicate, with no slot, exited %d, want 1 naming both:\n%s", code, out)
 	}
 
@@ -146,15 +147,20 @@ func TestRelayProcessCommandsWithJSON(t *testing.T) {
 		t.Errorf("%d rows after the drop, want the 2 unsent", n)
 	}
 
-	// replay puts back the sent rows written from -from on, and refuses,
-	// exit 1 and nothing written, a range with no sent row in it.
+	// replay puts back the sent rows written from -from on: refused while
+	// the stream would drop them as copies, unless -allow-dropped; and it
+	// refuses, exit 1 and nothing written, a range with no sent row in it.
 	var from time.Time
 	if err := e.db.QueryRow(`UPDATE outbox SET sent_at = clock_timestamp() RETURNING created_at`).Scan(&from); err != nil {
 		t.Fatal(err)
 	}
-	code, out = e.runOnce("replay", "-json", "-from", from.Format(time.RFC3339Nano))
-	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["replayed"] != 2.0 {
-		t.Errorf("replay -json -from exited %d, want 2 rows put back:\n%s", code, out)
+	code, out = e.runOnce("replay", "-from", from.Format(time.RFC3339Nano))
+	if code != 1 || !strings.Contains(out, "2 of its 2 rows were sent within the broker's duplicate window (2m0s)") || !strings.Contains(out, "-allow-dropped") {
+		t.Errorf("replay -from of rows sent a moment ago exited %d, want 1, naming the stream's window:\n%s", code, out)
+	}
+	code, out = e.runOnce("replay", "-json", "-allow-dropped", "-from", from.Format(time.RFC3339Nano))
+	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["replayed"] != 2.0 || v[0]["dropped"] != 2.0 || v[0]["taken"] != 0.0 {
+		t.Errorf("replay -json -allow-dropped -from exited %d, want 2 rows put back, both dropped:\n%s", code, out)
 	}
 	if n := e.count(`SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 2 {
 		t.Errorf("%d rows unsent after the replay, want 2", n)

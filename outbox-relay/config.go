@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -38,6 +39,10 @@ type config struct {
 	grace                   time.Duration // after SIGTERM, how long the relay has to finish before it exits at once
 
 	replay postgres.Replay // the replay command's rows
+
+	role            string // grants and check: the part whose privileges; "" for the one -mode runs
+	consumer        string // forget-position: the consumer whose position
+	grantee, schema string // grants: the role granted to, and the schema of the outbox's tables
 }
 
 // natsConfig is how the relay connects to NATS, in the shape of nats.go's
@@ -61,7 +66,8 @@ type rabbitConfig struct {
 }
 
 // commands are the relay's commands and how many arguments each takes.
-var commands = map[string]int{"migrate": 0, "run": 0, "check": 0, "lag": 0, "parked": 0, "unpark": 1, "drop": 1, "replay": 0}
+var commands = map[string]int{"migrate": 0, "migrate-database": 0, "migrate-consumer": 0, "provision": 0, "grants": 0, "forget-position": 0,
+	"run": 0, "check": 0, "lag": 0, "parked": 0, "unpark": 1, "drop": 1, "replay": 0}
 
 // settings registers flags whose default is an environment variable's
 // value, and converts each once the flags are parsed, so that a bad value
@@ -272,6 +278,14 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.instant(&c.replay.From, "from", "OUTBOX_REPLAY_FROM", "replay: the sent rows written at or after this time (RFC 3339) go again")
 	s.instant(&c.replay.To, "to", "OUTBOX_REPLAY_TO", "replay: and before this time (RFC 3339); none: up to now")
 	s.boolean(&c.replay.NewKeys, "new-keys", "OUTBOX_REPLAY_NEW_KEYS", false, "replay: with new keys, so that consumers that remember the old ones apply them again")
+	s.boolean(&c.replay.AllowDropped, "allow-dropped", "OUTBOX_REPLAY_ALLOW_DROPPED", false, "replay: put back, with their old keys, rows the broker took within its duplicate window, which it then drops as copies")
+
+	s.str(&c.consumer, "consumer", "OUTBOX_CONSUMER", "", "forget-position: the consumer (postgres.Config.Consumer; empty for the default one) whose position of -aggregate is forgotten")
+
+	// Roles.
+	s.str(&c.role, "role", "OUTBOX_ROLE", "", "grants, check: whose privileges: migrator, producer, relay, log-relay, consumer-migrator, consumer or operator; empty for the relay -mode runs")
+	s.str(&c.grantee, "grantee", "OUTBOX_GRANTEE", "", "grants: the database role to grant them to")
+	s.str(&c.schema, "schema", "OUTBOX_SCHEMA", "public", "grants: the schema of the outbox's tables")
 
 	if err := s.fs.Parse(args); err != nil {
 		return c, nil, err
@@ -313,7 +327,7 @@ var passwordKeyword = regexp.MustCompile(`(^|\s)password\s*=`)
 // check is what no single flag can say alone.
 func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	var errs []error
-	if c.database == "" {
+	if c.database == "" && cmd != "provision" && cmd != "grants" {
 		errs = append(errs, errors.New("-database (OUTBOX_DATABASE_URL) is not set"))
 	} else if holdsPassword(c.database) {
 		errs = append(errs, errors.New("-database (OUTBOX_DATABASE_URL): the connection string holds a password; give it in PGPASSWORD or a .pgpass file (PGPASSFILE), which are never printed"))
@@ -370,8 +384,17 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 		errs = append(errs, fmt.Errorf("-cloudevents-source (OUTBOX_CLOUDEVENTS_SOURCE) %q: want a URI-reference, such as /shop", c.cloudEvents))
 	}
 	r := c.replay
-	if given := r.Aggregate != "" || !r.From.IsZero() || !r.To.IsZero() || r.NewKeys; given && cmd != "replay" {
-		errs = append(errs, fmt.Errorf("-aggregate, -from, -to and -new-keys are for replay, not %s", cmd))
+	if given := r.Aggregate != "" || !r.From.IsZero() || !r.To.IsZero() || r.NewKeys || r.AllowDropped; given && cmd != "replay" && cmd != "forget-position" {
+		errs = append(errs, fmt.Errorf("-aggregate, -from, -to, -new-keys and -allow-dropped are for replay (-aggregate for forget-position too), not %s", cmd))
+	}
+	if c.consumer != "" && cmd != "forget-position" {
+		errs = append(errs, fmt.Errorf("-consumer is for forget-position, not %s", cmd))
+	}
+	if cmd == "forget-position" && (r.Aggregate == "" || !r.From.IsZero() || !r.To.IsZero() || r.NewKeys || r.AllowDropped) {
+		errs = append(errs, errors.New("forget-position takes -aggregate (and -consumer), and no other of replay's flags"))
+	}
+	if r.NewKeys && r.AllowDropped {
+		errs = append(errs, errors.New("replay: -new-keys and -allow-dropped: give one (with new keys the broker drops nothing)"))
 	}
 	if cmd == "replay" {
 		switch {
@@ -383,10 +406,24 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 			errs = append(errs, fmt.Errorf("replay: -from %s is not before -to %s", r.From.Format(time.RFC3339Nano), r.To.Format(time.RFC3339Nano)))
 		}
 	}
+	if c.role != "" && !slices.Contains(postgres.Roles, postgres.Role(c.role)) {
+		errs = append(errs, fmt.Errorf("-role %q: want one of %v", c.role, postgres.Roles))
+	}
+	if c.role != "" && cmd != "grants" && cmd != "check" {
+		errs = append(errs, fmt.Errorf("-role is for grants and check, not %s", cmd))
+	}
+	if cmd == "grants" {
+		if !roleName.MatchString(c.grantee) {
+			errs = append(errs, fmt.Errorf("grants: -grantee %q: want the role's name, lowercase letters, digits and '_'", c.grantee))
+		}
+		if !roleName.MatchString(c.schema) {
+			errs = append(errs, fmt.Errorf("grants: -schema %q: want lowercase letters, digits and '_'", c.schema))
+		}
+	}
 	want, known := commands[cmd]
 	switch {
 	case !known:
-		errs = append(errs, fmt.Errorf("unknown command %q: want migrate, run, check, lag, parked, unpark ID, drop ID or replay", cmd))
+		errs = append(errs, fmt.Errorf("unknown command %q: want migrate, migrate-database, migrate-consumer, provision, grants, run, check, lag, parked, unpark ID, drop ID, replay or forget-position", cmd))
 	case fs.NArg() != want && want == 0:
 		errs = append(errs, fmt.Errorf("%s takes no argument, got %q", cmd, fs.Args()))
 	case fs.NArg() != want:
@@ -402,3 +439,6 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 // slotName is what PostgreSQL allows in a replication slot's or a
 // publication's name, as this module makes them.
 var slotName = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
+
+// roleName is a role's or a schema's name as grants writes it, unquoted.
+var roleName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)

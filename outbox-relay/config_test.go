@@ -39,7 +39,7 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 		{[]string{"-cloudevents-source", "/shop two"}, "", `-cloudevents-source (OUTBOX_CLOUDEVENTS_SOURCE) "/shop two": want a URI-reference`},
 		{nil, "OUTBOX_CLOUDEVENTS_SOURCE=%zz", `-cloudevents-source (OUTBOX_CLOUDEVENTS_SOURCE) "%zz"`},
 		{[]string{"-from", "yesterday"}, "", "-from (OUTBOX_REPLAY_FROM) \"yesterday\": want a time as RFC 3339"},
-		{[]string{"-aggregate", "order/1"}, "", "-aggregate, -from, -to and -new-keys are for replay, not run"},
+		{[]string{"-aggregate", "order/1"}, "", "-aggregate, -from, -to, -new-keys and -allow-dropped are for replay (-aggregate for forget-position too), not run"},
 		{[]string{"-retry-delay", "10s", "-max-retry-delay", "5s"}, "", "-max-retry-delay 5s is below -retry-delay 10s"},
 		{[]string{"-retry-delay", "1h"}, "", "-max-retry-delay 5m0s is below -retry-delay 1h0m0s"},
 		{[]string{"-mode", "log", "-standbys", "s1"}, "", "-standbys is for -mode polling"},

@@ -30,6 +30,7 @@ type health struct {
 	notReady    string // why the relay is not ready; "" when it is
 	standby     string // why a log relay stands by; "" when it relays
 	unsent      int64
+	blocking    string // the first failing row and why, as lag says it; "" if none
 	lastSuccess time.Time
 }
 
@@ -58,10 +59,10 @@ func (h *health) setReady(err error) (changed bool) {
 	return changed
 }
 
-func (h *health) setUnsent(n int64) {
+func (h *health) setLag(l postgres.Lag) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.unsent = n
+	h.unsent, h.blocking = l.Unsent, blockingText(l.Blocking)
 }
 
 func (h *health) healthz(w http.ResponseWriter, _ *http.Request) {
@@ -78,24 +79,30 @@ func (h *health) healthz(w http.ResponseWriter, _ *http.Request) {
 
 func (h *health) readyz(w http.ResponseWriter, _ *http.Request) {
 	h.mu.Lock()
-	notReady, standby := h.notReady, h.standby
+	notReady, standby, blocking := h.notReady, h.standby, h.blocking
 	h.mu.Unlock()
 	switch {
 	case notReady != "":
 		http.Error(w, "not ready: "+notReady, http.StatusServiceUnavailable)
+		return
 	case standby != "":
 		fmt.Fprintln(w, "ready: "+standby)
 	default:
 		fmt.Fprintln(w, "ready")
 	}
+	if blocking != "" { // ready, and what holds rows up
+		fmt.Fprintln(w, blocking)
+	}
 }
 
 // checkAll is run's check, bounded in time: the database answers, the
-// schema is at its version, the broker answers and is as configured.
-func checkAll(ctx context.Context, outbox *postgres.Outbox[postgres.SQLTx], b broker) error {
+// schema is at its version, the role has what the relay needs, the broker
+// answers and is as configured.
+func checkAll(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx], b broker) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	return errors.Join(outbox.CheckSchema(ctx), b.Check(ctx))
+	role, extra := part(c)
+	return errors.Join(outbox.CheckSchema(ctx), outbox.CheckPrivileges(ctx, role, extra...), b.Check(ctx))
 }
 
 // relay serves the health endpoints, waits until the database and the
@@ -126,7 +133,7 @@ func relay(ctx context.Context, c config, pgcfg *pgx.ConnConfig, outbox *postgre
 	}
 
 	for {
-		err := checkAll(ctx, outbox, b)
+		err := checkAll(ctx, c, outbox, b)
 		h.setReady(err)
 		if err == nil {
 			break
@@ -196,7 +203,7 @@ func monitor(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQL
 			return
 		case <-t.C:
 		}
-		err := checkAll(ctx, outbox, b)
+		err := checkAll(ctx, c, outbox, b)
 		if ctx.Err() != nil {
 			return
 		}
@@ -211,7 +218,7 @@ func monitor(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQL
 		lag, err := outbox.ReadLag(read)
 		cancel()
 		if err == nil {
-			h.setUnsent(lag.Unsent)
+			h.setLag(lag)
 		}
 	}
 }

@@ -205,7 +205,7 @@ func TestLogRelayMarksEveryRowItDeliversUnderConcurrentClients(t *testing.T) {
 				t.Errorf("the marks gave up on rows: %s", logs.String())
 			}
 			if del { // nothing kept to put back
-				n, err := sqlOutbox(t, db, postgres.Config{}).Replay(ctx, postgres.Replay{From: time.Now().Add(-time.Hour)})
+				n, err := replayedRows(sqlOutbox(t, db, postgres.Config{}).Replay(ctx, postgres.Replay{From: time.Now().Add(-time.Hour)}))
 				if !errors.Is(err, postgres.ErrNotKept) {
 					t.Errorf("Replay after the relay deleted what it delivered = %d, %v; want ErrNotKept", n, err)
 				}

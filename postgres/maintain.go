@@ -44,10 +44,25 @@ type Lag struct {
 	// Scheduled is how many rows wait for their time to deliver
 	// (Event.DeliverAt), still to come: not lag.
 	Scheduled int64
+	// Blocking is the first row, by id, still to publish that failed to
+	// publish at least once, nil if none: the row that holds up the
+	// outbox, or its aggregate's rows behind it, with why.
+	Blocking *BlockingRow
 }
 
-// readLag counts through the three partial indexes, so its cost follows the
-// rows still waiting (and the dead entries vacuum has not yet removed), not
+// A BlockingRow is an unsent row that failed to publish: [Lag.Blocking].
+type BlockingRow struct {
+	ID        int64
+	Key       string
+	Type      string
+	Aggregate string // "" for none
+	Attempts  int    // failed publishes, for any reason
+	LastError string // the last failure's error
+}
+
+// readLag counts through the three partial indexes, and finds the first
+// failing row in the first of them, so its cost follows the rows still
+// waiting (and the dead entries vacuum has not yet removed), not
 // the sent rows the table keeps. A scheduled row whose time has come, and
 // that no pass has released yet, is lag from that time.
 const readLag = `
@@ -55,13 +70,20 @@ WITH due AS (SELECT created_at, attempts FROM outbox
              WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at IS NULL
              UNION ALL
              SELECT deliver_at, attempts FROM outbox
-             WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at <= clock_timestamp())
-SELECT count(*),
-       COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8,
+             WHERE sent_at IS NULL AND parked_at IS NULL AND deliver_at <= clock_timestamp()),
+d AS (SELECT count(*) AS unsent,
+             COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8 AS oldest,
+             count(*) FILTER (WHERE attempts >= $1) AS failing
+      FROM due),
+b AS (SELECT id, message_key::text AS k, type, COALESCE(aggregate, '') AS aggregate, attempts, COALESCE(last_error, '') AS last_error
+      FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL AND attempts > 0
+      ORDER BY id LIMIT 1)
+SELECT d.unsent, d.oldest,
        (SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL AND sent_at IS NULL),
-       count(*) FILTER (WHERE attempts >= $1),
-       (SELECT count(*) FROM outbox WHERE sent_at IS NULL AND deliver_at > clock_timestamp())
-FROM due`
+       d.failing,
+       (SELECT count(*) FROM outbox WHERE sent_at IS NULL AND deliver_at > clock_timestamp()),
+       b.id, b.k, b.type, b.aggregate, b.attempts, b.last_error
+FROM d LEFT JOIN b ON true`
 
 // ReadLag measures the outbox in one query, for a gauge.
 //
@@ -80,10 +102,18 @@ func (o *Outbox[T]) ReadLag(ctx context.Context) (Lag, error) {
 	}
 	var lag Lag
 	var seconds float64
-	if err := o.db.queryRow(ctx, o.t.sql.readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing, &lag.Scheduled); err != nil {
+	var id sql.NullInt64
+	var key, typ, aggregate, lastError sql.NullString
+	var attempts sql.NullInt32
+	if err := o.db.queryRow(ctx, o.t.sql.readLag, FailingAfter).Scan(&lag.Unsent, &seconds, &lag.Parked, &lag.Failing, &lag.Scheduled,
+		&id, &key, &typ, &aggregate, &attempts, &lastError); err != nil {
 		return Lag{}, fmt.Errorf("read the lag of %s: %w", o.t.table, err)
 	}
 	lag.Oldest = time.Duration(seconds * float64(time.Second))
+	if id.Valid {
+		lag.Blocking = &BlockingRow{ID: id.Int64, Key: key.String, Type: typ.String, Aggregate: aggregate.String,
+			Attempts: int(attempts.Int32), LastError: lastError.String}
+	}
 	return lag, nil
 }
 

@@ -480,3 +480,48 @@ type planNode struct {
 	Read     int64      `json:"Shared Read Blocks"`
 	Plans    []planNode `json:"Plans"`
 }
+
+// ReadLag names the first unsent row that failed to publish, with its
+// attempts and last error, and none once it is sent.
+func TestReadLagNamesTheRowThatHoldsTheOutboxUp(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	ob := sqlOutbox(t, db, postgres.Config{})
+	first := written(ctx, t, db, "order/1", 1)
+	written(ctx, t, db, "order/1", 2)
+	if lag, err := ob.ReadLag(ctx); err != nil || lag.Blocking != nil {
+		t.Fatalf("ReadLag with nothing failed = %+v, %v; want no blocking row", lag, err)
+	}
+	down := brokerFunc(func(context.Context, postgres.Message) error {
+		return fmt.Errorf("payload over the limit: %w", postgres.ErrRejected)
+	})
+	relay := newRelayOn(t, ob, down, postgres.RelayConfig{NeverPark: true, WholeTable: true})
+	for range 2 {
+		relay.PublishPending(ctx)
+		if _, err := db.Exec(`UPDATE outbox SET retry_at = NULL`); err != nil { // its next attempt now
+			t.Fatal(err)
+		}
+	}
+	lag, err := ob.ReadLag(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := lag.Blocking; b == nil || b.ID != first || b.Attempts != 2 || b.Aggregate != "order/1" || b.Type != "OrderPlaced" ||
+		b.Key == "" || !strings.Contains(b.LastError, "payload over the limit") {
+		t.Fatalf("Blocking = %+v; want row %d, 2 attempts, its error", b, first)
+	}
+	if _, err := db.Exec(`UPDATE outbox SET retry_at = NULL`); err != nil {
+		t.Fatal(err)
+	}
+	up := newRelayOn(t, ob, &recorder{})
+	for sent := 0; sent < 2; {
+		n, err := up.PublishPending(ctx)
+		if n == 0 || err != nil {
+			t.Fatalf("pass = %d, %v after %d sent", n, err, sent)
+		}
+		sent += n
+	}
+	if lag, err := ob.ReadLag(ctx); err != nil || lag.Blocking != nil {
+		t.Errorf("ReadLag once sent = %+v, %v; want no blocking row", lag.Blocking, err)
+	}
+}

@@ -20,8 +20,23 @@ import (
 // behind the DDL: run at each start of a service, it queues the service's
 // own writes.
 
-//go:embed migrations/*.sql
+//go:embed migrations/*.sql migrations/consumer/*.sql
 var migrationFiles embed.FS
+
+// consumerMigrations is the consumer's set: its tables alone, recorded in
+// outbox_consumer_migrations, one set for every consumer and every outbox
+// of the database.
+var consumerMigrations = func() *MigrationSet {
+	s, err := NewMigrationSet(migrationFiles, "migrations/consumer", "outbox_consumer_migrations", 7_468_327_002)
+	if err != nil {
+		panic(err) // a bug of this package
+	}
+	return s
+}()
+
+// ConsumerSchemaVersion is the number of the consumer's set's last
+// migration: the version [Outbox.CheckConsumerSchema] wants.
+var ConsumerSchemaVersion = consumerMigrations.Version()
 
 // The outbox's migrations are recorded in outbox_migrations (an Outbox
 // of another table, in <table>_migrations); the name carries the module's
@@ -57,17 +72,20 @@ var ErrSchemaVersion = errors.New("postgres: database schema is not at this pack
 // migration that <table>_migrations (outbox_migrations for the table outbox)
 // does not record yet, each in a transaction of its own with its record, so
 // that a migration is applied whole or not at all. It is idempotent: run
-// again, it applies nothing; run by two processes at once, the second waits
-// for the first, up to [MigrationLockWait], and then applies nothing (past
-// that it gives up with an error wrapping [ErrMigratorBusy], having applied
-// nothing). Each statement waits at most [MigrationLockTimeout] for a lock;
-// a migration that times out is rolled back and Migrate returns an error
-// saying which, to be run again.
+// again, it applies nothing, and on a database already at [SchemaVersion]
+// it only reads the record (a role with SELECT on it may run it); run
+// by two processes at once, the second waits for the first, up to
+// [MigrationLockWait], and then applies nothing (past that it gives up
+// with an error wrapping [ErrMigratorBusy], having applied nothing). Each
+// statement waits at most [MigrationLockTimeout] for a lock; a migration
+// that times out is rolled back and Migrate returns an error saying which,
+// to be run again.
 //
 // It creates the outbox table, its indexes and its NOTIFY trigger, for a
 // producer, and processed_messages and aggregate_positions, for a consumer
-// ([Outbox.ApplyOnce]); a service that is only one of the two leaves the other's
-// tables empty. It touches no other table: a team's own tables have
+// ([Outbox.ApplyOnce]), as its first versions did; a producer leaves those
+// empty. A consumer's database needs only those: [Outbox.MigrateConsumer]
+// makes them alone. It touches no other table: a team's own tables have
 // migrations of their own.
 //
 // Run it as a step of its own, before the services start: the shop's
@@ -78,6 +96,35 @@ func (o *Outbox[T]) Migrate(ctx context.Context) error {
 		return err
 	}
 	return o.t.migrations.apply(ctx, o.db)
+}
+
+// MigrateConsumer brings the consumer's tables of o's database,
+// processed_messages and aggregate_positions, to [ConsumerSchemaVersion]:
+// a set of migrations of their own, recorded in
+// outbox_consumer_migrations, which creates no outbox table. A consumer
+// whose database holds no outbox runs it instead of [Outbox.Migrate], as
+// a step of its own, and calls [Outbox.CheckConsumerSchema] at start-up.
+// A database that is both runs both; the outbox's migrations make these
+// tables too, and this set takes them as they are. Every consumer of the
+// database keeps its records in them under its own name
+// ([Config.Consumer]). It applies, waits and gives up as Migrate does,
+// and on a database at its version only reads its record; its role needs
+// USAGE and CREATE on the schema and nothing else ([RoleConsumerMigrator]).
+func (o *Outbox[T]) MigrateConsumer(ctx context.Context) error {
+	if err := o.usable(); err != nil {
+		return err
+	}
+	return consumerMigrations.apply(ctx, o.db)
+}
+
+// CheckConsumerSchema reports, with an error wrapping [ErrSchemaVersion],
+// a database whose consumer's tables are not at [ConsumerSchemaVersion]
+// ([Outbox.MigrateConsumer]). It reads one table and takes no lock.
+func (o *Outbox[T]) CheckConsumerSchema(ctx context.Context) error {
+	if err := o.usable(); err != nil {
+		return err
+	}
+	return consumerMigrations.check(ctx, o.db)
 }
 
 // CheckSchema reports, with an error wrapping [ErrSchemaVersion], a database
@@ -172,7 +219,9 @@ func (s *MigrationSet) Version() int { return s.migrations[len(s.migrations)-1].
 
 // Apply applies, in order, each migration of s that its table does not
 // record yet, each in a transaction of its own with its record, so that a
-// migration is applied whole or not at all. Run again, it applies nothing;
+// migration is applied whole or not at all. Run again, it applies nothing,
+// and on a database already at the set's version it only reads the
+// record, so a role that may read it and nothing more may run it;
 // run by two processes at once, the second waits for the first, up to
 // [MigrationLockWait], and then applies nothing (past that it gives up with
 // an error wrapping [ErrMigratorBusy], having applied nothing). Each
@@ -187,6 +236,14 @@ func (s *MigrationSet) Apply(ctx context.Context, db *sql.DB) error {
 }
 
 func (s *MigrationSet) apply(ctx context.Context, db pool) error {
+	// A database already at the version needs nothing, and is left
+	// without a statement that needs a privilege beyond reading the
+	// record: CREATE TABLE IF NOT EXISTS needs CREATE on the schema even
+	// when the table exists, and a role that may only read (a relay's,
+	// provisioning its broker) runs Migrate too.
+	if s.check(ctx, db) == nil {
+		return nil
+	}
 	for _, m := range s.migrations {
 		err := s.applyOne(ctx, db, m)
 		switch {

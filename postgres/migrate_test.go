@@ -299,3 +299,46 @@ func TestNewMigrationSetRefusesBadFilesAndNames(t *testing.T) {
 		t.Fatalf("NewMigrationSet of two files = %v, %v; want version 2", s, err)
 	}
 }
+
+// The consumer's set makes the consumer's tables alone in a blank
+// database, and in one whose tables predate the outbox's migration 9 (the
+// schema before migrations) brings them to the same shape, keeping what
+// they hold as the default consumer's; the outbox's set run after it, or
+// before it, finds nothing to change. CheckConsumerSchema wants the set.
+func TestConsumerSetMakesTheConsumersTablesAloneAndTakesOldOnesAsTheyAre(t *testing.T) {
+	ctx := context.Background()
+	blank := sqlOutbox(t, open(t, newBlankDatabase(t), ""), postgres.Config{Consumer: "billing"})
+	if err := blank.CheckConsumerSchema(ctx); !errors.Is(err, postgres.ErrSchemaVersion) {
+		t.Errorf("CheckConsumerSchema before MigrateConsumer = %v; want ErrSchemaVersion", err)
+	}
+	if err := errors.Join(blank.MigrateConsumer(ctx), blank.MigrateConsumer(ctx), blank.CheckConsumerSchema(ctx)); err != nil {
+		t.Fatal(err)
+	}
+	if err := blank.CheckSchema(ctx); !errors.Is(err, postgres.ErrSchemaVersion) {
+		t.Errorf("CheckSchema of a consumer's database = %v; want ErrSchemaVersion (no outbox there)", err)
+	}
+	msg := postgres.Message{Key: "k1", Type: "OrderPlaced", Aggregate: "order/1", Seq: 1}
+	none := func(context.Context, postgres.SQLTx) error { return nil }
+	if applied, err := blank.ApplyOnce(ctx, msg, postgres.ApplyOptions{}, none); !applied || err != nil {
+		t.Fatalf("ApplyOnce in a consumer's database: %v, %v", applied, err)
+	}
+
+	db := atTheSchemaBeforeMigrations(t)
+	if _, err := db.Exec(`INSERT INTO processed_messages (message_key) VALUES ('applied-before')`); err != nil {
+		t.Fatal(err)
+	}
+	old := sqlOutbox(t, db, postgres.Config{})
+	if err := old.MigrateConsumer(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if applied, err := old.ApplyOnce(ctx, postgres.Message{Key: "applied-before", Type: "OrderPlaced"}, postgres.ApplyOptions{}, none); applied || err != nil {
+		t.Errorf("a key kept before the consumer's set: applied %v, %v; want a copy", applied, err)
+	}
+	if err := errors.Join(old.Migrate(ctx), old.CheckSchema(ctx), old.CheckConsumerSchema(ctx)); err != nil {
+		t.Fatal(err)
+	}
+	var pk string
+	if err := db.QueryRow(`SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'processed_messages_pkey'`).Scan(&pk); err != nil || pk != "PRIMARY KEY (consumer, message_key)" {
+		t.Errorf("processed_messages' key = %q, %v", pk, err)
+	}
+}

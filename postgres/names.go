@@ -50,7 +50,7 @@ var defaultTables = func() *tables {
 // 40 bytes so that the names made from it fit PostgreSQL's 63. Any other
 // name is refused with an error wrapping ErrInvalidConfig.
 func newTables(table string) (*tables, error) {
-	if !tableName.MatchString(table) {
+	if !tableNames.MatchString(table) {
 		return nil, fmt.Errorf("%w: Config.Table %q: want lowercase letters, digits and '_', starting with a letter, at most 40 bytes", ErrInvalidConfig, table)
 	}
 	o := &tables{table: table}
@@ -79,7 +79,7 @@ func newTables(table string) (*tables, error) {
 	return o, nil
 }
 
-var tableName = regexp.MustCompile(`^[a-z][a-z0-9_]{0,39}$`)
+var tableNames = regexp.MustCompile(`^[a-z][a-z0-9_]{0,39}$`)
 
 // outboxName matches the names the package's SQL gives the default
 // outbox's objects, each a whole word.

@@ -77,14 +77,14 @@ func replays[T any](t *testing.T, ob *postgres.Outbox[T], db *sql.DB) {
 		return ids, sameKeys
 	}
 
-	n, err := ob.Replay(ctx, postgres.Replay{Aggregate: "A"})
+	n, err := replayedRows(ob.Replay(ctx, postgres.Replay{Aggregate: "A"}))
 	if n != 2 || err != nil {
 		t.Fatalf("Replay of A = %d, %v; want 2", n, err)
 	}
 	if ids, same := show(drain()); !slices.Equal(ids, []int64{1, 3}) || same != 2 {
 		t.Errorf("after the replay of A the broker got %v, %d with their keys; want [1 3], both", ids, same)
 	}
-	n, err = ob.Replay(ctx, postgres.Replay{Aggregate: "A", NewKeys: true})
+	n, err = replayedRows(ob.Replay(ctx, postgres.Replay{Aggregate: "A", NewKeys: true}))
 	if n != 2 || err != nil {
 		t.Fatalf("Replay of A with new keys = %d, %v; want 2", n, err)
 	}
@@ -95,7 +95,7 @@ func replays[T any](t *testing.T, ob *postgres.Outbox[T], db *sql.DB) {
 	if err := db.QueryRow(`SELECT min(created_at) FROM outbox`).Scan(&oldest); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := ob.Replay(ctx, postgres.Replay{From: oldest, To: time.Now().Add(time.Hour)}); n != 3 || err != nil {
+	if n, err := replayedRows(ob.Replay(ctx, postgres.Replay{From: oldest, To: time.Now().Add(time.Hour)})); n != 3 || err != nil {
 		t.Fatalf("Replay from the oldest row = %d, %v; want 3", n, err)
 	}
 	if ids, _ := show(drain()); !slices.Equal(ids, []int64{1, 2, 3}) {
@@ -127,7 +127,7 @@ func replays[T any](t *testing.T, ob *postgres.Outbox[T], db *sql.DB) {
 		{postgres.Replay{Aggregate: "C"}, postgres.ErrNotKept, "before seq 2 are gone"},
 		{postgres.Replay{From: bulkFrom}, postgres.ErrReplayTooLarge, fmt.Sprintf("%d sent rows", postgres.MaxReplay+1)},
 	} {
-		n, err := ob.Replay(ctx, c.r)
+		n, err := replayedRows(ob.Replay(ctx, c.r))
 		if n != 0 || !errors.Is(err, c.want) || !strings.Contains(err.Error(), c.says) {
 			t.Errorf("Replay(%v) = %d, %v; want %v saying %q", c.r, n, err, c.want, c.says)
 		}
@@ -139,5 +139,49 @@ func replays[T any](t *testing.T, ob *postgres.Outbox[T], db *sql.DB) {
 	}
 	if unsent != 0 {
 		t.Errorf("%d rows unsent after the refused replays, want none put back", unsent)
+	}
+}
+
+// replayedRows is Replay's result as the rows it put back.
+func replayedRows(r postgres.ReplayResult, err error) (int64, error) { return r.Rows, err }
+
+// A replay with the old keys of rows the broker took within its duplicate
+// window is refused, naming how many and until when, and writes nothing;
+// allowed, it counts them as dropped. Rows sent before the window, or a
+// replay with new keys, go as usual.
+func TestReplayInsideTheDuplicateWindowIsRefusedUnlessAllowed(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	ob := sqlOutbox(t, db, postgres.Config{})
+	for seq := int64(1); seq <= 3; seq++ {
+		written(ctx, t, db, "A", seq)
+	}
+	// A1 was sent an hour ago, A2 and A3 a moment ago.
+	if _, err := db.Exec(`UPDATE outbox SET sent_at = CASE seq WHEN 1 THEN now() - interval '1 hour' ELSE now() END`); err != nil {
+		t.Fatal(err)
+	}
+	window := 2 * time.Minute
+	r := postgres.Replay{Aggregate: "A", DuplicateWindow: window}
+	res, err := ob.Replay(ctx, r)
+	if res != (postgres.ReplayResult{}) || !errors.Is(err, postgres.ErrInDuplicateWindow) || !strings.Contains(err.Error(), "2 of its 3 rows") {
+		t.Fatalf("Replay inside the window = %+v, %v; want ErrInDuplicateWindow naming 2 of 3", res, err)
+	}
+	if n := count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 0 {
+		t.Fatalf("a refused replay put back %d rows", n)
+	}
+	r.AllowDropped = true
+	before := time.Now()
+	if res, err = ob.Replay(ctx, r); err != nil || res.Rows != 3 || res.Dropped != 2 || res.Until.Before(before.Add(window-time.Minute)) {
+		t.Fatalf("Replay allowing copies dropped = %+v, %v; want 3 rows, 2 dropped, until about %v", res, err, before.Add(window))
+	}
+	if _, err := db.Exec(`UPDATE outbox SET sent_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	r = postgres.Replay{Aggregate: "A", DuplicateWindow: window, NewKeys: true}
+	if res, err = ob.Replay(ctx, r); err != nil || res.Rows != 3 || res.Dropped != 0 {
+		t.Fatalf("Replay with new keys = %+v, %v; want 3 rows, none dropped", res, err)
+	}
+	if res, err = ob.Replay(ctx, postgres.Replay{Aggregate: "A", DuplicateWindow: -time.Second}); !errors.Is(err, postgres.ErrInvalidReplay) {
+		t.Errorf("a negative window = %+v, %v; want ErrInvalidReplay", res, err)
 	}
 }

@@ -340,7 +340,7 @@ func TestAReplayWithNewKeysAppliesAgainOnceThePositionIsForgotten(t *testing.T) 
 	}
 	replay := func() {
 		t.Helper()
-		if n, err := ob.Replay(ctx, postgres.Replay{Aggregate: "A", NewKeys: true}); n != 2 || err != nil {
+		if n, err := replayedRows(ob.Replay(ctx, postgres.Replay{Aggregate: "A", NewKeys: true})); n != 2 || err != nil {
 			t.Fatalf("replay: %d, %v; want A1 and A2 put back", n, err)
 		}
 	}
@@ -531,13 +531,13 @@ func TestReplayRefusesWhatCleanupCutWhateverTheTableStillHolds(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, r := range []postgres.Replay{{From: x1}, {Aggregate: "X"}, {Aggregate: "X", From: x1}} {
-		n, err := ob.Replay(ctx, r)
+		n, err := replayedRows(ob.Replay(ctx, r))
 		t.Logf("%s: %d, %v", r, n, err)
 		if n != 0 || !errors.Is(err, postgres.ErrNotKept) {
 			t.Errorf("Replay of %s: %d, %v; want ErrNotKept, X2 being gone", r, n, err)
 		}
 	}
-	if n, err := ob.Replay(ctx, postgres.Replay{From: x3}); n != 1 || err != nil {
+	if n, err := replayedRows(ob.Replay(ctx, postgres.Replay{From: x3})); n != 1 || err != nil {
 		t.Fatalf("Replay from X3's time: %d, %v; want X3 put back", n, err)
 	}
 }
@@ -566,7 +566,7 @@ func TestMigrationsKeepWhatCameBefore(t *testing.T) {
 		func(context.Context, postgres.SQLTx) error { return nil }); applied || err != nil {
 		t.Fatalf("a key recorded before migration 9: applied %v, %v; want a copy", applied, err)
 	}
-	if n, err := ob.Replay(ctx, postgres.Replay{From: written}); n != 0 || !errors.Is(err, postgres.ErrNotKept) {
+	if n, err := replayedRows(ob.Replay(ctx, postgres.Replay{From: written})); n != 0 || !errors.Is(err, postgres.ErrNotKept) {
 		t.Fatalf("a replay of rows written before migration 10: %d, %v; want ErrNotKept", n, err)
 	}
 }

@@ -181,7 +181,12 @@ func migrate(ctx context.Context, db *sql.DB, s setup, out io.Writer) error {
 	if err != nil {
 		return err
 	}
+	// The shop is both: the outbox's set, and the consumer's (the
+	// warehouse's keys and positions).
 	if err := ob.Migrate(ctx); err != nil {
+		return err
+	}
+	if err := ob.MigrateConsumer(ctx); err != nil {
 		return err
 	}
 	if s.relay == "log" { // the log relay's slot, before any order it must see
@@ -260,7 +265,7 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 	if err != nil {
 		return err
 	}
-	if err := errors.Join(ob.CheckSchema(ctx), shop.CheckSchema(ctx, db)); err != nil {
+	if err := errors.Join(ob.CheckSchema(ctx), ob.CheckConsumerSchema(ctx), shop.CheckSchema(ctx, db)); err != nil {
 		return err
 	}
 

@@ -1,0 +1,3 @@
+module example.com/patterns/enterprise/outbox/kit
+
+go 1.26.0
