@@ -17,7 +17,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -190,4 +192,33 @@ func CheckStream(ctx context.Context, js jetstream.JetStream, want jetstream.Str
 		return fmt.Errorf("%w: stream %s does not allow batch publishing, which the relays' batches need to keep their order", ErrStreamConfig, want.Name)
 	}
 	return nil
+}
+
+// ErrPublishRefused is wrapped by [CheckPublish]'s error when the server
+// did not let a publish to the subject reach a stream.
+var ErrPublishRefused = errors.New("natsbroker: a publish to the subject does not reach a stream")
+
+// CheckPublish reports whether js's connection may publish to subject and a
+// stream takes it, storing nothing: it publishes an empty message that
+// expects the stream's last sequence to be one no stream reaches, which a
+// stream that takes the subject refuses as out of sequence, having checked
+// everything else. Any other answer, or none before ctx ends (a user the
+// server does not allow to publish there gets none), is an error wrapping
+// ErrPublishRefused that says what the server said, a permission it
+// refused included. The relay process's check runs it on a subject of the
+// relay's prefix.
+func CheckPublish(ctx context.Context, js jetstream.JetStream, subject string) error {
+	_, err := js.Publish(ctx, subject, nil, jetstream.WithExpectLastSequence(math.MaxUint64))
+	var apiErr *jetstream.APIError
+	switch {
+	case errors.As(err, &apiErr) && (apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
+		apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant):
+		return nil // it reached the stream, which stored nothing
+	case err == nil:
+		return fmt.Errorf("%w: a publish to %s expecting no stream's sequence was stored", ErrPublishRefused, subject)
+	}
+	if last := js.Conn().LastError(); last != nil && strings.Contains(strings.ToLower(last.Error()), "permissions violation") {
+		return fmt.Errorf("%w: %s: the server refused it: %w", ErrPublishRefused, subject, last)
+	}
+	return fmt.Errorf("%w: %s: %w", ErrPublishRefused, subject, err)
 }

@@ -187,7 +187,14 @@ func (b *natsBroker) Check(ctx context.Context) error {
 	if !b.nc.IsConnected() {
 		return fmt.Errorf("NATS: not connected (%s)", b.nc.Status())
 	}
-	return natsbroker.CheckStream(ctx, b.js, b.stream)
+	if err := natsbroker.CheckStream(ctx, b.js, b.stream); err != nil {
+		return err
+	}
+	// A publish allowed and taken by the stream, storing nothing; a user
+	// the server does not allow gets no answer, so a bound of its own.
+	probe, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	return natsbroker.CheckPublish(probe, b.js, b.names.SubjectPrefix()+"OutboxRelayCheck")
 }
 
 func (b *natsBroker) Publisher() postgres.MessageBroker { return b.publisher }

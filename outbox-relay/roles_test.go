@@ -1,7 +1,10 @@
 package main
 
 import (
+	"time"
+
 	"fmt"
+	"github.com/nats-io/nats-server/v2/server"
 	"io"
 	"os"
 	"strings"
@@ -156,5 +159,41 @@ func TestReadmeGrantsBlockIsWhatGrantsPrints(t *testing.T) {
 	}
 	if blocks == 0 {
 		t.Fatal("no grants block in the README")
+	}
+}
+
+// check tries a publish as the broker's user, storing nothing: a user that
+// may use JetStream's API and not publish under the stream's subjects is
+// named by the broker's line, the permission the server refused in it.
+func TestCheckTriesAPublishAsTheBrokersUser(t *testing.T) {
+	e := newEnv(t)
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoSigs: true,
+		Users: []*server.User{
+			{Username: "relay", Password: "relay-pw"},
+			{Username: "reader", Password: "reader-pw", Permissions: &server.Permissions{
+				Publish: &server.SubjectPermission{Allow: []string{"$JS.API.>", "_INBOX.>"}},
+			}},
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Start()
+	t.Cleanup(srv.Shutdown)
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("the JetStream server did not start")
+	}
+	e.natsURL = srv.ClientURL()
+	e.environ = append(e.environ, "OUTBOX_NATS_PASSWORD=relay-pw")
+	if code, out := e.runOnce("migrate", "-nats-user", "relay"); code != 0 {
+		t.Fatalf("migrate exited %d:\n%s", code, out)
+	}
+	if code, out := e.runOnce("check", "-nats-user", "relay"); code != 0 || !strings.Contains(out, "ok    broker") {
+		t.Errorf("check as a user that may publish exited %d:\n%s", code, out)
+	}
+	e.environ = append(e.environ, "OUTBOX_NATS_PASSWORD=reader-pw")
+	code, out := e.runOnce("check", "-nats-user", "reader")
+	if code != 1 || !strings.Contains(out, "FAIL  broker: natsbroker: a publish to the subject does not reach a stream: outbox.OutboxRelayCheck") ||
+		!strings.Contains(strings.ToLower(out), "permissions violation") {
+		t.Errorf("check as a user that may not publish exited %d; want the broker's line naming the permission:\n%s", code, out)
 	}
 }
