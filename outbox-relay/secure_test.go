@@ -10,6 +10,7 @@ import (
 	"context"
 	"database/sql"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -57,9 +58,11 @@ func (e *env) writeOrder(id int) error {
 }
 
 // readmeEnv is the README's block of variables marked <!-- env: name -->,
-// each line NAME=VALUE, with the values swap gives in place of the README's
-// (its hosts and files); every name in swap must be in the block, and the
-// block at most ten lines.
+// as sh reads it: the block, as printed, sourced by sh with set -a, each
+// line NAME=VALUE a variable whose value must be the one the line means
+// (a value with a space unquoted is cut there). Then swap's values replace
+// the README's (its hosts and files); every name in swap must be in the
+// block, and the block at most ten lines.
 func readmeEnv(t *testing.T, name string, swap map[string]string) []string {
 	t.Helper()
 	readme, err := os.ReadFile("README.md")
@@ -71,12 +74,35 @@ func readmeEnv(t *testing.T, name string, swap map[string]string) []string {
 	if !ok || !ok2 {
 		t.Fatalf("README.md has no block <!-- env: %s -->", name)
 	}
+	file := filepath.Join(t.TempDir(), name+".env")
+	if err := os.WriteFile(file, []byte(block), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("sh", "-c", `set -a; . "$1"; set +a; env -0`, "sh", file)
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("sh sourcing README.md's %s block: %v", name, err)
+	}
+	sourced := map[string]string{}
+	for kv := range strings.SplitSeq(string(out), "\x00") {
+		if key, value, ok := strings.Cut(kv, "="); ok && strings.HasPrefix(key, "OUTBOX_") {
+			sourced[key] = value
+		}
+	}
 	var env []string
 	used := map[string]bool{}
 	for line := range strings.SplitSeq(strings.TrimSpace(block), "\n") {
-		key, value, ok := strings.Cut(line, "=")
+		key, meant, ok := strings.Cut(line, "=")
 		if !ok || !strings.HasPrefix(key, "OUTBOX_") {
 			t.Fatalf("README.md's %s block: %q is not OUTBOX_NAME=value", name, line)
+		}
+		if len(meant) >= 2 && meant[0] == '\'' && meant[len(meant)-1] == '\'' {
+			meant = meant[1 : len(meant)-1]
+		}
+		value, ok := sourced[key]
+		if !ok || value != meant {
+			t.Errorf("README.md's %s block, sourced by sh: %s is %q, where the line means %q", name, key, value, meant)
 		}
 		if v, ok := swap[key]; ok {
 			value, used[key] = v, true

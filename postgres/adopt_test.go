@@ -5,12 +5,15 @@ package postgres_test
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // The README's "What to copy" names files and folders that build alone:
@@ -94,10 +97,14 @@ func goCmd(t *testing.T, dir string, args ...string) {
 }
 
 // The adopter's page, ADOPTING.md, shows the lines a team on pgxpool
-// writes: open the outbox, write a change and its event in one pgx.Tx, run
-// the relay, apply a message once. The block builds as it is, in a module
-// outside the repository that requires this one, inside a function that
-// gives it the names it uses.
+// writes: open the outbox, write a change and its event in one pgx.Tx, its
+// Seq read under the aggregate's row lock, run the relay, apply a message
+// once. The block builds as it is, in a module outside the repository that
+// requires this one, inside a function that gives it the names it uses,
+// and runs there against a database of its own, twice: the relay publishes
+// account/17's events 1 and 2, in order, each once, and the consumer
+// applies its message once and drops it the second time. (Caught: a block
+// whose Seq came from nowhere and whose Aggregate was a bare number.)
 func TestAdoptingPageBuilds(t *testing.T) {
 	page, err := os.ReadFile("ADOPTING.md")
 	if err != nil {
@@ -115,7 +122,7 @@ func TestAdoptingPageBuilds(t *testing.T) {
 		t.Errorf("the block is %d lines; the page promises a short one", n)
 	}
 	dir := t.TempDir()
-	src := `package adopting
+	src := `package main
 
 import (
 	"context"
@@ -127,15 +134,121 @@ import (
 )
 
 func adopt(ctx context.Context, pool *pgxpool.Pool, broker postgres.MessageBroker, msg postgres.Message,
-	id int64, plan string, seq int64) error {
+	id int64, plan string) error {
 ` + block + `}
 `
 	teamModule(t, dir)
-	if err := os.WriteFile(filepath.Join(dir, "adopting.go"), []byte(src), 0o644); err != nil {
+	if err := errors.Join(os.WriteFile(filepath.Join(dir, "adopting.go"), []byte(src), 0o644),
+		os.WriteFile(filepath.Join(dir, "main.go"), []byte(adoptingMain), 0o644)); err != nil {
 		t.Fatal(err)
 	}
 	goCmd(t, dir, "build", "./...")
+
+	name := newBlankDatabase(t)
+	cfg := pgtest.Config
+	cmd := exec.Command("go", "run", ".")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod", "GOWORK=off",
+		fmt.Sprintf("ADOPTING_DATABASE=host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, cfg.User, name))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("the block, run: %v\n%s", err, out)
+	}
+	t.Logf("the block, run:\n%s", out)
+	if !strings.Contains(string(out), "published: account/17 1, account/17 2; invoices: 1") {
+		t.Errorf("the block, run twice, said:\n%s\nwant account/17's events 1 and 2 published and one invoice", out)
+	}
 }
+
+// adoptingMain runs ADOPTING.md's block (adopt) twice against the database
+// ADOPTING_DATABASE names, the relay publishing to a broker that keeps
+// what it is given, and the consumer handed the same message each time.
+const adoptingMain = `package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"example.com/patterns/enterprise/outbox/postgres"
+)
+
+type broker struct {
+	mu   sync.Mutex
+	msgs []postgres.Message
+}
+
+func (b *broker) Publish(_ context.Context, m postgres.Message) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.msgs = append(b.msgs, m)
+	return nil
+}
+
+func (b *broker) published() []postgres.Message {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]postgres.Message(nil), b.msgs...)
+}
+
+func main() {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pool, err := pgxpool.New(ctx, os.Getenv("ADOPTING_DATABASE"))
+	if err != nil {
+		fail(err)
+	}
+	defer pool.Close()
+	ob, err := postgres.Open(pool, postgres.Config{})
+	if err != nil {
+		fail(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		fail(err)
+	}
+	if _, err := pool.Exec(ctx, ` + "`" + `
+		CREATE TABLE accounts (id bigint PRIMARY KEY, plan text NOT NULL, events bigint NOT NULL DEFAULT 0);
+		CREATE TABLE invoices (account bigint NOT NULL, plan text NOT NULL);
+		INSERT INTO accounts (id, plan) VALUES (17, 'free')` + "`" + `); err != nil {
+		fail(err)
+	}
+	b := &broker{}
+	msg := postgres.Message{Key: "delivered-once", Type: "PlanChanged", Payload: "{}", Aggregate: "account/17", Seq: 1}
+	for _, plan := range []string{"pro", "max"} {
+		if err := adopt(ctx, pool, b, msg, 17, plan); err != nil {
+			fail(err)
+		}
+	}
+	for len(b.published()) < 2 {
+		select {
+		case <-ctx.Done():
+			fail(fmt.Errorf("published %d of 2 events", len(b.published())))
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	var invoices int
+	if err := pool.QueryRow(ctx, ` + "`SELECT count(*) FROM invoices`" + `).Scan(&invoices); err != nil {
+		fail(err)
+	}
+	fmt.Print("published: ")
+	for i, m := range b.published() {
+		if i > 0 {
+			fmt.Print(", ")
+		}
+		fmt.Print(m.Aggregate, " ", m.Seq)
+	}
+	fmt.Printf("; invoices: %d\n", invoices)
+}
+
+func fail(err error) {
+	fmt.Fprintln(os.Stderr, err)
+	os.Exit(1)
+}
+`
 
 // teamModule makes dir a team's module, example.org/team/app, that requires
 // this one through a replace line, with this module's go.sum, as a team's
