@@ -161,8 +161,16 @@ func newHandler(db *sql.DB, ob *postgres.Outbox[postgres.SQLTx], orders orderPla
 			writeJSON(w, http.StatusInternalServerError, problem("cannot read the outbox"))
 			return
 		}
-		if warehouse != nil { // what the warehouse applied, and the copies it dropped by key
-			view["warehouse"] = map[string]int64{"applied": warehouse.applied.Load(), "duplicates": warehouse.duplicates.Load()}
+		// What the warehouse applied and the copies it dropped by key, and
+		// the copies the broker dropped before the warehouse saw them (a
+		// lost ack's, within JetStream's duplicate window): counted since
+		// this process started, which "since" says.
+		if warehouse != nil {
+			view["warehouse"] = map[string]any{"applied": warehouse.applied.Load(), "duplicates": warehouse.duplicates.Load(),
+				"since": warehouse.since.UTC().Format(time.RFC3339)}
+		}
+		if broker != nil {
+			view["broker"] = map[string]int64{"duplicates": broker.Dropped()}
 		}
 		if broker != nil {
 			// The broker gets a short bound of its own: while it is down the

@@ -330,6 +330,7 @@ func (p lossySequences) PublishSequence(ctx context.Context, msgs []postgres.Mes
 type countingHandler struct {
 	handler
 	applied, duplicates atomic.Int64
+	since               time.Time // when the counts began: the process's start
 }
 
 func (c *countingHandler) Handle(ctx context.Context, msg postgres.Message) (bool, error) {

@@ -320,7 +320,7 @@ func serve(ctx context.Context, ln net.Listener, dbs *pools, s setup, out io.Wri
 		}
 		runs = logRelay
 	}
-	counted := &countingHandler{handler: shop.NewWarehouse(dbs.warehouse)}
+	counted := &countingHandler{handler: shop.NewWarehouse(dbs.warehouse), since: time.Now()}
 	warehouse, err := broker.Warehouse(counted, logger, m.provider)
 	if err != nil {
 		return err
