@@ -6,7 +6,7 @@
 #
 #   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
 #   make example                             the article's scenario and the crash table, printed
-#   make minimum                             the minimum real outbox (postgres/minimum): its example, the article's scenario, on a throwaway PostgreSQL
+#   make minimum                             the minimum real outbox (postgres/minimum): its example (the article's scenario, then a lost ack and the copy dropped), on a throwaway PostgreSQL
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of shop/ on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #
@@ -117,7 +117,8 @@ define module-tests
 endef
 
 # The minimum real outbox, postgres/minimum: its example prints the
-# article's scenario on a throwaway PostgreSQL (go test checks the output).
+# article's scenario, then a lost ack and the copy the consumer drops, on a
+# throwaway PostgreSQL (go test checks the output).
 minimum:
 	OUTBOX_TRANSCRIPT=1 postgres/with-server.sh bash -c 'cd postgres && $(GO) test -count=1 -v -run "^(Example|Test)" ./minimum' 2>&1 | grep -v '^=== '
 

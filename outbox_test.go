@@ -645,11 +645,12 @@ func TestStressApplicationUnderLoadPublishesEveryOrderOnce(t *testing.T) {
 	const seed = 20261130
 	t.Logf("seed %d", seed)
 	db, broker := new(outbox.Database), new(outbox.InMemoryBroker)
-	var failedPasses atomic.Int64
+	var failedPasses, passes atomic.Int64
 	handler, stop := startApp(db, broker, time.Millisecond, func(_ int, err error) {
 		if err != nil {
 			failedPasses.Add(1)
 		}
+		passes.Add(1)
 	})
 	shop := httptest.NewServer(handler)
 	defer shop.Close()
@@ -667,7 +668,7 @@ func TestStressApplicationUnderLoadPublishesEveryOrderOnce(t *testing.T) {
 				return
 			}
 			committed.Add(1)
-			if !waitFor(func() bool { return failedPasses.Load() > failed }) {
+			if !waitForPass(&passes, func() bool { return failedPasses.Load() > failed }) {
 				t.Error("no relay pass met the broker while it was down")
 			}
 			broker.SetDown(false)
@@ -849,4 +850,28 @@ func do(t *testing.T, method, url, body string) (*http.Response, string) {
 		t.Fatal(err)
 	}
 	return resp, string(data)
+}
+
+// The article's whole argument, cell by cell: wherever the process dies,
+// what becomes of the order and its event under each way of placing it.
+// Example_crashPoints prints the same table; this names the cell that
+// changes. (Its cells are computed in example_test.go. It comes last of the
+// tests, so that a change that breaks one of the article's tests shows that
+// test's failure first.)
+func TestCrashPoints(t *testing.T) {
+	// In the order of ways: direct, publish first, direct + retries,
+	// outbox in two transactions, outbox + relay.
+	want := map[crashPoint][]string{
+		brokerDown:        {lost, nothing, lost, waits, waits},
+		crashLastCommit:   {nothing, phantom, nothing, lost, nothing},
+		crashBeforeBroker: {lost, nothing, lost, waits, waits},
+		crashAfterBroker:  {sentOnce, phantom, sentOnce, sentTwice, sentTwice},
+	}
+	for _, point := range crashPoints {
+		for i, w := range ways {
+			if got := crashOutcome(w, point); got != want[point][i] {
+				t.Errorf("%s, %s: %q, want %q", point, w.name, got, want[point][i])
+			}
+		}
+	}
 }

@@ -230,7 +230,7 @@ func TestServeRefusesWhatMigrateHasNotProvisioned(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := errors.Join(ob.Migrate(ctx), shop.Migrate(ctx, db)); err != nil {
+	if err := errors.Join(ob.Migrate(ctx), ob.MigrateConsumer(ctx), shop.Migrate(ctx, db)); err != nil {
 		t.Fatal(err)
 	}
 	if err := serveOnce(t.TempDir()); err == nil || !strings.Contains(err.Error(), "run shop migrate first") {

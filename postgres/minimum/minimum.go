@@ -4,6 +4,17 @@
 // marks after the publish and stops at the first failure, a loop on a
 // ticker, and a consumer that drops a duplicate. Read it, then read what
 // package postgres adds to each part, and why (its README).
+//
+// What it leaves out, on purpose (README.md beside it says what each
+// costs):
+//   - Ids are handed out at insert, not at commit: a transaction that took
+//     id 7 may commit after a pass has sent id 8, and 7 then goes at the next
+//     pass, after 8. No event is lost, but the order is not commit order.
+//   - It never deletes what it sent: the outbox grows for ever.
+//   - A pass is not bounded in time: a broker that never answers holds the
+//     pass's transaction and its rows.
+//   - Its consumer drops copies by the row's id, unique in this database
+//     only.
 package minimum
 
 import (
@@ -54,7 +65,9 @@ func PlaceOrder(ctx context.Context, db *sql.DB, totalCents int64) (int64, error
 // PublishPending is one relay pass: in one transaction it claims up to 100
 // unsent rows in id order (FOR UPDATE SKIP LOCKED: two relays claim
 // different rows), publishes each, marks it sent only after the broker
-// accepted it, stops at the first failure, and commits what it marked.
+// accepted it, stops at the first failure, and commits what it marked. Id
+// order is insert order: a row whose transaction commits late, after a
+// pass sent a higher id, goes at the next pass, after it.
 func PublishPending(ctx context.Context, db *sql.DB, broker Broker) (int, error) {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
