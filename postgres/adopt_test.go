@@ -121,12 +121,19 @@ func TestAdoptingPageBuilds(t *testing.T) {
 	if n := strings.Count(strings.TrimSpace(block), "\n") + 1; n > 40 {
 		t.Errorf("the block is %d lines; the page promises a short one", n)
 	}
+	_, later, _ := strings.Cut(string(page), "## 5. CloudEvents, headers, bytes, later, and again")
+	_, later, _ = strings.Cut(later, "```go\n")
+	later, _, ok = strings.Cut(later, "```")
+	if !ok || !strings.Contains(later, "ob.Replay(ctx,") || !strings.Contains(later, "DeliverAt:") {
+		t.Fatalf("ADOPTING.md's block in section 5 lacks Replay or DeliverAt:\n%s", later)
+	}
 	dir := t.TempDir()
 	src := `package main
 
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -136,6 +143,11 @@ import (
 func adopt(ctx context.Context, pool *pgxpool.Pool, broker postgres.MessageBroker, msg postgres.Message,
 	id int64, plan string) error {
 ` + block + `}
+
+func later(ctx context.Context, ob *postgres.Outbox[postgres.PgxTx], tx postgres.PgxTx, protoBytes []byte,
+	reminder map[string]any, id, seq int64, nineOClock time.Time) error {
+` + later + `	return nil
+}
 `
 	teamModule(t, dir)
 	if err := errors.Join(os.WriteFile(filepath.Join(dir, "adopting.go"), []byte(src), 0o644),
@@ -157,6 +169,12 @@ func adopt(ctx context.Context, pool *pgxpool.Pool, broker postgres.MessageBroke
 	t.Logf("the block, run:\n%s", out)
 	if !strings.Contains(string(out), "published: account/17 1, account/17 2; invoices: 1") {
 		t.Errorf("the block, run twice, said:\n%s\nwant account/17's events 1 and 2 published and one invoice", out)
+	}
+	for _, want := range []string{"2 sent events put back\nlater: published ", "PlanChanged account/17 1 ", "PlanChanged account/17 2 ",
+		"PlanChanged  0 acme", "; account/17 3 due at 09:00, unsent"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("section 5's block said:\n%s\nwant %q in it: account/17's 2 sent events put back and published again, the payload with its header, and event 3 scheduled", out, want)
+		}
 	}
 }
 
@@ -242,6 +260,46 @@ func main() {
 		fmt.Print(m.Aggregate, " ", m.Seq)
 	}
 	fmt.Printf("; invoices: %d\n", invoices)
+
+	// Section 5's block: a Protobuf payload with a header, a reminder for
+	// 9:00 tomorrow as account/17's next event, and a replay of its sent
+	// events.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		fail(err)
+	}
+	var seq int64
+	if err := tx.QueryRow(ctx, ` + "`UPDATE accounts SET events = events + 1 WHERE id = 17 RETURNING events`" + `).Scan(&seq); err != nil {
+		fail(err)
+	}
+	nine := time.Date(time.Now().Year()+1, 1, 1, 9, 0, 0, 0, time.UTC)
+	if err := later(ctx, ob, tx, []byte{0x08, 0x11}, map[string]any{"accountId": 17}, 17, seq, nine); err != nil {
+		fail(err)
+	}
+	if err := postgres.Commit(ctx, tx); err != nil {
+		fail(err)
+	}
+	// The relays section 2 started publish what it put back, and the
+	// payload with its header; the reminder waits for its time.
+	for len(b.published()) < 5 {
+		select {
+		case <-ctx.Done():
+			fail(fmt.Errorf("published %d of 5 events", len(b.published())))
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	var due time.Time
+	if err := pool.QueryRow(ctx, ` + "`SELECT deliver_at FROM outbox WHERE aggregate = 'account/17' AND seq = 3 AND sent_at IS NULL`" + `).Scan(&due); err != nil {
+		fail(err)
+	}
+	fmt.Print("later: published ")
+	for i, m := range b.published()[2:] {
+		if i > 0 {
+			fmt.Print(", ")
+		}
+		fmt.Print(m.Type, " ", m.Aggregate, " ", m.Seq, " ", m.Headers["Tenant"])
+	}
+	fmt.Printf("; account/17 3 due at %s, unsent\n", due.UTC().Format("15:04"))
 }
 
 func fail(err error) {
