@@ -245,6 +245,11 @@ func check(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx
 	if err := report("privileges", privileges(ctx, c, outbox, db), "the role has what the "+string(role)+" needs"); err != nil {
 		return err
 	}
+	if c.relay.StandbyCount > 0 && c.mode != "log" {
+		if err := report("standbys", standbys(ctx, c, outbox), fmt.Sprintf("the primary has the standbys -standby-count %d wants", c.relay.StandbyCount)); err != nil {
+			return err
+		}
+	}
 	b, err := dialBroker(ctx, c)
 	if err == nil {
 		defer b.Close()
@@ -279,7 +284,7 @@ func part(c config) (postgres.Role, []postgres.Privilege) {
 			extra = append(extra, postgres.PrivilegeReplication)
 		}
 	case postgres.RoleRelay, postgres.RoleLogRelay:
-		if len(c.relay.Standbys) > 0 {
+		if len(c.relay.Standbys) > 0 || c.relay.StandbyCount > 0 {
 			extra = append(extra, postgres.PrivilegeReadAllStats)
 		}
 		if c.processedRetention > 0 {

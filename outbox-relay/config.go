@@ -222,6 +222,8 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.boolean(&r.PollOnly, "poll-only", "OUTBOX_POLL_ONLY", false, "no LISTEN: poll only (behind PgBouncer in transaction mode)")
 	var standbys string
 	s.str(&standbys, "standbys", "OUTBOX_STANDBYS", "", "polling mode: the standbys' application_names, comma-separated, that a pass waits for before it publishes")
+	s.integer(&r.StandbyCount, "standby-count", "OUTBOX_STANDBY_COUNT", 0, 0, 64, "polling mode: how many of the primary's standbys, whichever stream from it, a pass waits for before it publishes (instead of -standbys: it follows a promotion)")
+	s.boolean(&r.PublishWithoutStandbys, "publish-without-standbys", "OUTBOX_PUBLISH_WITHOUT_STANDBYS", false, "polling mode, with -standby-count: publish, logged, while the primary has no standby at all (just promoted); false holds the events until one streams")
 
 	// The log relay's.
 	l := &c.log
@@ -338,8 +340,14 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	if c.broker != "nats" && c.broker != "rabbitmq" {
 		errs = append(errs, fmt.Errorf("-broker %q: want nats or rabbitmq", c.broker))
 	}
-	if len(c.relay.Standbys) > 0 && c.mode == "log" {
-		errs = append(errs, errors.New("-standbys is for -mode polling: the log relay cannot wait for a standby (PostgreSQL 17 can, for it: synchronized_standby_slots)"))
+	if (len(c.relay.Standbys) > 0 || c.relay.StandbyCount > 0) && c.mode == "log" {
+		errs = append(errs, errors.New("-standbys and -standby-count are for -mode polling: the log relay cannot wait for a standby (PostgreSQL 17 can, for it: synchronized_standby_slots)"))
+	}
+	if len(c.relay.Standbys) > 0 && c.relay.StandbyCount > 0 {
+		errs = append(errs, errors.New("-standbys and -standby-count: wait by name or by number, not both"))
+	}
+	if c.relay.PublishWithoutStandbys && c.relay.StandbyCount == 0 {
+		errs = append(errs, errors.New("-publish-without-standbys needs -standby-count"))
 	}
 	if t := c.relay.PassTimeout; t > 0 && t < 10*time.Millisecond {
 		errs = append(errs, fmt.Errorf("-pass-timeout %v: at least 10ms, or 0 for %v", t, postgres.DefaultPassTimeout))

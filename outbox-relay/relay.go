@@ -102,7 +102,25 @@ func checkAll(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQ
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	role, extra := part(c)
-	return errors.Join(outbox.CheckSchema(ctx), outbox.CheckPrivileges(ctx, role, extra...), b.Check(ctx))
+	return errors.Join(outbox.CheckSchema(ctx), outbox.CheckPrivileges(ctx, role, extra...), standbys(ctx, c, outbox), b.Check(ctx))
+}
+
+// standbys reports a primary with fewer standbys streaming than
+// -standby-count wants, on which the relay publishes nothing: none at all
+// is no error with -publish-without-standbys, which publishes.
+func standbys(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx]) error {
+	want := c.relay.StandbyCount
+	if want == 0 || c.mode == "log" {
+		return nil
+	}
+	n, err := outbox.Standbys(ctx)
+	switch {
+	case err != nil:
+		return err
+	case n >= want || n == 0 && c.relay.PublishWithoutStandbys:
+		return nil
+	}
+	return fmt.Errorf("the primary has %d standbys streaming, and -standby-count wants %d: nothing is published until they stream", n, want)
 }
 
 // relay serves the health endpoints, waits until the database and the

@@ -198,7 +198,7 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 	// durable sets whether the database's commits wait for the standby
 	// that never comes, for the sessions that PgBouncer opens from then on
 	// (those it has are ended).
-	durable := func(on bool) {
+	durable := func(t *testing.T, on bool) {
 		t.Helper()
 		set := `ALTER DATABASE cut RESET synchronous_commit`
 		if on {
@@ -211,9 +211,17 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 			WHERE datname = 'cut' AND application_name = 'behind-pgbouncer'`); err != nil {
 			t.Fatal(err)
 		}
+		// A backend told to end takes a moment to go; PgBouncer could hand
+		// one still going to the next client, whose first statement would
+		// fail before any COMMIT.
+		waitUntil(t, "the sessions ended", func() bool {
+			var n int
+			err := admin.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = 'cut' AND application_name = 'behind-pgbouncer'`).Scan(&n)
+			return err == nil && n == 0
+		})
 	}
 	// cut ends the server session whose COMMIT waits for the standby.
-	cut := func() {
+	cut := func(t *testing.T) {
 		t.Helper()
 		waitUntil(t, "a COMMIT waiting for its standby", func() bool {
 			var n int64
@@ -229,12 +237,12 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 		}
 		return n
 	}
-	unknown := func(what string, f func() error) {
+	unknown := func(t *testing.T, what string, f func() error) {
 		t.Helper()
-		durable(true)
+		durable(t, true)
 		done := make(chan error, 1)
 		go func() { done <- f() }()
-		cut()
+		cut(t)
 		err := <-done
 		t.Logf("%s behind PgBouncer, its COMMIT cut: %v", what, err)
 		if !errors.Is(err, postgres.ErrCommitUnknown) {
@@ -244,7 +252,7 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 		if !errors.As(err, &pgErr) || pgErr.Code != "08P01" {
 			t.Errorf("%s: %v; want PgBouncer's FATAL 08P01 in its chain", what, err)
 		}
-		durable(false)
+		durable(t, false)
 	}
 
 	port := pgtest.StartPgBouncer(t, srv.Dir, 5432, "postgres")
@@ -265,7 +273,7 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 	t.Run("shop", func(t *testing.T) {
 		orders := shop.NewOrderService(db)
 		var first int64
-		unknown("PlaceOrderWithKey", func() (err error) {
+		unknown(t, "PlaceOrderWithKey", func() (err error) {
 			first, err = orders.PlaceOrderWithKey(ctx, "retry-me", 2500)
 			return err
 		})
@@ -290,7 +298,7 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 		if err != nil {
 			t.Fatal(err)
 		}
-		unknown("a relay pass", func() error {
+		unknown(t, "a relay pass", func() error {
 			_, err := relay.PublishPending(ctx)
 			return err
 		})
@@ -314,7 +322,7 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 			_, err := tx.Exec(ctx, `INSERT INTO effects (key) VALUES ($1)`, msg.Key)
 			return err
 		}
-		unknown("ApplyOnce", func() error {
+		unknown(t, "ApplyOnce", func() error {
 			_, err := ob.ApplyOnce(ctx, msg, postgres.ApplyOptions{}, apply)
 			return err
 		})

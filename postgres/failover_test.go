@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -105,9 +106,11 @@ func tallyOf(acked map[int64]int64, events []shop.Order, held map[int64]int64, o
 
 // The primary killed and the standby promoted in the middle of traffic:
 // four clients place orders through OrderService and one through
-// DirectOrderService, the polling relay delivers (waiting for the standby,
-// Standbys), all on a connection string that names both servers and takes
-// the one that accepts writes. Synchronous: the standby is in
+// DirectOrderService, the polling relay delivers (waiting for one standby,
+// StandbyCount, and publishing once the new primary has none,
+// PublishWithoutStandbys), all on a connection string that names both
+// servers and takes the one that accepts writes; the relay runs through
+// the promotion, neither restarted nor reconfigured. Synchronous: the standby is in
 // synchronous_standby_names. Asynchronous: its replication is frozen for a
 // second before the kill, so the primary has committed what the standby
 // never got. Either way the outbox loses no acknowledged order that the
@@ -170,7 +173,10 @@ func failover(t *testing.T, mode string) {
 	relayDB := both()
 	relayCfg := postgres.RelayConfig{MaxBackoff: 200 * time.Millisecond}
 	if guarded {
-		relayCfg.Standbys = []string{"standby"}
+		// By number, not by name: after the promotion the new primary has
+		// no standby, and the relay goes on publishing from it, logged,
+		// with no setting changed and no restart.
+		relayCfg.StandbyCount, relayCfg.PublishWithoutStandbys = 1, true
 	}
 	relay := newRelay(t, relayDB, outboxBroker, relayCfg)
 	relayCtx, stopRelay := context.WithCancel(ctx)
@@ -246,16 +252,8 @@ func failover(t *testing.T, mode string) {
 	if err := standby.Ctl("promote"); err != nil {
 		t.Fatal(err)
 	}
-	// The relay waited for the standby, which is now the primary and has
-	// none: as its operator would, it runs again with none to wait for
-	// (it would name the new primary's standby once one is attached).
-	stopRelay()
-	if err := <-relayDone; !errors.Is(err, context.Canceled) {
-		t.Errorf("relay: %v", err)
-	}
-	relay = newRelay(t, relayDB, outboxBroker, postgres.RelayConfig{MaxBackoff: 200 * time.Millisecond})
-	relayCtx, stopRelay = context.WithCancel(ctx)
-	go func() { relayDone <- relay.Run(relayCtx) }()
+	// The relay runs on, as it is: its pool reaches the new primary, and
+	// it waits for the standbys that primary has (none).
 	mu.Lock()
 	before := len(outboxAcked)
 	mu.Unlock()
@@ -268,8 +266,11 @@ func failover(t *testing.T, mode string) {
 		var unsent int
 		return sdb.QueryRow(`SELECT count(*) FROM outbox WHERE sent_at IS NULL`).Scan(&unsent) == nil && unsent == 0
 	})
+	t.Logf("%s: every row of the new primary delivered %v after the kill, by the relay started before it", mode, time.Since(killed).Round(time.Millisecond))
 	stopRelay()
-	<-relayDone
+	if err := <-relayDone; !errors.Is(err, context.Canceled) {
+		t.Errorf("relay, run through the promotion: %v", err)
+	}
 
 	held := map[int64]int64{}
 	rows, err := sdb.Query(`SELECT id, total_cents FROM orders`)
@@ -406,5 +407,71 @@ func TestRelayWhoseRoleCannotReadItsStandbysSaysWhichGrant(t *testing.T) {
 	}
 	if len(broker.Published()) != 0 {
 		t.Errorf("published %d messages with no standby to have them", len(broker.Published()))
+	}
+}
+
+// A relay that waits for standbys by number counts the ones streaming from
+// the primary it is on, whichever they are, and not the log relay's
+// walsender: one standby attached, StandbyCount 1 publishes and 2 waits,
+// saying that 1 streams; with none attached, StandbyCount 1 waits, saying
+// that none streams, unless PublishWithoutStandbys, which publishes and
+// says so at Warn. Bad combinations are refused when the relay is made.
+func TestRelayWaitsForStandbysByNumberOnThePrimaryItIsOn(t *testing.T) {
+	ctx := context.Background()
+	primary := startOwnServer(t)
+	db := primary.open(t)
+	if err := errors.Join(postgres.Migrate(ctx, db), shop.Migrate(ctx, db)); err != nil {
+		t.Fatal(err)
+	}
+	if err := postgres.CreateLogSlot(ctx, db, "counted_not"); err != nil {
+		t.Fatal(err)
+	}
+	logRelay, err := sqlOutbox(t, db, postgres.Config{}).NewLogRelay(fmt.Sprintf("host=%s user=postgres dbname=postgres sslmode=disable", primary.Dir),
+		&recorder{}, postgres.LogRelayConfig{Slot: "counted_not", Unmarked: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runLog(t, logRelay)
+	waitUntil(t, "the log relay's walsender streaming", func() bool {
+		var n int
+		return db.QueryRow(`SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'`).Scan(&n) == nil && n == 1
+	})
+
+	var warned logBuffer
+	logger := slog.New(slog.NewTextHandler(&warned, nil))
+	broker := &recorder{}
+	pass := func(cfg postgres.RelayConfig) (int, error) {
+		t.Helper()
+		cfg.PassTimeout, cfg.Logger = 300*time.Millisecond, logger
+		return newRelay(t, db, broker, cfg).PublishPending(ctx)
+	}
+	place(t, db, 100)
+	if n, err := pass(postgres.RelayConfig{StandbyCount: 1}); n != 0 || !errors.Is(err, postgres.ErrStandbyBehind) || !strings.Contains(err.Error(), "(0 streaming from this primary)") {
+		t.Fatalf("StandbyCount 1 with no standby (the log relay's walsender is none) = %d, %v; want nothing and ErrStandbyBehind saying none streams", n, err)
+	}
+	if n, err := pass(postgres.RelayConfig{StandbyCount: 1, PublishWithoutStandbys: true}); n != 1 || err != nil || !strings.Contains(warned.String(), "PublishWithoutStandbys") {
+		t.Fatalf("StandbyCount 1, PublishWithoutStandbys, no standby = %d, %v (logged %q); want the row published and a warning", n, err, warned.String())
+	}
+
+	standby, err := primary.StartStandby("any_name")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { standby.Remove() })
+	waitUntil(t, "the standby streaming", func() bool {
+		var n int
+		return db.QueryRow(`SELECT count(*) FROM pg_stat_replication WHERE application_name = 'any_name' AND state = 'streaming'`).Scan(&n) == nil && n == 1
+	})
+	place(t, db, 200)
+	if n, err := pass(postgres.RelayConfig{StandbyCount: 2, PublishWithoutStandbys: true}); n != 0 || !errors.Is(err, postgres.ErrStandbyBehind) || !strings.Contains(err.Error(), "(1 streaming from this primary)") {
+		t.Fatalf("StandbyCount 2 with one standby = %d, %v; want nothing and ErrStandbyBehind saying 1 streams", n, err)
+	}
+	if n, err := pass(postgres.RelayConfig{StandbyCount: 1}); n != 1 || err != nil {
+		t.Fatalf("StandbyCount 1 with one standby = %d, %v; want the row published", n, err)
+	}
+	for _, cfg := range []postgres.RelayConfig{{StandbyCount: -1}, {StandbyCount: 1, Standbys: []string{"s"}}, {PublishWithoutStandbys: true}} {
+		if _, err := sqlOutbox(t, db, postgres.Config{}).NewRelay(broker, cfg); !errors.Is(err, postgres.ErrInvalidConfig) {
+			t.Errorf("NewRelay(%+v) = %v; want ErrInvalidConfig", cfg, err)
+		}
 	}
 }

@@ -307,3 +307,19 @@ func (o *Outbox[T]) DropParked(ctx context.Context, id int64) (ParkedMessage, er
 	}
 	return p, nil
 }
+
+// Standbys says how many physical standbys stream from the primary o's
+// pool reaches (its pg_stat_replication's, less the logical walsenders of
+// log relays): what a relay with RelayConfig.StandbyCount waits for. The
+// role needs pg_read_all_stats to see their state.
+func (o *Outbox[T]) Standbys(ctx context.Context) (int, error) {
+	if err := o.usable(); err != nil {
+		return 0, err
+	}
+	var n int
+	if err := o.db.queryRow(ctx, `SELECT count(*) FROM pg_stat_replication r WHERE state = 'streaming'
+		AND NOT EXISTS (SELECT 1 FROM pg_replication_slots s WHERE s.active_pid = r.pid AND s.slot_type = 'logical')`).Scan(&n); err != nil {
+		return 0, fmt.Errorf("count the standbys: %w", err)
+	}
+	return n, nil
+}

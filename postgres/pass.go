@@ -124,7 +124,7 @@ func (r *OutboxRelay) passIn(ctx, pubCtx, txCtx context.Context, tx txn, start t
 		}
 	}
 	// The standbys get only what the primary flushed: first the flush.
-	if len(msgs) > 0 && len(r.cfg.Standbys) > 0 {
+	if len(msgs) > 0 && (len(r.cfg.Standbys) > 0 || r.cfg.StandbyCount > 0) {
 		if err := r.waitForStandbys(pubCtx, tx, wal.inserted); err != nil {
 			if ctx.Err() != nil {
 				return res, fmt.Errorf("relay pass stopped: %w", ctx.Err())
@@ -281,10 +281,24 @@ const standbysFlushed = `SELECT count(DISTINCT application_name) = cardinality($
        pg_has_role('pg_read_all_stats', 'USAGE')
 FROM pg_stat_replication WHERE application_name = ANY($2::text[]) AND flush_lsn >= $1::pg_lsn`
 
-// waitForStandbys waits until every standby of r.cfg.Standbys has flushed the
-// log up to lsn, looking again after 1 ms, then twice as long each time up
-// to 50 ms, until ctx ends.
+// standbysCounted says how many physical standbys stream from this
+// primary, how many of them have flushed the log up to $1, and whether the
+// role may read their positions. A logical walsender (the log relay's
+// slot) is no standby.
+const standbysCounted = `SELECT count(*), count(*) FILTER (WHERE flush_lsn >= $1::pg_lsn),
+       pg_has_role('pg_read_all_stats', 'USAGE')
+FROM pg_stat_replication r
+WHERE state = 'streaming'
+  AND NOT EXISTS (SELECT 1 FROM pg_replication_slots s WHERE s.active_pid = r.pid AND s.slot_type = 'logical')`
+
+// waitForStandbys waits until every standby of r.cfg.Standbys, or
+// r.cfg.StandbyCount of the primary's standbys, have flushed the log up to
+// lsn, looking again after 1 ms, then twice as long each time up to 50 ms,
+// until ctx ends.
 func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx txn, lsn string) error {
+	if r.cfg.StandbyCount > 0 {
+		return r.waitForStandbyCount(ctx, tx, lsn)
+	}
 	names := slices.Compact(slices.Sorted(slices.Values(r.cfg.Standbys)))
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		var caught, readable bool
@@ -301,6 +315,37 @@ func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx txn, lsn string) e
 		if err != nil || !pause(ctx, wait) {
 			return fmt.Errorf("%w: %v had not all flushed the log to %s, past the claimed rows' commits, within the pass's budget",
 				ErrStandbyBehind, names, lsn)
+		}
+	}
+}
+
+// waitForStandbyCount is waitForStandbys by number: StandbyCount of the
+// primary's physical standbys, whichever they are. A primary with none
+// at all publishes at once if PublishWithoutStandbys, logged.
+func (r *OutboxRelay) waitForStandbyCount(ctx context.Context, tx txn, lsn string) error {
+	want := int64(r.cfg.StandbyCount)
+	var streaming, caught int64
+	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
+		var readable bool
+		err := tx.queryRow(ctx, standbysCounted, lsn).Scan(&streaming, &caught, &readable)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			return fmt.Errorf("read the standbys' positions: %w", err)
+		case err == nil && !readable && streaming > 0:
+			return fmt.Errorf("%w: pg_stat_replication shows the role flush_lsn NULL: GRANT pg_read_all_stats TO the relay's role",
+				ErrStandbysUnreadable)
+		case err == nil && caught >= want:
+			return nil
+		case err == nil && streaming == 0 && r.cfg.PublishWithoutStandbys:
+			if log := r.cfg.Logger; log != nil {
+				log.Warn("outbox: relay pass publishes with no standby streaming from the primary (PublishWithoutStandbys): a failover before one catches up may leave phantom events",
+					"table", r.outbox.table, "standbyCount", want)
+			}
+			return nil
+		}
+		if err != nil || !pause(ctx, wait) {
+			return fmt.Errorf("%w: %d of the %d standbys StandbyCount wants had flushed the log to %s, past the claimed rows' commits, within the pass's budget (%d streaming from this primary)",
+				ErrStandbyBehind, caught, want, lsn, streaming)
 		}
 	}
 }

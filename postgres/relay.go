@@ -205,6 +205,29 @@ type RelayConfig struct {
 	// positions; without it a pass fails with [ErrStandbysUnreadable].
 	Standbys []string
 
+	// StandbyCount, instead of Standbys, waits for standbys by number,
+	// whichever they are: a pass publishes once at least StandbyCount of
+	// the standbys streaming from the primary it is on (its
+	// pg_stat_replication's physical ones) have flushed the log past the
+	// commits of the rows it claimed. The primary is the one the pass's
+	// connection reached: after a promotion, the new primary's standbys
+	// count, with no setting to change and no restart, where names would
+	// name a standby the new primary does not have. With fewer standbys
+	// connected than StandbyCount, a pass publishes nothing and fails with
+	// [ErrStandbyBehind], saying how many there are; PublishWithoutStandbys
+	// changes that for a primary that has none at all. 0: wait by Standbys,
+	// or for no standby. The role needs pg_read_all_stats, as with Standbys.
+	StandbyCount int
+
+	// PublishWithoutStandbys lets a pass with a StandbyCount publish while
+	// the primary has no standby streaming at all (just promoted, its
+	// standbys not yet attached), each such pass logged at Warn: the
+	// events go, and a failover before a standby catches up may leave
+	// phantoms. False, the safe default, holds the events until a standby
+	// is attached. A primary with some standbys, fewer than StandbyCount,
+	// still waits.
+	PublishWithoutStandbys bool
+
 	// RetryDelay and MaxRetryDelay are a message's own backoff, with order
 	// per aggregate: a message whose publish failed for a reason of its
 	// own (the broker refused it, or any error but ErrBrokerUnavailable
@@ -311,6 +334,12 @@ func (o *Outbox[T]) NewRelay(broker MessageBroker, cfg RelayConfig) (*OutboxRela
 		return nil, bad("RelayConfig.ParkAfter %d with NeverPark: choose one", cfg.ParkAfter)
 	case slices.Contains(cfg.Standbys, ""):
 		return nil, bad("RelayConfig.Standbys holds an empty name")
+	case cfg.StandbyCount < 0:
+		return nil, bad("RelayConfig.StandbyCount %d: a number of standbys", cfg.StandbyCount)
+	case cfg.StandbyCount > 0 && len(cfg.Standbys) > 0:
+		return nil, bad("RelayConfig.StandbyCount %d with Standbys %v: wait by number or by name, not both", cfg.StandbyCount, cfg.Standbys)
+	case cfg.PublishWithoutStandbys && cfg.StandbyCount == 0:
+		return nil, bad("RelayConfig.PublishWithoutStandbys without a StandbyCount: there is no standby to wait for")
 	case cfg.PollInterval < 0:
 		return nil, bad("RelayConfig.PollInterval %v (0 for %v)", cfg.PollInterval, DefaultPollInterval)
 	case cfg.MaxBackoff < 0:
