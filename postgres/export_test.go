@@ -106,11 +106,22 @@ func NewDeletingMarks(db *sql.DB, timeout time.Duration, logger *slog.Logger, re
 // bits, as pgoutput's BEGIN carries it) delivered up to end, starting a
 // mark.
 func (m *Marks) DeliveredBy(ctx context.Context, table string, ids []int64, xid uint32, end uint64) {
+	tables, keys := make([]string, len(ids)), make([]string, len(ids))
+	for i, id := range ids {
+		tables[i] = table
+		_ = id // the key is not known here (""): the mark matches the row by its id alone
+	}
+	m.m.delivered(ctx, tables, ids, keys, xid, pglogrepl.LSN(end))
+}
+
+// DeliveredWithKeys notes rows of table delivered up to end with the keys
+// the log carried, starting a mark.
+func (m *Marks) DeliveredWithKeys(ctx context.Context, table string, ids []int64, keys []string, end uint64) {
 	tables := make([]string, len(ids))
 	for i := range tables {
 		tables[i] = table
 	}
-	m.m.delivered(ctx, tables, ids, xid, pglogrepl.LSN(end))
+	m.m.delivered(ctx, tables, ids, keys, 0, pglogrepl.LSN(end))
 }
 
 // Retry lets the next mark start now, past its backoff, and starts it.

@@ -65,12 +65,16 @@ type marks struct {
 	now       func() time.Time
 }
 
-// markRow is a delivered row to mark: its id, and the transaction that
-// wrote it (pgoutput's xid), by which a mark that deletes tells a row gone
-// from one not visible yet.
+// markRow is a delivered row to mark: its id and key, and the transaction
+// that wrote it (pgoutput's xid), by which a mark that deletes tells a row
+// gone from one not visible yet. A mark finds the row by its id, and marks
+// it only if the key is the one delivered: after a failover to a standby
+// that lacked the row, another row may hold its id, which the marks must
+// not take for it.
 type markRow struct {
 	id  int64
 	xid uint32
+	key string
 }
 
 // rowRef names a row of an outbox table.
@@ -82,11 +86,12 @@ type rowRef struct {
 // markResult is what one mark did: up to which position, how many rows,
 // and which it could not mark.
 type markResult struct {
-	upTo   pglogrepl.LSN
-	marked int
-	unseen map[string][]markRow // rows the mark's snapshot did not hold: not visible yet, or (unless it deletes) gone
-	failed map[string][]markRow // rows whose statement failed
-	err    error
+	upTo     pglogrepl.LSN
+	marked   int
+	unseen   map[string][]markRow // rows the mark's snapshot did not hold: not visible yet, or (unless it deletes) gone
+	replaced []rowRef             // rows whose id another row, of another key, holds: lost with a failover
+	failed   map[string][]markRow // rows whose statement failed
+	err      error
 }
 
 func newMarks(r *LogRelay, db *sql.DB) *marks {
@@ -95,13 +100,13 @@ func newMarks(r *LogRelay, db *sql.DB) *marks {
 		missed: map[rowRef]int{}, now: time.Now}
 }
 
-// delivered notes rows delivered, by table, all written by the transaction
-// xid, and starts a mark if none is being written: a transaction's last,
+// delivered notes rows delivered, by table, with their keys, all written
+// by the transaction xid, and starts a mark if none is being written: a transaction's last,
 // up to its end, or, with end 0, a part of a transaction still being read,
 // which moves no position.
-func (m *marks) delivered(ctx context.Context, tables []string, ids []int64, xid uint32, end pglogrepl.LSN) {
+func (m *marks) delivered(ctx context.Context, tables []string, ids []int64, keys []string, xid uint32, end pglogrepl.LSN) {
 	for i, id := range ids {
-		m.pending[tables[i]] = append(m.pending[tables[i]], markRow{id, xid})
+		m.pending[tables[i]] = append(m.pending[tables[i]], markRow{id, xid, keys[i]})
 	}
 	if end != 0 {
 		m.pendingTo = end
@@ -189,6 +194,15 @@ func (m *marks) ended(res markResult) {
 		m.pending[table] = append(append([]markRow(nil), rows...), m.pending[table]...)
 	}
 	err := res.err
+	if len(res.replaced) > 0 {
+		lost := fmt.Errorf("%d rows (%s) delivered and not in the database, another row holding each id: %w",
+			len(res.replaced), refsText(res.replaced), ErrNotMarked)
+		err = errors.Join(err, lost)
+		if m.logger != nil {
+			m.logger.Warn("outbox: log relay delivered rows the database no longer has: another row, of another key, holds each id, as after a failover to a standby that lacked them; their events went out for changes that were lost, and the rows holding the ids are left unmarked",
+				"rows", len(res.replaced), "ids", refsText(res.replaced))
+		}
+	}
 	if len(gaveUp) > 0 {
 		gone := fmt.Errorf("%d rows (%s) not found after %d marks: %w", len(gaveUp), refsText(gaveUp), MarkRetries, ErrNotMarked)
 		err = errors.Join(err, gone)
@@ -232,10 +246,13 @@ func refsText(refs []rowRef) string {
 // idle reports whether every row delivered has been marked.
 func (m *marks) idle() bool { return !m.busy && len(m.pending) == 0 }
 
-// logMark marks the rows $1 of a table sent and returns how many it
-// marked and, as text ("1,2"), the ids its snapshot did not hold: rows
-// not visible yet, or gone. A row parked meanwhile, or marked already, is
-// in the snapshot and left as it is. The main query sees the table as the
+// logMark marks the rows $1 of a table sent, each if its key is the one
+// of $2 (in the same order) delivered, or $2's is empty (a test's, which
+// does not know it), and returns how many it marked and, as text
+// ("1,2"), the ids its snapshot did not hold (rows not visible yet, or
+// gone) and the ids another row holds, of another key (a row lost with a
+// failover, its id handed out again). A row parked meanwhile, or marked
+// already, is in the snapshot and left as it is. The main query sees the table as the
 // UPDATE found it, before its changes.
 //
 // The check that a row is still unsent is written so that it matches no
@@ -246,18 +263,24 @@ func (m *marks) idle() bool { return !m.busy && len(m.pending) == 0 }
 // row written since the last, sent or not (TestLogMarkFindsItsRowsByID).
 const logMark = `
 WITH marked AS (
-	UPDATE %[1]s SET sent_at = clock_timestamp()
+	UPDATE %[1]s t SET sent_at = clock_timestamp()
 	WHERE id = ANY($1) AND coalesce(sent_at, parked_at) IS NULL
+	  AND EXISTS (SELECT FROM unnest($1::bigint[], $2::text[]) AS u(id, k)
+	              WHERE u.id = t.id AND (u.k = '' OR u.k = t.message_key::text))
 	RETURNING id)
 SELECT (SELECT count(*) FROM marked),
        array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[]) AS u(id)
-                             WHERE NOT EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id)), ',')`
+                             WHERE NOT EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id)), ','),
+       array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[], $2::text[]) AS u(id, k)
+                             WHERE u.k <> '' AND EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id AND t.message_key::text <> u.k)), ',')`
 
 // logDelete is logMark for a relay that deletes what it delivered
 // (LogRelayConfig.DeleteDelivered): it deletes the rows $1 of a table that
-// are still unsent, and returns how many it deleted and, as text, the ids
-// its snapshot did not hold whose transactions ($2, pgoutput's xids, in
-// the same order as $1) it does not see either: rows not visible yet. A
+// are still unsent and whose keys are the ones of $3 delivered, and
+// returns how many it deleted and, as text, the ids its snapshot did not
+// hold whose transactions ($2, pgoutput's xids, in the same order as $1)
+// it does not see either (rows not visible yet), and those another row
+// holds, of another key, as logMark does. A
 // row missing though its transaction is visible is gone, which for this
 // relay is done: deleted by one of its marks before (the server sends a
 // transaction again after a restart if its position was not confirmed),
@@ -267,8 +290,10 @@ SELECT (SELECT count(*) FROM marked),
 // migration 10), as DeleteSent's does, for Replay.
 var logDelete = `
 WITH deleted AS (
-	DELETE FROM %[1]s
+	DELETE FROM %[1]s t
 	WHERE id = ANY($1) AND coalesce(sent_at, parked_at) IS NULL
+	  AND EXISTS (SELECT FROM unnest($1::bigint[], $3::text[]) AS u(id, k)
+	              WHERE u.id = t.id AND (u.k = '' OR u.k = t.message_key::text))
 	RETURNING id, created_at),
 cut AS (
 	UPDATE %[2]s SET deleted_through = d.t
@@ -278,7 +303,9 @@ snap AS (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax FROM pg_current_sna
 SELECT (SELECT count(*) FROM deleted),
        array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[], $2::bigint[]) AS u(id, xid), snap
                              WHERE NOT EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id)
-                               AND NOT pg_visible_in_snapshot(` + fullXid("snap.xmax", "u.xid") + `::text::xid8, snap.s)), ',')`
+                               AND NOT pg_visible_in_snapshot(` + fullXid("snap.xmax", "u.xid") + `::text::xid8, snap.s)), ','),
+       array_to_string(ARRAY(SELECT u.id FROM unnest($1::bigint[], $3::text[]) AS u(id, k)
+                             WHERE u.k <> '' AND EXISTS (SELECT FROM %[1]s t WHERE t.id = u.id AND t.message_key::text <> u.k)), ',')`
 
 // cleanupOf is the record of what cleanup cut (migration 10's
 // <table>_cleanup) of table, an SQL identifier: as pgx.Identifier's
@@ -305,18 +332,18 @@ func (m *marks) write(ctx context.Context, rows map[string][]markRow, upTo pglog
 	res := markResult{upTo: upTo}
 	var failed []error
 	for table, batch := range rows {
-		ids, xids := make([]int64, len(batch)), make([]int64, len(batch))
-		xidOf := make(map[int64]uint32, len(batch))
+		ids, xids, keys := make([]int64, len(batch)), make([]int64, len(batch)), make([]string, len(batch))
+		rowOf := make(map[int64]markRow, len(batch))
 		for i, row := range batch {
-			ids[i], xids[i], xidOf[row.id] = row.id, int64(row.xid), row.xid
+			ids[i], xids[i], keys[i], rowOf[row.id] = row.id, int64(row.xid), row.key, row
 		}
 		var n int
-		var unseen string
+		var unseen, replaced string
 		var err error
 		if m.del {
-			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logDelete, table, cleanupOf(table)), ids, xids).Scan(&n, &unseen)
+			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logDelete, table, cleanupOf(table)), ids, xids, keys).Scan(&n, &unseen, &replaced)
 		} else {
-			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logMark, table), ids).Scan(&n, &unseen)
+			err = m.db.QueryRowContext(ctx, fmt.Sprintf(logMark, table), ids, keys).Scan(&n, &unseen, &replaced)
 		}
 		if err == nil && unseen != "" {
 			var missing []markRow
@@ -326,13 +353,23 @@ func (m *marks) write(ctx context.Context, rows map[string][]markRow, upTo pglog
 					err = fmt.Errorf("read the ids not found: %w", perr)
 					break
 				}
-				missing = append(missing, markRow{id, xidOf[id]})
+				missing = append(missing, rowOf[id])
 			}
 			if err == nil {
 				if res.unseen == nil {
 					res.unseen = map[string][]markRow{}
 				}
 				res.unseen[table] = missing
+			}
+		}
+		if err == nil && replaced != "" {
+			for _, s := range strings.Split(replaced, ",") {
+				id, perr := strconv.ParseInt(s, 10, 64)
+				if perr != nil {
+					err = fmt.Errorf("read the ids another row holds: %w", perr)
+					break
+				}
+				res.replaced = append(res.replaced, rowRef{table, id})
 			}
 		}
 		if err != nil {

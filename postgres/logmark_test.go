@@ -150,6 +150,45 @@ func TestLogMarkGivesUpOnARowItNeverFinds(t *testing.T) {
 	}
 }
 
+// A delivered row whose id another row holds, of another key (a row lost
+// with a failover to a standby that lacked it, its id handed out again),
+// is not marked: the row holding the id keeps unsent, to be published; the
+// mark gives up on the delivered row at once, at Warn, reported as
+// ErrNotMarked, and the position moves on. (Caught: a mark by id alone
+// marked the new primary's rows sent that no relay published: 34 orders of
+// a failover never told.)
+func TestLogMarkLeavesARowOfAnotherKeyHoldingTheID(t *testing.T) {
+	ctx := context.Background()
+	db := newDatabase(t)
+	place(t, db, 100)
+	var key string
+	if err := db.QueryRow(`SELECT message_key::text FROM outbox WHERE id = 1`).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	var logs logBuffer
+	var reports markReports
+	m := postgres.NewMarks(db, time.Minute, slog.New(slog.NewTextHandler(&logs, nil)), reports.add)
+	m.DeliveredWithKeys(ctx, "outbox", []int64{1}, []string{"3f9a2c1e-0000-4000-8000-000000000001"}, 300)
+	m.Wait()
+	if m.MarkedTo() != 300 || !m.Idle() {
+		t.Fatalf("after one mark: marked to %d, idle %v; want 300, idle", m.MarkedTo(), m.Idle())
+	}
+	if n := count(t, db, `SELECT count(*) FROM outbox WHERE id = 1 AND sent_at IS NULL`); n != 1 {
+		t.Errorf("the row holding the id was marked sent; want it left unsent")
+	}
+	if err := reports.last().Err; !errors.Is(err, postgres.ErrNotMarked) || !strings.Contains(err.Error(), "another row holding each id") {
+		t.Errorf("the mark reported %v; want ErrNotMarked saying another row holds the id", err)
+	}
+	if !strings.Contains(logs.String(), "level=WARN") || !strings.Contains(logs.String(), "no longer has") {
+		t.Errorf("not logged at Warn: %s", logs.String())
+	}
+	m.DeliveredWithKeys(ctx, "outbox", []int64{1}, []string{key}, 400)
+	m.Wait()
+	if n := count(t, db, `SELECT count(*) FROM outbox WHERE id = 1 AND sent_at IS NOT NULL`); n != 1 || m.MarkedTo() != 400 {
+		t.Errorf("the row delivered with its own key: marked %d, to %d; want it marked", n, m.MarkedTo())
+	}
+}
+
 // End to end on the real stream: eight clients place 400 orders at once
 // while the log relay delivers and marks them. Every row is published and
 // every row is marked: ReadLag counts none unsent. With DeleteDelivered,
@@ -226,7 +265,7 @@ func TestLogMarkLeavesParkedAndSentRowsAsTheyAre(t *testing.T) {
 	unsentParkedAndSent(t, db, 1)
 	var marked int
 	var unseen string
-	if err := db.QueryRowContext(ctx, postgres.LogMarkQuery, []int64{1, 2, 3, 99}).Scan(&marked, &unseen); err != nil || marked != 1 || unseen != "99" {
+	if err := db.QueryRowContext(ctx, postgres.LogMarkQuery, []int64{1, 2, 3, 99}, []string{"", "", "", ""}).Scan(&marked, &unseen, new(string)); err != nil || marked != 1 || unseen != "99" {
 		t.Fatalf("mark = %d, %q, %v; want 1, \"99\", <nil>", marked, unseen, err)
 	}
 	if got, want := rowStates(t, db, 1), "1:sent now, 2:parked, 3:sent before"; got != want {
@@ -301,7 +340,7 @@ func TestLogDeleteTellsARowGoneFromOneNotVisibleYet(t *testing.T) {
 	xids := []int64{int64(committed), int64(committed), int64(committed), int64(committed), int64(open)}
 	var deleted int
 	var unseen string
-	if err := db.QueryRowContext(ctx, postgres.LogDeleteQuery, ids, xids).Scan(&deleted, &unseen); err != nil ||
+	if err := db.QueryRowContext(ctx, postgres.LogDeleteQuery, ids, xids, make([]string, len(ids))).Scan(&deleted, &unseen, new(string)); err != nil ||
 		deleted != 1 || unseen != strconv.FormatInt(notYet, 10) {
 		t.Fatalf("delete = %d, %q, %v; want 1, %q (row 1098 gone, its transaction seen), <nil>", deleted, unseen, err, strconv.FormatInt(notYet, 10))
 	}
@@ -311,7 +350,7 @@ func TestLogDeleteTellsARowGoneFromOneNotVisibleYet(t *testing.T) {
 	if err := tx.Commit(); err != nil {
 		t.Fatal(err)
 	}
-	if err := db.QueryRowContext(ctx, postgres.LogDeleteQuery, []int64{notYet}, []int64{int64(open)}).Scan(&deleted, &unseen); err != nil ||
+	if err := db.QueryRowContext(ctx, postgres.LogDeleteQuery, []int64{notYet}, []int64{int64(open)}, []string{""}).Scan(&deleted, &unseen, new(string)); err != nil ||
 		deleted != 1 || unseen != "" {
 		t.Errorf("delete once its transaction committed = %d, %q, %v; want 1, \"\", <nil>", deleted, unseen, err)
 	}

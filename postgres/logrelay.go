@@ -169,6 +169,19 @@ type LogRelayConfig struct {
 	// cleaned up, sent again by a recovery; and none is parked.
 	Unmarked bool
 
+	// RecoverSlot has Run make the slot anew, and publish what it may have
+	// missed, when it finds the slot gone: ErrNoSlot (a standby promoted
+	// under the relay, since PostgreSQL 15 keeps logical slots on the
+	// primary only) or ErrSlotLost (the server removed log the slot had
+	// not read). Run then calls Recover, logged, and goes on streaming from
+	// the new slot, with no restart; a Recover that fails is tried again
+	// after Run's backoff. Recover publishes every row not marked sent, so
+	// an event delivered before the promotion whose mark the new primary
+	// lacks goes again: a copy, which consumers drop by its key. Off, Run
+	// returns those errors, for the caller to call Recover. It needs the
+	// marks: refused with Unmarked.
+	RecoverSlot bool
+
 	// DeleteDelivered makes the marks delete the rows they are given
 	// instead of setting their sent_at: the article's cleanup done at
 	// once, for the cheapest mark. A deleted row's record in the log is
@@ -269,6 +282,8 @@ func (o *Outbox[T]) NewLogRelayConfig(conn *pgconn.Config, broker MessageBroker,
 		return nil, bad("LogRelayConfig.ParkAfter %d with NeverPark or Unmarked (parking needs the marks): choose one", cfg.ParkAfter)
 	case cfg.DeleteDelivered && cfg.Unmarked:
 		return nil, bad("LogRelayConfig.DeleteDelivered with Unmarked (the deletes are the marks): choose one")
+	case cfg.RecoverSlot && cfg.Unmarked:
+		return nil, bad("LogRelayConfig.RecoverSlot with Unmarked: a recovery publishes what is not marked, which would be every row")
 	}
 	cfg.Slot, cfg.Publication = cmp.Or(cfg.Slot, o.Slot()), cmp.Or(cfg.Publication, o.Publication())
 	cfg.PublishTimeout = orDefault(cfg.PublishTimeout, DefaultPassTimeout)

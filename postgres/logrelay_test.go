@@ -615,3 +615,37 @@ func must2(tb testing.TB) func(*postgres.LogRelay, error) *postgres.LogRelay {
 		return r
 	}
 }
+
+// A log relay with RecoverSlot that finds no slot (a standby promoted
+// under it: PostgreSQL 15 keeps logical slots on the primary only) makes
+// it by itself, publishes the rows not marked sent, and streams what
+// comes after, in one Run; without RecoverSlot, Run returns ErrNoSlot.
+// Unmarked with RecoverSlot is refused.
+func TestLogRelayWithRecoverSlotMakesItsSlotByItself(t *testing.T) {
+	ctx := context.Background()
+	name := newDatabaseName(t)
+	db := open(t, name, "")
+	place(t, db, 100, 200)
+	broker := &recorder{}
+	without := logRelayMarkingIn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{})
+	if err := without.Run(ctx); !errors.Is(err, postgres.ErrNoSlot) {
+		t.Fatalf("Run with no slot = %v; want ErrNoSlot", err)
+	}
+	t.Cleanup(func() { dropSlot(t, db, name) })
+	relay := logRelayMarkingIn(t, db, logConnString(name), name, broker, postgres.LogRelayConfig{RecoverSlot: true})
+	stop := runLog(t, relay)
+	waitUntil(t, "the two rows written before the slot published and marked", func() bool {
+		return count(t, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0 && len(broker.Published()) == 2
+	})
+	place(t, db, 300)
+	waitUntil(t, "the row written after the slot streamed", func() bool { return len(broker.Published()) == 3 })
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Errorf("Run = %v; want it to have run on until stopped", err)
+	}
+	if ids := broker.IDs(); !slices.Equal(ids, []int64{1, 2, 3}) {
+		t.Errorf("published %v; want [1 2 3]", ids)
+	}
+	if _, err := sqlOutbox(t, db, postgres.Config{}).NewLogRelay(logConnString(name), broker, postgres.LogRelayConfig{RecoverSlot: true, Unmarked: true}); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("RecoverSlot with Unmarked = %v; want ErrInvalidConfig", err)
+	}
+}

@@ -53,7 +53,23 @@ func (r *LogRelay) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost) || errors.Is(err, ErrSlotOfAnotherDatabase) || sqlState(err) == "42501" || sqlState(err) == "28000" {
+		if r.cfg.RecoverSlot && (errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost)) {
+			if r.cfg.Logger != nil {
+				r.cfg.Logger.Warn("outbox: the log relay's slot is gone: making it anew, and publishing what it may have missed", "slot", r.cfg.Slot, "err", err)
+			}
+			n, rerr := r.Recover(ctx)
+			if rerr == nil {
+				if r.cfg.Logger != nil {
+					r.cfg.Logger.Info("outbox: log relay slot recovered", "slot", r.cfg.Slot, "published", n)
+				}
+				failures = 0
+				continue
+			}
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			err = fmt.Errorf("recover the slot: %w", rerr) // tried again after the backoff
+		} else if errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost) || errors.Is(err, ErrSlotOfAnotherDatabase) || sqlState(err) == "42501" || sqlState(err) == "28000" {
 			if r.cfg.Logger != nil {
 				r.cfg.Logger.Error("outbox: log relay stopped", "err", err)
 			}
@@ -213,7 +229,8 @@ type stream struct {
 	inTxn     bool        // a BEGIN was read and its COMMIT not yet
 	xid       uint32      // the transaction being read (BEGIN's), for the marks
 	txnDone   int         // rows of the transaction being read published already
-	sentIDs   []int64     // rows published and not yet handed to the marks, and their tables
+	sentIDs   []int64     // rows published and not yet handed to the marks, their keys and their tables
+	sentKeys  []string
 	sentIn    []string
 	marks     *marks            // unless Unmarked, the marking of what was delivered
 	markIn    *sql.DB           // unless Unmarked, where the marks go and rejections are counted
@@ -321,7 +338,7 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 				s.relay.sent(m.CommitTime, x.ServerTime)
 			}
 			s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
-			s.inTxn, s.xid, s.txnDone, s.sentIDs, s.sentIn = true, m.Xid, 0, s.sentIDs[:0], s.sentIn[:0]
+			s.inTxn, s.xid, s.txnDone, s.sentIDs, s.sentKeys, s.sentIn = true, m.Xid, 0, s.sentIDs[:0], s.sentKeys[:0], s.sentIn[:0]
 		case *pglogrepl.InsertMessage:
 			rel, ok := s.relations[m.RelationID]
 			if !ok {
@@ -400,7 +417,7 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 		accepted, err := send(pctx, s.relay.tel, s.relay.broker, s.txn[i:min(len(s.txn), i+DefaultBatchSize)], true)
 		cancel()
 		for j := i; j < i+accepted; j++ {
-			s.sentIn, s.sentIDs = append(s.sentIn, s.tables[j]), append(s.sentIDs, s.txn[j].ID)
+			s.sentIn, s.sentIDs, s.sentKeys = append(s.sentIn, s.tables[j]), append(s.sentIDs, s.txn[j].ID), append(s.sentKeys, s.txn[j].Key)
 		}
 		s.delivered += accepted
 		res.published += accepted
@@ -429,8 +446,8 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 	s.txnDone += len(s.txn)
 	s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
 	if s.marks != nil && (len(s.sentIDs) > 0 || end != 0 && s.txnDone > 0) {
-		s.marks.delivered(ctx, s.sentIn, s.sentIDs, s.xid, end) // a part's (end 0) moves no position
-		s.sentIn, s.sentIDs = s.sentIn[:0], s.sentIDs[:0]       // the marks copied them
+		s.marks.delivered(ctx, s.sentIn, s.sentIDs, s.sentKeys, s.xid, end)           // a part's (end 0) moves no position
+		s.sentIn, s.sentIDs, s.sentKeys = s.sentIn[:0], s.sentIDs[:0], s.sentKeys[:0] // the marks copied them
 	}
 	if end == 0 {
 		return nil // a part: the rest of the transaction, and its COMMIT, to come

@@ -200,9 +200,9 @@ func TestDeliveredRowsReachTheMarksWithTheirTransaction(t *testing.T) {
 	}
 	feed(insertMessage("99999")) // one past a part: the part goes, its COMMIT still to come
 
-	want := []markRow{{7, 700}, {8, 701}, {9, 701}}
+	want := []markRow{{7, 700, "key-7"}, {8, 701, "key-8"}, {9, 701, "key-9"}}
 	for id := int64(100); id < 100+streamRows; id++ {
-		want = append(want, markRow{id, 702})
+		want = append(want, markRow{id, 702, "key-" + strconv.FormatInt(id, 10)})
 	}
 	if len(m.pending) != 1 {
 		t.Fatalf("rows pending in %d tables, want 1", len(m.pending))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strings"
 	"testing"
 
 	"example.com/patterns/enterprise/outbox/postgres"
@@ -138,8 +139,11 @@ func TestLogMarkFindsItsRowsByID(t *testing.T) {
 			ids[j] = 2001 + 100*i + int64(j)
 		}
 		var marked int
-		var unseen string
-		if err := db.QueryRowContext(ctx, postgres.LogMarkQuery, ids).Scan(&marked, &unseen); err != nil || marked != 100 || unseen != "" {
+		var unseen, keys string
+		if err := db.QueryRowContext(ctx, `SELECT string_agg(message_key::text, ',' ORDER BY id) FROM outbox WHERE id = ANY($1)`, ids).Scan(&keys); err != nil {
+			t.Fatal(err)
+		}
+		if err := db.QueryRowContext(ctx, postgres.LogMarkQuery, ids, strings.Split(keys, ",")).Scan(&marked, &unseen, new(string)); err != nil || marked != 100 || unseen != "" {
 			t.Fatalf("mark %d = %d, %q, %v; want 100, \"\", <nil>", i+1, marked, unseen, err)
 		}
 	}
