@@ -25,7 +25,7 @@
 #   make measure-relays                      the polling relay and the log relay side by side, six runs, medians and spreads (about 4 min)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
-#   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous (about 40 s)
+#   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous, the polling relay and the log relay running through it (about 85 s)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 7 min)
 #   make measure-rabbitbroker                rabbitbroker/README.md's drain figures beside JetStream's, and the latency at 100, 300 and 1,000 orders a second
@@ -214,10 +214,11 @@ measure-watermill:
 	$(BENCHSTAT) -filter .name:Drain postgres/figures/measure-watermill.txt | tee postgres/figures/measure-watermill.stat.txt
 
 # A failover on this machine (TestFailover): a primary and a streaming
-# standby, each a throwaway server of the test's own, producers, the polling
-# relay and a dual write running, the primary killed with SIGKILL and the
-# standby promoted, once with the standby synchronous and once asynchronous
-# and behind; into postgres/figures/failover.txt, for postgres/REFERENCE.md.
+# standby, each a throwaway server of the test's own, producers, a relay
+# (the polling one, then the log relay) and a dual write running, the
+# primary killed with SIGKILL and the standby promoted, the relay running
+# through it unrestarted; the standby synchronous, then asynchronous and
+# behind; into postgres/figures/failover.txt, for postgres/REFERENCE.md.
 failover:
 	cd postgres && { echo "cpu: $$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"; \
 		$(GO) test -count=1 -v -run '^TestFailover$$' . 2>&1; } \

@@ -245,7 +245,7 @@ func check(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx
 	if err := report("privileges", privileges(ctx, c, outbox, db), "the role has what the "+string(role)+" needs"); err != nil {
 		return err
 	}
-	if c.relay.StandbyCount > 0 && c.mode != "log" {
+	if c.relay.StandbyCount > 0 {
 		if err := report("standbys", standbys(ctx, c, outbox), fmt.Sprintf("the primary has the standbys -standby-count %d wants", c.relay.StandbyCount)); err != nil {
 			return err
 		}

@@ -222,8 +222,8 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.boolean(&r.PollOnly, "poll-only", "OUTBOX_POLL_ONLY", false, "no LISTEN: poll only (behind PgBouncer in transaction mode)")
 	var standbys string
 	s.str(&standbys, "standbys", "OUTBOX_STANDBYS", "", "polling mode: the standbys' application_names, comma-separated, that a pass waits for before it publishes")
-	s.integer(&r.StandbyCount, "standby-count", "OUTBOX_STANDBY_COUNT", 0, 0, 64, "polling mode: how many of the primary's standbys, whichever stream from it, a pass waits for before it publishes (instead of -standbys: it follows a promotion)")
-	s.boolean(&r.PublishWithoutStandbys, "publish-without-standbys", "OUTBOX_PUBLISH_WITHOUT_STANDBYS", false, "polling mode, with -standby-count: publish, logged, while the primary has no standby at all (just promoted); false holds the events until one streams")
+	s.integer(&r.StandbyCount, "standby-count", "OUTBOX_STANDBY_COUNT", 0, 0, 64, "how many of the primary's standbys, whichever stream from it, have the rows' commits before the relay publishes them (both modes; instead of -standbys: it follows a promotion)")
+	s.boolean(&r.PublishWithoutStandbys, "publish-without-standbys", "OUTBOX_PUBLISH_WITHOUT_STANDBYS", false, "with -standby-count: publish, logged, while the primary has no standby at all (just promoted); false holds the events until one streams")
 
 	// The log relay's.
 	l := &c.log
@@ -298,6 +298,7 @@ func parse(cmd string, args []string) (config, []string, error) {
 	}
 	c.relay.WholeTable = !perAggregate
 	c.log.ParkAfter, c.log.NeverPark, c.log.MaxBackoff = c.relay.ParkAfter, c.relay.NeverPark, c.relay.MaxBackoff
+	c.log.StandbyCount, c.log.PublishWithoutStandbys = c.relay.StandbyCount, c.relay.PublishWithoutStandbys
 	for name := range strings.SplitSeq(standbys, ",") {
 		if name = strings.TrimSpace(name); name != "" {
 			c.relay.Standbys = append(c.relay.Standbys, name)
@@ -340,8 +341,8 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	if c.broker != "nats" && c.broker != "rabbitmq" {
 		errs = append(errs, fmt.Errorf("-broker %q: want nats or rabbitmq", c.broker))
 	}
-	if (len(c.relay.Standbys) > 0 || c.relay.StandbyCount > 0) && c.mode == "log" {
-		errs = append(errs, errors.New("-standbys and -standby-count are for -mode polling: the log relay cannot wait for a standby (PostgreSQL 17 can, for it: synchronized_standby_slots)"))
+	if len(c.relay.Standbys) > 0 && c.mode == "log" {
+		errs = append(errs, errors.New("-standbys is for -mode polling: the log relay waits for standbys by number (-standby-count)"))
 	}
 	if len(c.relay.Standbys) > 0 && c.relay.StandbyCount > 0 {
 		errs = append(errs, errors.New("-standbys and -standby-count: wait by name or by number, not both"))

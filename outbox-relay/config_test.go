@@ -42,7 +42,7 @@ func TestEverySettingIsCheckedBeforeAnythingConnects(t *testing.T) {
 		{[]string{"-aggregate", "order/1"}, "", "-aggregate, -from, -to, -new-keys and -allow-dropped are for replay (-aggregate for forget-position too), not run"},
 		{[]string{"-retry-delay", "10s", "-max-retry-delay", "5s"}, "", "-max-retry-delay 5s is below -retry-delay 10s"},
 		{[]string{"-retry-delay", "1h"}, "", "-max-retry-delay 5m0s is below -retry-delay 1h0m0s"},
-		{[]string{"-mode", "log", "-standbys", "s1"}, "", "-standbys and -standby-count are for -mode polling"},
+		{[]string{"-mode", "log", "-standbys", "s1"}, "", "-standbys is for -mode polling"},
 		{[]string{"-standby-count", "1", "-standbys", "s1"}, "", "-standbys and -standby-count: wait by name or by number, not both"},
 		{[]string{"-publish-without-standbys"}, "", "-publish-without-standbys needs -standby-count"},
 		{[]string{"-standby-count", "-1"}, "", "-standby-count (OUTBOX_STANDBY_COUNT)"},

@@ -110,7 +110,7 @@ func checkAll(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQ
 // is no error with -publish-without-standbys, which publishes.
 func standbys(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx]) error {
 	want := c.relay.StandbyCount
-	if want == 0 || c.mode == "log" {
+	if want == 0 {
 		return nil
 	}
 	n, err := outbox.Standbys(ctx)

@@ -169,6 +169,25 @@ type LogRelayConfig struct {
 	// cleaned up, sent again by a recovery; and none is parked.
 	Unmarked bool
 
+	// StandbyCount has the log relay publish a transaction only once that
+	// many of the physical standbys streaming from the primary it is on
+	// have flushed the log past the transaction's commit, as
+	// RelayConfig.StandbyCount does for a pass: a failover to one of them
+	// then never loses a change whose event went out. It reads their
+	// positions where it marks (its role needs pg_read_all_stats), so it
+	// needs the marks (refused with Unmarked). Waiting longer than
+	// PublishTimeout ends the session with ErrStandbyBehind; the next one,
+	// after Run's backoff, reads the transaction again. 0: no standby is
+	// waited for, and a failover to an asynchronous standby may leave
+	// phantom events (PostgreSQL 17's synchronized_standby_slots makes the
+	// server wait instead; 15 has none).
+	StandbyCount int
+
+	// PublishWithoutStandbys lets the log relay with a StandbyCount publish
+	// while its primary has no standby streaming at all (just promoted),
+	// logged at Warn, as RelayConfig.PublishWithoutStandbys does.
+	PublishWithoutStandbys bool
+
 	// RecoverSlot has Run make the slot anew, and publish what it may have
 	// missed, when it finds the slot gone: ErrNoSlot (a standby promoted
 	// under the relay, since PostgreSQL 15 keeps logical slots on the
@@ -282,6 +301,12 @@ func (o *Outbox[T]) NewLogRelayConfig(conn *pgconn.Config, broker MessageBroker,
 		return nil, bad("LogRelayConfig.ParkAfter %d with NeverPark or Unmarked (parking needs the marks): choose one", cfg.ParkAfter)
 	case cfg.DeleteDelivered && cfg.Unmarked:
 		return nil, bad("LogRelayConfig.DeleteDelivered with Unmarked (the deletes are the marks): choose one")
+	case cfg.StandbyCount < 0:
+		return nil, bad("LogRelayConfig.StandbyCount %d: a number of standbys", cfg.StandbyCount)
+	case cfg.StandbyCount > 0 && cfg.Unmarked:
+		return nil, bad("LogRelayConfig.StandbyCount with Unmarked: the standbys are read where the relay marks")
+	case cfg.PublishWithoutStandbys && cfg.StandbyCount == 0:
+		return nil, bad("LogRelayConfig.PublishWithoutStandbys without a StandbyCount: there is no standby to wait for")
 	case cfg.RecoverSlot && cfg.Unmarked:
 		return nil, bad("LogRelayConfig.RecoverSlot with Unmarked: a recovery publishes what is not marked, which would be every row")
 	}

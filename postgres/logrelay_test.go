@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"os"
 	"path/filepath"
@@ -648,4 +649,61 @@ func TestLogRelayWithRecoverSlotMakesItsSlotByItself(t *testing.T) {
 	if _, err := sqlOutbox(t, db, postgres.Config{}).NewLogRelay(logConnString(name), broker, postgres.LogRelayConfig{RecoverSlot: true, Unmarked: true}); !errors.Is(err, postgres.ErrInvalidConfig) {
 		t.Errorf("RecoverSlot with Unmarked = %v; want ErrInvalidConfig", err)
 	}
+}
+
+// A log relay with a StandbyCount publishes a transaction only once that
+// many standbys have flushed past its commit: on a server with none, its
+// session ends with ErrStandbyBehind, saying none streams, and nothing is
+// published; with PublishWithoutStandbys it publishes, logged at Warn.
+// (The failover's log relay runs wait for a real standby: TestFailover.)
+func TestLogRelayWaitsForStandbysByNumber(t *testing.T) {
+	broker := &recorder{}
+	behind := make(chan error, 1)
+	report := func(r postgres.PassReport) {
+		if errors.Is(r.Err, postgres.ErrStandbyBehind) {
+			select {
+			case behind <- r.Err:
+			default:
+			}
+		}
+	}
+	db, relay := newLogRelay(t, broker, postgres.LogRelayConfig{StandbyCount: 1, PublishTimeout: 300 * time.Millisecond, OnPass: report})
+	stop := runLog(t, relay)
+	place(t, db, 100)
+	select {
+	case err := <-behind:
+		if !strings.Contains(err.Error(), "(0 streaming from this primary)") {
+			t.Errorf("the session ended with %v; want it to say no standby streams", err)
+		}
+	case <-time.After(generous):
+		t.Fatalf("no session ended with ErrStandbyBehind within %v", generous)
+	}
+	stop()
+	if n := len(broker.Published()); n != 0 {
+		t.Fatalf("published %d messages with no standby to have them", n)
+	}
+	var logs logBuffer
+	without := logRelayMarkingIn(t, db, logConnStringOf(t, db), slotOf(t, db), broker,
+		postgres.LogRelayConfig{StandbyCount: 1, PublishWithoutStandbys: true, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	runLog(t, without)
+	waitUntil(t, "the row published without a standby", func() bool { return len(broker.Published()) == 1 })
+	if !strings.Contains(logs.String(), "PublishWithoutStandbys") {
+		t.Errorf("publishing without a standby was not logged: %s", logs.String())
+	}
+	if _, err := sqlOutbox(t, db, postgres.Config{}).NewLogRelay(logConnStringOf(t, db), broker, postgres.LogRelayConfig{StandbyCount: 1, Unmarked: true}); !errors.Is(err, postgres.ErrInvalidConfig) {
+		t.Errorf("StandbyCount with Unmarked = %v; want ErrInvalidConfig", err)
+	}
+}
+
+// logConnStringOf is logConnString of db's database, and slotOf its slot,
+// named after it by newLogRelay.
+func logConnStringOf(t *testing.T, db *sql.DB) string { return logConnString(slotOf(t, db)) }
+
+func slotOf(t *testing.T, db *sql.DB) string {
+	t.Helper()
+	var name string
+	if err := db.QueryRow(`SELECT current_database()`).Scan(&name); err != nil {
+		t.Fatal(err)
+	}
+	return name
 }

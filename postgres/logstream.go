@@ -222,14 +222,16 @@ type stream struct {
 	relay     *LogRelay
 	conn      *pgconn.PgConn
 	relations map[uint32]*pglogrepl.RelationMessage
-	types     *pgtype.Map // decodes the text form of the columns; not safe for concurrent use
-	txn       []Message   // the rows of the transaction being read, not yet published: at most streamRows
-	tables    []string    // each txn row's table, as an SQL identifier
-	txnBytes  int         // the payloads' bytes in txn: at most about streamBytes
-	inTxn     bool        // a BEGIN was read and its COMMIT not yet
-	xid       uint32      // the transaction being read (BEGIN's), for the marks
-	txnDone   int         // rows of the transaction being read published already
-	sentIDs   []int64     // rows published and not yet handed to the marks, their keys and their tables
+	types     *pgtype.Map   // decodes the text form of the columns; not safe for concurrent use
+	txn       []Message     // the rows of the transaction being read, not yet published: at most streamRows
+	tables    []string      // each txn row's table, as an SQL identifier
+	txnBytes  int           // the payloads' bytes in txn: at most about streamBytes
+	inTxn     bool          // a BEGIN was read and its COMMIT not yet
+	xid       uint32        // the transaction being read (BEGIN's), for the marks
+	commitLSN pglogrepl.LSN // its commit's position (BEGIN's final LSN), which StandbyCount standbys must have flushed
+	onStandby bool          // they have, and the transaction's rows may go
+	txnDone   int           // rows of the transaction being read published already
+	sentIDs   []int64       // rows published and not yet handed to the marks, their keys and their tables
 	sentKeys  []string
 	sentIn    []string
 	marks     *marks            // unless Unmarked, the marking of what was delivered
@@ -339,6 +341,7 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 			}
 			s.txn, s.tables, s.txnBytes = s.txn[:0], s.tables[:0], 0
 			s.inTxn, s.xid, s.txnDone, s.sentIDs, s.sentKeys, s.sentIn = true, m.Xid, 0, s.sentIDs[:0], s.sentKeys[:0], s.sentIn[:0]
+			s.commitLSN, s.onStandby = m.FinalLSN, false
 		case *pglogrepl.InsertMessage:
 			rel, ok := s.relations[m.RelationID]
 			if !ok {
@@ -412,6 +415,15 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 			s.relay.cfg.OnPass(PassReport{Claimed: res.claimed, Published: res.published, Marked: res.marked, Err: err})
 		}
 	}()
+	if cfg := s.relay.cfg; len(s.txn) > 0 && cfg.StandbyCount > 0 && !s.onStandby && s.markIn != nil {
+		wctx, cancel := context.WithTimeout(ctx, timeout)
+		err := waitForStandbyCount(wctx, sqlPool{s.markIn}, s.commitLSN.String(), cfg.StandbyCount, cfg.PublishWithoutStandbys, cfg.Logger, s.relay.table)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("transaction %d, committed at %s: %w", s.xid, s.commitLSN, err)
+		}
+		s.onStandby = true
+	}
 	for i := 0; i < len(s.txn); {
 		pctx, cancel := context.WithTimeout(ctx, timeout)
 		accepted, err := send(pctx, s.relay.tel, s.relay.broker, s.txn[i:min(len(s.txn), i+DefaultBatchSize)], true)

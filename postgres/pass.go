@@ -8,6 +8,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"slices"
 	"strconv"
@@ -320,31 +321,39 @@ func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx txn, lsn string) e
 }
 
 // waitForStandbyCount is waitForStandbys by number: StandbyCount of the
-// primary's physical standbys, whichever they are. A primary with none
-// at all publishes at once if PublishWithoutStandbys, logged.
+// primary's physical standbys, whichever they are.
 func (r *OutboxRelay) waitForStandbyCount(ctx context.Context, tx txn, lsn string) error {
-	want := int64(r.cfg.StandbyCount)
+	return waitForStandbyCount(ctx, tx, lsn, r.cfg.StandbyCount, r.cfg.PublishWithoutStandbys, r.cfg.Logger, r.outbox.table)
+}
+
+// waitForStandbyCount waits until want of the physical standbys streaming
+// from the primary q reaches (a relay pass's transaction, or the log
+// relay's pool) have flushed the log up to lsn, looking again
+// after 1 ms, then twice as long each time up to 50 ms, until ctx ends,
+// and fails with ErrStandbyBehind then. A primary with none at all passes
+// at once if withoutStandbys, logged at Warn.
+func waitForStandbyCount(ctx context.Context, q rowQuerier, lsn string, want int, withoutStandbys bool, log *slog.Logger, table string) error {
 	var streaming, caught int64
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		var readable bool
-		err := tx.queryRow(ctx, standbysCounted, lsn).Scan(&streaming, &caught, &readable)
+		err := q.queryRow(ctx, standbysCounted, lsn).Scan(&streaming, &caught, &readable)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			return fmt.Errorf("read the standbys' positions: %w", err)
 		case err == nil && !readable && streaming > 0:
 			return fmt.Errorf("%w: pg_stat_replication shows the role flush_lsn NULL: GRANT pg_read_all_stats TO the relay's role",
 				ErrStandbysUnreadable)
-		case err == nil && caught >= want:
+		case err == nil && caught >= int64(want):
 			return nil
-		case err == nil && streaming == 0 && r.cfg.PublishWithoutStandbys:
-			if log := r.cfg.Logger; log != nil {
-				log.Warn("outbox: relay pass publishes with no standby streaming from the primary (PublishWithoutStandbys): a failover before one catches up may leave phantom events",
-					"table", r.outbox.table, "standbyCount", want)
+		case err == nil && streaming == 0 && withoutStandbys:
+			if log != nil {
+				log.Warn("outbox: relay publishes with no standby streaming from the primary (PublishWithoutStandbys): a failover before one catches up may leave phantom events",
+					"table", table, "standbyCount", want)
 			}
 			return nil
 		}
 		if err != nil || !pause(ctx, wait) {
-			return fmt.Errorf("%w: %d of the %d standbys StandbyCount wants had flushed the log to %s, past the claimed rows' commits, within the pass's budget (%d streaming from this primary)",
+			return fmt.Errorf("%w: %d of the %d standbys StandbyCount wants had flushed the log to %s, past the rows' commits, in time (%d streaming from this primary)",
 				ErrStandbyBehind, caught, want, lsn, streaming)
 		}
 	}
