@@ -28,16 +28,7 @@ import (
 func TestRelayProcessRunsThroughAFailover(t *testing.T) {
 	ctx := context.Background()
 	e := newEnv(t)
-	primary, err := pgtest.Start()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { primary.Remove() })
-	standby, err := primary.StartStandby("standby")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { standby.Remove() })
+	primary, standby := startPrimaryAndStandby(t)
 	conn := func(hosts ...string) string {
 		return fmt.Sprintf("host=%s user=postgres dbname=postgres sslmode=disable target_session_attrs=read-write connect_timeout=2", strings.Join(hosts, ","))
 	}
@@ -131,6 +122,22 @@ func TestRelayProcessRunsThroughAFailover(t *testing.T) {
 	}
 }
 
+// startPrimaryAndStandby starts a throwaway PostgreSQL of t's own and a
+// streaming standby of it named standby, both removed when t ends.
+func startPrimaryAndStandby(t *testing.T) (primary, standby *pgtest.Server) {
+	t.Helper()
+	primary, err := pgtest.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { primary.Remove() })
+	if standby, err = primary.StartStandby("standby"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { standby.Remove() })
+	return primary, standby
+}
+
 // mustParse is pgx's config of a connection string.
 func mustParse(t *testing.T, conn string) *pgx.ConnConfig {
 	t.Helper()
@@ -147,16 +154,7 @@ func mustParse(t *testing.T, conn string) *pgx.ConnConfig {
 // hosts take no writes fails check's database line, naming why.
 func TestRelayProcessNamesWhatItsServersLack(t *testing.T) {
 	e := newEnv(t)
-	primary, err := pgtest.Start()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { primary.Remove() })
-	standby, err := primary.StartStandby("standby")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { standby.Remove() })
+	primary, standby := startPrimaryAndStandby(t)
 	e.database = fmt.Sprintf("host=%s user=postgres dbname=postgres sslmode=disable target_session_attrs=read-write", primary.Dir)
 	if code, out := e.runOnce("migrate"); code != 0 {
 		t.Fatalf("migrate exited %d:\n%s", code, out)

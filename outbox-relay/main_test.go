@@ -69,16 +69,7 @@ func newEnv(t *testing.T) *env {
 		t.Fatal(err)
 	}
 	e.outbox = ob
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Start()
-	t.Cleanup(srv.Shutdown)
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("the JetStream server did not start")
-	}
-	e.natsURL = srv.ClientURL()
+	e.natsURL = startJetStream(t, server.Options{}).ClientURL()
 	nc, err := nats.Connect(e.natsURL)
 	if err != nil {
 		t.Fatal(err)
@@ -88,6 +79,24 @@ func newEnv(t *testing.T) *env {
 		t.Fatal(err)
 	}
 	return e
+}
+
+// startJetStream starts an embedded JetStream server of opts on a free
+// loopback port, its store in a temporary folder, stopped when t ends,
+// and waits until it takes connections.
+func startJetStream(t *testing.T, opts server.Options) *server.Server {
+	t.Helper()
+	opts.Host, opts.Port, opts.JetStream, opts.StoreDir, opts.NoSigs = "127.0.0.1", -1, true, t.TempDir(), true
+	srv, err := server.NewServer(&opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Start()
+	t.Cleanup(srv.Shutdown)
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("the JetStream server did not start")
+	}
+	return srv
 }
 
 // process is a running outbox-relay.

@@ -1,14 +1,13 @@
 package main
 
 import (
-	"time"
-
 	"fmt"
-	"github.com/nats-io/nats-server/v2/server"
 	"io"
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/nats-io/nats-server/v2/server"
 
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
@@ -167,21 +166,12 @@ func TestReadmeGrantsBlockIsWhatGrantsPrints(t *testing.T) {
 // named by the broker's line, the permission the server refused in it.
 func TestCheckTriesAPublishAsTheBrokersUser(t *testing.T) {
 	e := newEnv(t)
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoSigs: true,
-		Users: []*server.User{
-			{Username: "relay", Password: "relay-pw"},
-			{Username: "reader", Password: "reader-pw", Permissions: &server.Permissions{
-				Publish: &server.SubjectPermission{Allow: []string{"$JS.API.>", "_INBOX.>"}},
-			}},
-		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Start()
-	t.Cleanup(srv.Shutdown)
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("the JetStream server did not start")
-	}
+	srv := startJetStream(t, server.Options{Users: []*server.User{
+		{Username: "relay", Password: "relay-pw"},
+		{Username: "reader", Password: "reader-pw", Permissions: &server.Permissions{
+			Publish: &server.SubjectPermission{Allow: []string{"$JS.API.>", "_INBOX.>"}},
+		}},
+	}})
 	e.natsURL = srv.ClientURL()
 	e.environ = append(e.environ, "OUTBOX_NATS_PASSWORD=relay-pw")
 	if code, out := e.runOnce("migrate", "-nats-user", "relay"); code != 0 {

@@ -185,17 +185,8 @@ func TestRelayProcessToATLSOnlyJetStream(t *testing.T) {
 	e := newEnv(t)
 	authority := newCA(t, "nats")
 	const password = "pw-7Qk2-never-printed"
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoSigs: true,
-		TLS: true, TLSVerify: true, TLSConfig: authority.serverTLS(), TLSTimeout: 5,
+	srv := startJetStream(t, server.Options{TLS: true, TLSVerify: true, TLSConfig: authority.serverTLS(), TLSTimeout: 5,
 		Users: []*server.User{{Username: "relay", Password: password}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Start()
-	t.Cleanup(srv.Shutdown)
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("the TLS JetStream server did not start")
-	}
 	e.natsURL = strings.Replace(srv.ClientURL(), "nats://", "tls://", 1)
 	nc, err := nats.Connect(e.natsURL, nats.Secure(authority.clientTLS()), nats.UserInfo("relay", password))
 	if err != nil {
