@@ -15,6 +15,7 @@
 #   make postgres                            the postgres/ module's tests on a throwaway PostgreSQL, PgBouncer in front for one (Debian's, installed if missing) (-race)
 #   make natsbroker                          the natsbroker/ module's tests, then the shop's (shop/, a module of its own): JetStream embedded, RabbitMQ for the shop's (installed if missing), a throwaway PostgreSQL (-race)
 #   make rabbitbroker                        the rabbitbroker/ module's tests: RabbitMQ (Debian's, installed if missing) on throwaway nodes, a throwaway PostgreSQL (-race)
+#   make kafkabroker                         the kafkabroker/ module's tests: franz-go's Kafka-protocol cluster in Go (kfake, three brokers), a throwaway PostgreSQL (-race)
 #   make outbox-relay                        the relay process's tests (outbox-relay/, a module of its own): built and run against a throwaway PostgreSQL, JetStream embedded (one with TLS and a user), RabbitMQ over amqps and PgBouncer (Debian's, installed if missing)
 #   make kit                                 the kit's tests (kit/): the product modules copied under a team's module path, built, vetted and tested there
 #   make lint                                staticcheck (fetched through the Go module proxy), every module
@@ -32,8 +33,8 @@
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
-# test, make postgres, make natsbroker, make rabbitbroker, make outbox-relay,
-# make kit, make page and make lint; make postgres runs the test that every figure in the documents is one
+# test, make postgres, make natsbroker, make rabbitbroker, make kafkabroker,
+# make outbox-relay, make kit, make page and make lint; make postgres runs the test that every figure in the documents is one
 # a target printed into postgres/figures/, natsbroker/figures/ or
 # rabbitbroker/figures/.
 
@@ -52,7 +53,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
+.PHONY: kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -100,6 +101,7 @@ lint:
 	cd rabbitbroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd postgres/peerbench && $(GO) vet ./... && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 	cd kit && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
+	cd kafkabroker && $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 # module-tests checks the module in the folder $(1) with gofmt and go vet,
 # then runs its tests on a PostgreSQL that postgres/with-server.sh starts in a
@@ -276,6 +278,11 @@ rabbitmq-server:
 # stop and remove them.
 rabbitbroker: rabbitmq-server
 	$(call module-tests,rabbitbroker)
+
+# The kafkabroker/ module: its tests start franz-go's Kafka-protocol cluster
+# (kfake, three brokers) themselves, or use the one OUTBOX_KAFKA_BROKERS names.
+kafkabroker:
+	$(call module-tests,kafkabroker)
 
 # The rabbitbroker figures, into rabbitbroker/figures/measure-rabbitbroker.txt
 # (and benchstat's ratios into measure-rabbitbroker.stat.txt beside it): the

@@ -1,5 +1,5 @@
 // Command kit copies the outbox's product modules (postgres, natsbroker,
-// rabbitbroker and the relay process, outbox-relay) into a team's
+// rabbitbroker, kafkabroker and the relay process, outbox-relay) into a team's
 // repository, under the team's module path, for the team to own:
 //
 //	go -C kit run . -module example.org/team/outbox -into ../../team-repo/outbox
@@ -39,7 +39,7 @@ const Source = "example.com/patterns/enterprise/outbox/"
 // Modules are the product modules the kit copies, each a folder of the
 // repository with a go.mod of its own, in the order they build on one
 // another.
-var Modules = []string{"postgres", "natsbroker", "rabbitbroker", "outbox-relay"}
+var Modules = []string{"postgres", "natsbroker", "rabbitbroker", "kafkabroker", "outbox-relay"}
 
 // leftOut are the paths, relative to the repository, that are this
 // repository's and not the product's: a nested module of benchmarks, the

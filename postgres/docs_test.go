@@ -48,7 +48,7 @@ func TestEveryTestTheDocumentsNameExistsWhereTheySay(t *testing.T) {
 		t.Fatal(err)
 	}
 	docs := []string{"../README.md", "README.md", "ADOPTING.md", "REFERENCE.md", "minimum/README.md", "../kit/README.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md",
-		"../rabbitbroker/README.md", "../shop/README.md", "../outbox-relay/README.md"}
+		"../rabbitbroker/README.md", "../kafkabroker/README.md", "../shop/README.md", "../outbox-relay/README.md"}
 	named := regexp.MustCompile("`(Test[A-Z]\\w*)`")
 	anyNamed := regexp.MustCompile("`(Test[A-Z]\\w*)(…?)[^`]*`")
 	link := regexp.MustCompile(`\]\(([^)]*)\)`)

@@ -41,12 +41,14 @@ const (
 
 // reservedNames are the header names, in lower case, that this
 // repository's publishers and the brokers set themselves: a team's header
-// of the same name would be overwritten, or would overwrite one. The x-
+// of the same name would be overwritten, or would overwrite one (the
+// outbox- names carry a message's id, key, type, aggregate and seq where
+// the broker has no place of its own for them, as on Kafka). The x-
 // names are RabbitMQ's: what it adds to a message it dead-letters, counts,
 // moves (a shovel), reads from a stream, or delays (the delayed message
 // exchange).
 var reservedNames = map[string]bool{
-	"outbox-id": true, "outbox-aggregate": true, "outbox-seq": true,
+	"outbox-id": true, "outbox-aggregate": true, "outbox-seq": true, "outbox-key": true, "outbox-type": true,
 	"content-type": true, "traceparent": true, "tracestate": true,
 	"x-death": true, "x-delivery-count": true,
 	"x-first-death-exchange": true, "x-first-death-queue": true, "x-first-death-reason": true,
