@@ -38,7 +38,7 @@ type cluster struct {
 	t     *testing.T
 	seeds []string
 	admin *kgo.Client
-	real  bool
+	fake  *kfake.Cluster // nil on a real cluster
 }
 
 var topics atomic.Int64
@@ -49,17 +49,27 @@ func newCluster(t *testing.T) *cluster {
 	t.Helper()
 	c := &cluster{t: t}
 	if env := os.Getenv(EnvBrokers); env != "" {
-		c.seeds, c.real = strings.Split(env, ","), true
+		c.seeds = strings.Split(env, ",")
 	} else {
 		fake, err := kfake.NewCluster(kfake.NumBrokers(3))
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(fake.Close)
-		c.seeds = fake.ListenAddrs()
+		c.seeds, c.fake = fake.ListenAddrs(), fake
 	}
 	c.admin = c.client()
 	return c
+}
+
+// faults is the kfake cluster, for a test that makes a fault; on a real
+// cluster the test cannot, and says so.
+func (c *cluster) faults() *kfake.Cluster {
+	c.t.Helper()
+	if c.fake == nil {
+		c.t.Skipf("%s names a real cluster, on which this test cannot make its fault", EnvBrokers)
+	}
+	return c.fake
 }
 
 // client is a client of the cluster with opts, closed when the test ends.
