@@ -64,8 +64,11 @@ func isRefused(err error) bool {
 // certificate or a credential the server refused; any other error, a
 // server that did not answer, worth trying again.
 func dialBroker(ctx context.Context, c config) (broker, error) {
-	if c.broker == "rabbitmq" {
+	switch c.broker {
+	case "rabbitmq":
 		return dialRabbit(ctx, c.rabbit, c.cloudEvents)
+	case "kafka":
+		return dialKafka(ctx, c.kafka, c.cloudEvents)
 	}
 	return dialNATS(c.nats, c.cloudEvents)
 }

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"example.com/patterns/enterprise/outbox/kafkabroker"
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/rabbitbroker"
@@ -29,6 +30,7 @@ type config struct {
 
 	nats        natsConfig
 	rabbit      rabbitConfig
+	kafka       kafkaConfig
 	cloudEvents string // the CloudEvents source the publisher sets; none if empty
 
 	retention, cleanupEvery time.Duration
@@ -200,7 +202,7 @@ func parse(cmd string, args []string) (config, []string, error) {
 	var c config
 	s := &settings{fs: flag.NewFlagSet(cmd, flag.ContinueOnError)}
 	s.str(&c.database, "database", "OUTBOX_DATABASE_URL", "", "PostgreSQL connection string, pgx's (TLS, several hosts), with no password in it: PGPASSWORD or a .pgpass file holds it")
-	s.str(&c.broker, "broker", "OUTBOX_BROKER", "nats", "the broker: nats (JetStream) or rabbitmq")
+	s.str(&c.broker, "broker", "OUTBOX_BROKER", "nats", "the broker: nats (JetStream), rabbitmq or kafka")
 	s.str(&c.mode, "mode", "OUTBOX_MODE", "polling", "polling (OutboxRelay) or log (LogRelay: logical decoding)")
 	s.str(&c.table, "table", "OUTBOX_TABLE", postgres.DefaultTable, "the outbox table")
 	s.str(&c.http, "http", "OUTBOX_HTTP_ADDR", "", "address of /healthz, /readyz and /metrics; none if empty")
@@ -265,6 +267,21 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.str(&b.topology.Queue, "queue", "OUTBOX_QUEUE", b.topology.Queue, "the queue migrate binds to the exchange, and run checks")
 	s.integer(&b.topology.DeliveryLimit, "delivery-limit", "OUTBOX_DELIVERY_LIMIT", b.topology.DeliveryLimit, 1, 1_000_000, "the queue's deliveries of a message before it is dead-lettered")
 	s.integer(&b.maxMessageSize, "rabbitmq-max-message-size", "OUTBOX_RABBITMQ_MAX_MESSAGE_SIZE", 0, 0, 512<<20, "the server's max_message_size in bytes; 0 for its default")
+
+	// Kafka.
+	k := &c.kafka
+	s.str(&k.brokers, "kafka", "OUTBOX_KAFKA_BROKERS", "127.0.0.1:9092", "the Kafka seed brokers, host:port, comma-separated")
+	s.str(&k.topic, "kafka-topic", "OUTBOX_KAFKA_TOPIC", kafkabroker.Topic, "the topic the relay publishes to")
+	s.integer(&k.partitions, "kafka-partitions", "OUTBOX_KAFKA_PARTITIONS", 6, 1, 10_000, "provision: the topic's partitions")
+	s.integer(&k.replicas, "kafka-replicas", "OUTBOX_KAFKA_REPLICAS", 3, 1, 16, "provision: the topic's replicas (min.insync.replicas one below)")
+	s.boolean(&k.tls, "kafka-tls", "OUTBOX_KAFKA_TLS", false, "connect to Kafka over TLS")
+	s.add("kafka-ca", "OUTBOX_KAFKA_CA", "", "TLS: the CA certificates (PEM) the brokers' certificates must chain to", readable(&k.ca))
+	s.add("kafka-cert", "OUTBOX_KAFKA_CERT", "", "TLS: the client's certificate (PEM), with -kafka-key", readable(&k.cert))
+	s.add("kafka-key", "OUTBOX_KAFKA_KEY", "", "TLS: the client certificate's key (PEM)", readable(&k.key))
+	s.str(&k.serverName, "kafka-server-name", "OUTBOX_KAFKA_SERVER_NAME", "", "TLS: the name the brokers' certificates must carry; empty for each broker's host")
+	s.str(&k.mechanism, "kafka-sasl", "OUTBOX_KAFKA_SASL", "", "SASL: plain, scram-sha-256 or scram-sha-512; none if empty")
+	s.str(&k.user, "kafka-user", "OUTBOX_KAFKA_USER", "", "SASL: the user")
+	s.secret(&k.password, "kafka-password-file", "OUTBOX_KAFKA_PASSWORD_FILE", "OUTBOX_KAFKA_PASSWORD", "SASL: a file holding the user's password")
 
 	// Cleanup, sweeping and health.
 	s.duration(&c.retention, "retention", "OUTBOX_RETENTION", "168h", 0, "how long a sent row is kept; 0 keeps them")
@@ -338,8 +355,8 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	if c.mode != "polling" && c.mode != "log" {
 		errs = append(errs, fmt.Errorf("-mode %q: want polling or log", c.mode))
 	}
-	if c.broker != "nats" && c.broker != "rabbitmq" {
-		errs = append(errs, fmt.Errorf("-broker %q: want nats or rabbitmq", c.broker))
+	if c.broker != "nats" && c.broker != "rabbitmq" && c.broker != "kafka" {
+		errs = append(errs, fmt.Errorf("-broker %q: want nats, rabbitmq or kafka", c.broker))
 	}
 	if len(c.relay.Standbys) > 0 && c.mode == "log" {
 		errs = append(errs, errors.New("-standbys is for -mode polling: the log relay waits for standbys by number (-standby-count)"))
@@ -388,6 +405,9 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	}
 	if c.broker == "rabbitmq" {
 		errs = append(errs, c.rabbit.check()...)
+	}
+	if c.broker == "kafka" {
+		errs = append(errs, c.kafka.check()...)
 	}
 	if _, err := url.Parse(c.cloudEvents); err != nil || strings.ContainsFunc(c.cloudEvents, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
 		errs = append(errs, fmt.Errorf("-cloudevents-source (OUTBOX_CLOUDEVENTS_SOURCE) %q: want a URI-reference, such as /shop", c.cloudEvents))

@@ -3,6 +3,7 @@ module example.com/patterns/enterprise/outbox/outbox-relay
 go 1.26.0
 
 require (
+	example.com/patterns/enterprise/outbox/kafkabroker v0.0.0
 	example.com/patterns/enterprise/outbox/natsbroker v0.0.0
 	example.com/patterns/enterprise/outbox/postgres v0.0.0
 	example.com/patterns/enterprise/outbox/rabbitbroker v0.0.0
@@ -12,6 +13,9 @@ require (
 	github.com/nats-io/nkeys v0.4.16
 	github.com/prometheus/client_golang v1.25.0
 	github.com/rabbitmq/amqp091-go v1.16.0
+	github.com/twmb/franz-go v1.22.3
+	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c
+	github.com/twmb/franz-go/pkg/kmsg v1.15.1
 	go.opentelemetry.io/otel/exporters/prometheus v0.69.0
 	go.opentelemetry.io/otel/sdk/metric v1.47.0
 )
@@ -34,6 +38,7 @@ require (
 	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
 	github.com/nats-io/jwt/v2 v2.8.2 // indirect
 	github.com/nats-io/nuid v1.0.1 // indirect
+	github.com/pierrec/lz4/v4 v4.1.33 // indirect
 	github.com/prometheus/client_model v0.6.3 // indirect
 	github.com/prometheus/common v0.72.0 // indirect
 	github.com/prometheus/otlptranslator v1.0.0 // indirect
@@ -53,6 +58,7 @@ require (
 )
 
 replace (
+	example.com/patterns/enterprise/outbox/kafkabroker => ../kafkabroker
 	example.com/patterns/enterprise/outbox/natsbroker => ../natsbroker
 	example.com/patterns/enterprise/outbox/postgres => ../postgres
 	example.com/patterns/enterprise/outbox/rabbitbroker => ../rabbitbroker

@@ -1,6 +1,6 @@
 // Command outbox-relay is the outbox's relay as a process of its own, to
 // deploy beside the services that write the outbox: it publishes the rows of
-// one outbox table in PostgreSQL to NATS JetStream or to RabbitMQ, and
+// one outbox table in PostgreSQL to NATS JetStream, RabbitMQ or Kafka, and
 // deletes them once they have been sent longer than their retention.
 //
 //	outbox-relay migrate    migrate-database and provision, for a role that may do both
@@ -23,7 +23,7 @@
 // wins): outbox-relay run -h lists them, each with its variable. Every value
 // is checked before anything connects, and a bad one is refused with the
 // flag's name. -json prints each command's result as JSON, one value a
-// line. Secrets (the NATS password or token, the RabbitMQ password) are read
+// line. Secrets (the NATS password or token, the RabbitMQ and Kafka passwords) are read
 // from a file (-nats-password-file, …) or the environment
 // (OUTBOX_NATS_PASSWORD, …), never from a flag's value, and never printed;
 // PostgreSQL's password comes from PGPASSWORD or a .pgpass file, as pgx
