@@ -152,15 +152,15 @@ func (b *kafkaBroker) Check(ctx context.Context) error {
 	req.Topics = append(req.Topics, t)
 	resp, err := req.RequestWith(ctx, b.cl)
 	if err != nil {
-		return fmt.Errorf("Kafka: %w", err)
+		return fmt.Errorf("kafka: %w", err)
 	}
 	for _, rt := range resp.Topics {
 		if err := kerr.ErrorForCode(rt.ErrorCode); err != nil {
-			return fmt.Errorf("Kafka: topic %s: %w: provision it first", b.k.topic, err)
+			return fmt.Errorf("kafka: topic %s: %w: provision it first", b.k.topic, err)
 		}
 		for _, p := range rt.Partitions {
 			if p.Leader < 0 {
-				return fmt.Errorf("Kafka: topic %s partition %d has no leader", b.k.topic, p.Partition)
+				return fmt.Errorf("kafka: topic %s partition %d has no leader", b.k.topic, p.Partition)
 			}
 		}
 	}
