@@ -87,3 +87,32 @@ func TestTheClaimsLocksNameCreateIndexAndMigrationSeven(t *testing.T) {
 		t.Error("CHANGELOG.md's row for migration 7 does not warn that it builds indexes without CONCURRENTLY")
 	}
 }
+
+// Two sentences a team copied that the code contradicted: the pass's
+// budget, which frees a vanished relay's rows at most three budgets after
+// its last statement began (not at the budget), as the adopter's page and
+// the reference both say; and no document of the modules names
+// NewOutboxRelay, which exists only in this package's tests (the relay is
+// made by Outbox.NewRelay). (Caught: "a budget the server enforces
+// (PassTimeout, 5 s)", and REFERENCE.md's NewOutboxRelay.)
+func TestThePassBudgetAndTheRelaysMakerAreSaidAsTheCodeHasThem(t *testing.T) {
+	for doc, paras := range paragraphs(t) {
+		for _, p := range paras {
+			if strings.Contains(p, "budget the server enforces") {
+				t.Errorf("%s says the server enforces the budget itself:\n%s", doc, p)
+			}
+			if strings.Contains(p, "NewOutboxRelay") && !strings.HasPrefix(doc, "../README.md") {
+				t.Errorf("%s names NewOutboxRelay, which only the tests have:\n%s", doc, p)
+			}
+		}
+	}
+	for _, doc := range []string{"ADOPTING.md", "REFERENCE.md"} {
+		b, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(strings.Join(strings.Fields(string(b)), " "), "free at most three budgets") {
+			t.Errorf("%s does not say a vanished relay's rows are free at most three budgets after its last statement", doc)
+		}
+	}
+}
