@@ -248,6 +248,18 @@ func main() {
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
+	// The relay marks a row sent after the broker took it: wait for both
+	// marks, as section 5's replay asks for sent rows.
+	for sent := 0; sent < 2; {
+		if err := pool.QueryRow(ctx, ` + "`SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL`" + `).Scan(&sent); err != nil {
+			fail(err)
+		}
+		select {
+		case <-ctx.Done():
+			fail(fmt.Errorf("%d of 2 published events marked sent", sent))
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 	var invoices int
 	if err := pool.QueryRow(ctx, ` + "`SELECT count(*) FROM invoices`" + `).Scan(&invoices); err != nil {
 		fail(err)
