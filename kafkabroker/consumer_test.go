@@ -79,7 +79,7 @@ func TestTheConsumerSetsAsideWhatCanNeverApplyAndKeepsOrderThroughFailures(t *te
 	}
 	out := logs.String()
 	if strings.Count(out, "message set aside") != 2 || !strings.Contains(out, "offset=2") || !strings.Contains(out, "key=k4") ||
-		strings.Count(out, "message failed; handling it again") != 2 {
+		strings.Count(out, "message failed; trying it again in place") != 2 {
 		t.Errorf("the log does not say two records set aside (offset 2, k4) and k2 handled again twice:\n%s", out)
 	}
 	after := &orderedHandler{}

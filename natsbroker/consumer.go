@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -15,22 +14,19 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/consumer"
 )
 
 // Handler applies a message and reports whether it did (false: a duplicate
-// it had applied before). The example's shop.Warehouse is one.
-type Handler interface {
-	Handle(ctx context.Context, msg postgres.Message) (applied bool, err error)
-}
+// it had applied before). The example's shop.Warehouse is one. It is the
+// consumer core's, shared by every broker's Consumer.
+type Handler = consumer.Handler
 
 // BatchHandler is a Handler that can also apply several messages in one
 // transaction, all or none: applied[i] reports whether msgs[i] was applied;
 // on an error none was. shop.Warehouse is one, through
 // [postgres.Outbox.ApplyBatch].
-type BatchHandler interface {
-	Handler
-	HandleBatch(ctx context.Context, msgs []postgres.Message) (applied []bool, err error)
-}
+type BatchHandler = consumer.BatchHandler
 
 // DefaultRetryDelay is how long a [Consumer] asks JetStream to wait before
 // it delivers again a message whose handling failed, when
@@ -55,8 +51,7 @@ const DefaultPrefetch = 10
 // for more.
 const DefaultMaxOutOfOrder = 20
 
-// ErrOutOfOrderBound is returned, wrapped, by [NewConsumer] (and by
-// [Consumer.Run], for a Consumer NewConsumer did not check) for a
+// ErrOutOfOrderBound is returned, wrapped, by [NewConsumer] for a
 // ConsumerOptions.MaxOutOfOrder too small for the consumer's AckWait and
 // RetryDelay.
 var ErrOutOfOrderBound = errors.New("natsbroker: MaxOutOfOrder would terminate a message whose predecessor is only late")
@@ -178,19 +173,12 @@ type ConsumerOptions struct {
 type Consumer struct {
 	consumer jetstream.Consumer
 	prefix   string // of its subjects, which decode takes off for the type
-	handler  Handler
 
 	opts ConsumerOptions // with the defaults filled in, but MaxOutOfOrder's
 
-	telemetry *postgres.ConsumerTelemetry
-
-	// outOfOrder counts, by message key, the deliveries each message has
-	// spent arriving before its predecessor: the bound counts those only,
-	// not the deliveries an outage of the handler's database spent.
-	outOfOrder map[string]int
-
-	mu           sync.Mutex
-	waitingSince map[string]time.Time // by key, each message asked for again and not yet handled
+	// core decides what becomes of each message, as every broker's
+	// Consumer does; this one tells JetStream.
+	core *consumer.Core
 }
 
 // Waiting is how many messages this Consumer has asked JetStream for again,
@@ -199,47 +187,10 @@ type Consumer struct {
 // oldest of them first failed, or zero. They may be read while Run runs.
 // A message asked for again and then handled by another Consumer sharing
 // the JetStream consumer is counted until Run stops.
-func (c *Consumer) Waiting() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.waitingSince)
-}
+func (c *Consumer) Waiting() int { return c.core.Waiting() }
 
 // OldestWaiting: see Waiting.
-func (c *Consumer) OldestWaiting() time.Duration {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	var oldest time.Time
-	for _, at := range c.waitingSince {
-		if oldest.IsZero() || at.Before(oldest) {
-			oldest = at
-		}
-	}
-	if oldest.IsZero() {
-		return 0
-	}
-	return time.Since(oldest)
-}
-
-// waiting notes that the message keyed key waits (failed, asked for
-// again), or, with done, that it no longer does.
-func (c *Consumer) waiting(key string, done bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	switch {
-	case done:
-		delete(c.waitingSince, key)
-	case c.waitingSince == nil:
-		c.waitingSince = map[string]time.Time{key: time.Now()}
-	default:
-		if _, ok := c.waitingSince[key]; !ok {
-			if len(c.waitingSince) >= maxTracked {
-				clear(c.waitingSince) // a bound on memory: the gauge starts again
-			}
-			c.waitingSince[key] = time.Now()
-		}
-	}
-}
+func (c *Consumer) OldestWaiting() time.Duration { return c.core.OldestWaiting() }
 
 // NewConsumer returns a Consumer that feeds the messages of c, a consumer
 // created with ConsumerConfig (or Names.ConsumerConfig: the subject prefix
@@ -267,10 +218,27 @@ func NewConsumer(c jetstream.Consumer, h Handler, opts ConsumerOptions) (*Consum
 	if opts.MaxRetryDelay < opts.RetryDelay {
 		return nil, bad("ConsumerOptions.MaxRetryDelay %v is below RetryDelay %v", opts.MaxRetryDelay, opts.RetryDelay)
 	}
-	if _, _, err := outOfOrderBound(c, opts); err != nil {
+	maxOutOfOrder, ackWait, err := outOfOrderBound(c, opts)
+	if err != nil {
 		return nil, fmt.Errorf("%w: natsbroker: %w", postgres.ErrInvalidConfig, err)
 	}
-	return &Consumer{consumer: c, handler: h, prefix: prefixOf(c), opts: opts}, nil
+	maxBatch := 1
+	if _, ok := h.(BatchHandler); ok {
+		maxBatch = max(opts.MaxBatch, 1)
+	}
+	opts.Prefetch = max(orDefault(opts.Prefetch, DefaultPrefetch), maxBatch)
+	opts.MaxBatch = maxBatch
+	core, err := consumer.New(h, consumer.Policy{
+		RetryDelay: opts.RetryDelay, MaxRetryDelay: opts.MaxRetryDelay,
+		// A full buffer is handled within half of AckWait: see Consumer.
+		HandleTimeout: ackWait / time.Duration(2*opts.Prefetch),
+		MaxBatch:      maxBatch, MaxOutOfOrder: maxOutOfOrder,
+		SetAsideAs: "terminated", Logger: opts.Logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("natsbroker: %w", err)
+	}
+	return &Consumer{consumer: c, prefix: prefixOf(c), opts: opts, core: core}, nil
 }
 
 // outOfOrderBound is how many deliveries a message out of order gets, as
@@ -305,29 +273,17 @@ func outOfOrderBound(c jetstream.Consumer, opts ConsumerOptions) (int, time.Dura
 // did not make is refused at once, with an error wrapping
 // postgres.ErrInvalidConfig.
 func (c *Consumer) Run(ctx context.Context) error {
-	if c == nil || c.consumer == nil || c.handler == nil {
+	if c == nil || c.consumer == nil || c.core == nil {
 		return fmt.Errorf("%w: natsbroker: a Consumer that NewConsumer did not make", postgres.ErrInvalidConfig)
 	}
-	maxBatch := 1
-	batcher, ok := c.handler.(BatchHandler)
-	if ok {
-		maxBatch = max(c.opts.MaxBatch, 1)
-	}
-	prefetch := max(orDefault(c.opts.Prefetch, DefaultPrefetch), maxBatch)
-	maxOutOfOrder, ackWait, err := outOfOrderBound(c.consumer, c.opts)
-	if err != nil {
-		return err
-	}
-	deadline := ackWait / time.Duration(2*prefetch)
+	c.core.Start(postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "nats",
+		"applied, duplicate, retry, out_of_order or terminated"))
+	defer c.core.Stop()
 	// Each pull request lasts pullExpiry, with idle heartbeats from the
 	// server every half of it: a pull parked on a server that died is given
 	// up, and made again to whichever server leads the consumer now, within
 	// about pullExpiry, not the client's default 30 s.
-	c.telemetry = postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "nats",
-		"applied, duplicate, retry, out_of_order or terminated")
-	c.outOfOrder = map[string]int{}
-	defer func() { c.mu.Lock(); clear(c.waitingSince); c.mu.Unlock() }()
-	it, err := c.consumer.Messages(jetstream.PullMaxMessages(prefetch), jetstream.PullExpiry(pullExpiry))
+	it, err := c.consumer.Messages(jetstream.PullMaxMessages(c.opts.Prefetch), jetstream.PullExpiry(pullExpiry))
 	if err != nil {
 		return fmt.Errorf("consume: %w", err)
 	}
@@ -346,9 +302,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("consume: %w", err)
 		}
-		if maxBatch > 1 {
+		if c.opts.MaxBatch > 1 {
 			batch := []jetstream.Msg{msg}
-			for len(batch) < maxBatch {
+			for len(batch) < c.opts.MaxBatch {
 				// Only what is delivered already: a batch never waits to fill.
 				more, err := it.Next(jetstream.NextMaxWait(gatherWait))
 				if err != nil {
@@ -356,74 +312,43 @@ func (c *Consumer) Run(ctx context.Context) error {
 				}
 				batch = append(batch, more)
 			}
-			err = c.handleBatch(ctx, batcher, batch, deadline, maxOutOfOrder)
+			err = c.handleBatch(ctx, batch)
 		} else {
-			err = c.handle(ctx, msg, deadline, maxOutOfOrder)
+			err = c.handle(ctx, msg)
 		}
 		if err != nil && ctx.Err() == nil {
 			return err
 		} // after ctx ended, the next turn hands the rest of the buffer back
-
 	}
 }
 
-// handle handles msg, within deadline, and returns an error only when it
-// could not tell JetStream what became of it.
-func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.Duration, maxOutOfOrder int) (ackErr error) {
-	m, err := decode(msg, c.prefix)
-	// The message's context is the span's parent and also its link: see
-	// the doc of TracerProvider.
-	sctx, done := c.telemetry.Process(ctx, m, msg.Subject())
-	var applied bool
-	result := "retry"
-	defer func() { done(result, err) }()
-	if err == nil {
-		hctx, cancel := context.WithTimeout(sctx, deadline)
-		applied, err = c.handler.Handle(hctx, m)
-		cancel()
-	}
-	if errors.Is(err, postgres.ErrOutOfOrder) {
-		result = "out_of_order"
-		if len(c.outOfOrder) >= maxTracked {
-			clear(c.outOfOrder) // a bound on memory: the counts start again
-		}
-		c.outOfOrder[m.Key]++
-		if n := c.outOfOrder[m.Key]; n >= maxOutOfOrder && ctx.Err() == nil {
-			if pending := c.pendingBefore(ctx, msg); pending != nil {
-				// Its predecessor may be among them, failing for a reason
-				// that passes: it waits, however long that takes.
-				if n == maxOutOfOrder && c.opts.Logger != nil {
-					c.opts.Logger.Warn("message still before its predecessor, which may still be pending; waiting for it",
-						"key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "out_of_order_deliveries", n, "pending", pending)
-				}
-			} else {
-				err = fmt.Errorf("%w after %d deliveries out of order, with nothing before it pending: its predecessor may never come", err, n)
-				result = "terminated"
-				return c.terminate(msg, m, err)
-			}
-		}
-	}
-	switch {
-	case ctx.Err() != nil:
-		return ctx.Err()
-	case err == nil:
-		result = map[bool]string{true: "applied", false: "duplicate"}[applied]
-		delete(c.outOfOrder, m.Key)
-		c.waiting(m.Key, true)
-		if n := deliveries(msg); n > 1 && c.opts.Logger != nil {
-			c.opts.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "deliveries", n)
-		}
+// handle has the core handle msg once and tells JetStream what became of
+// it; it returns an error only when it could not.
+func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg) error {
+	v := c.core.Try(ctx, c.delivery(msg))
+	return c.settle(msg, v)
+}
+
+// settle tells JetStream what became of msg: an ack, a delivery asked for
+// again after the verdict's delay, or a termination with its reason.
+func (c *Consumer) settle(msg jetstream.Msg, v consumer.Verdict) error {
+	switch v.Outcome {
+	case consumer.Applied, consumer.Duplicate:
 		return ack(msg.Ack(), "ack", msg)
-	case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, postgres.ErrPermanent), errors.Is(err, errNotOutbox):
-		result = "terminated"
-		return c.terminate(msg, m, err)
-	case errors.Is(err, postgres.ErrOutOfOrder):
-		c.waiting(m.Key, false)
-		return ack(msg.NakWithDelay(c.opts.RetryDelay), "ask again for", msg)
-	default:
-		c.waiting(m.Key, false)
-		return ack(msg.NakWithDelay(c.backoff(msg, m, err)), "ask again for", msg)
+	case consumer.Retry, consumer.OutOfOrder:
+		return ack(msg.NakWithDelay(v.Delay), "ask again for", msg)
+	case consumer.SetAside:
+		return ack(msg.TermWithReason(v.Err.Error()), "terminate", msg)
+	default: // Stopped: delivered again after AckWait
+		return v.Err
 	}
+}
+
+// delivery is msg as the core takes it.
+func (c *Consumer) delivery(msg jetstream.Msg) consumer.Delivery {
+	m, err := decode(msg, c.prefix)
+	return consumer.Delivery{Message: m, Err: err, Destination: msg.Subject(), Where: []any{"subject", msg.Subject()},
+		Delivered: deliveries(msg), Pending: func(ctx context.Context) any { return c.pendingBefore(ctx, msg) }}
 }
 
 // gatherWait is how long Run waits for one more message to add to a batch:
@@ -431,56 +356,30 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg, deadline time.
 // no delay a reader would see.
 const gatherWait = time.Millisecond
 
-// handleBatch applies batch in one HandleBatch, within as many deadlines as
-// it has messages, and acks each; if the batch fails, it handles each
-// message one at a time. It returns an error only when it could not tell
-// JetStream what became of a message.
-func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []jetstream.Msg, deadline time.Duration, maxOutOfOrder int) error {
-	msgs := make([]postgres.Message, len(batch))
-	var err error
+// handleBatch applies batch in one HandleBatch, within as many of a
+// Handle's deadlines as it has messages, and acks each; if the batch
+// fails, it handles each message one at a time. It returns an error only
+// when it could not tell JetStream what became of a message.
+func (c *Consumer) handleBatch(ctx context.Context, batch []jetstream.Msg) error {
+	ds := make([]consumer.Delivery, len(batch))
 	for i, msg := range batch {
-		if msgs[i], err = decode(msg, c.prefix); err != nil {
-			break
-		}
+		ds[i] = c.delivery(msg)
 	}
-	var applied []bool
-	if err == nil {
-		sctx, done := c.telemetry.ProcessBatch(ctx, msgs, batch[0].Subject())
-		hctx, cancel := context.WithTimeout(sctx, deadline*time.Duration(len(batch)))
-		applied, err = h.HandleBatch(hctx, msgs)
-		cancel()
-		if err == nil && len(applied) != len(msgs) {
-			err = fmt.Errorf("HandleBatch reported %d results for %d messages", len(applied), len(msgs))
-		}
-		var results []string
-		if err == nil {
-			results = make([]string, len(applied))
-			for i, a := range applied {
-				results[i] = map[bool]string{true: "applied", false: "duplicate"}[a]
-			}
-		}
-		done(results, err)
-	}
-	if err != nil {
+	vs, ok := c.core.Batch(ctx, ds, c.core.HandleTimeout()*time.Duration(len(batch)))
+	if !ok {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
 		// Nothing was applied: each message on its own says what it is.
 		for _, msg := range batch {
-			if err := c.handle(ctx, msg, deadline, maxOutOfOrder); err != nil {
+			if err := c.handle(ctx, msg); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
 	for i, msg := range batch {
-		m := msgs[i]
-		delete(c.outOfOrder, m.Key)
-		c.waiting(m.Key, true)
-		if n := deliveries(msg); n > 1 && c.opts.Logger != nil {
-			c.opts.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "deliveries", n)
-		}
-		if err := ack(msg.Ack(), "ack", msg); err != nil {
+		if err := c.settle(msg, vs[i]); err != nil {
 			return err
 		}
 	}
@@ -500,31 +399,6 @@ func handBack(ctx context.Context, it jetstream.MessagesContext) error {
 		}
 		msg.Nak() // if this fails, AckWait does
 	}
-}
-
-// backoff is how long msg, whose handling failed with err for a reason that
-// may pass, waits before its next delivery: RetryDelay after its first
-// delivery, doubled after each next one, up to MaxRetryDelay. It logs each
-// step, not each delivery: an outage of an hour logs a handful of lines a
-// message, not thousands.
-func (c *Consumer) backoff(msg jetstream.Msg, m postgres.Message, err error) time.Duration {
-	n := deliveries(msg)
-	delay := c.delayAfter(n)
-	if c.opts.Logger != nil && (n == 1 || c.delayAfter(n-1) < delay) {
-		c.opts.Logger.Warn("message failed; asking for it again", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq,
-			"delivery", n, "next_delivery_in", delay, "error", err)
-	}
-	return delay
-}
-
-// delayAfter is the backoff after a message's nth delivery failed.
-func (c *Consumer) delayAfter(n int) time.Duration {
-	delay := c.opts.RetryDelay
-	most := c.opts.MaxRetryDelay
-	for i := 1; i < n && delay < most; i++ {
-		delay *= 2
-	}
-	return min(delay, most)
 }
 
 // deliveries is how many times JetStream has delivered msg, this one
@@ -565,25 +439,8 @@ func (c *Consumer) pendingBefore(ctx context.Context, msg jetstream.Msg) any {
 // infoTimeout bounds the request for the JetStream consumer's state.
 const infoTimeout = 5 * time.Second
 
-// maxTracked is the most messages whose out-of-order deliveries a Consumer
-// counts at once; past it the counts start again, which delays a
-// termination and never hastens one.
-const maxTracked = 100_000
-
 // instrumentationName names this package's tracer and meter.
 const instrumentationName = "example.com/patterns/enterprise/outbox/natsbroker"
-
-// terminate tells JetStream never to deliver msg again, with err as the
-// reason, and logs it.
-func (c *Consumer) terminate(msg jetstream.Msg, m postgres.Message, err error) error {
-	delete(c.outOfOrder, m.Key)
-	c.waiting(m.Key, true)
-	if c.opts.Logger != nil {
-		c.opts.Logger.Error("message terminated: it can never be applied", "subject", msg.Subject(), "key", m.Key,
-			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)
-	}
-	return ack(msg.TermWithReason(err.Error()), "terminate", msg)
-}
 
 func ack(err error, what string, msg jetstream.Msg) error {
 	if err != nil {

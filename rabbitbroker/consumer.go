@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -17,23 +16,20 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"example.com/patterns/enterprise/outbox/postgres"
+	"example.com/patterns/enterprise/outbox/postgres/consumer"
 )
 
 // Handler applies a message and reports whether it did (false: a copy it
 // had applied before, dropped by its key). The example's shop.Warehouse is
-// one, through [postgres.Outbox.ApplyOnce].
-type Handler interface {
-	Handle(ctx context.Context, msg postgres.Message) (applied bool, err error)
-}
+// one, through [postgres.Outbox.ApplyOnce]. It is the consumer core's,
+// shared by every broker's Consumer.
+type Handler = consumer.Handler
 
 // BatchHandler is a Handler that can also apply several messages in one
 // transaction, all or none: applied[i] reports whether msgs[i] was applied;
 // on an error none was. The example's shop.Warehouse is one, through
 // [postgres.Outbox.ApplyBatch].
-type BatchHandler interface {
-	Handler
-	HandleBatch(ctx context.Context, msgs []postgres.Message) (applied []bool, err error)
-}
+type BatchHandler = consumer.BatchHandler
 
 // Defaults of a [Consumer]'s fields left zero.
 const (
@@ -148,19 +144,14 @@ type ConsumerOptions struct {
 // Handler is called from Concurrency goroutines at once. Create one with
 // [NewConsumer].
 type Consumer struct {
-	dial    func() (*amqp.Connection, error)
-	queue   string
-	handler Handler
+	dial  func() (*amqp.Connection, error)
+	queue string
 
 	opts ConsumerOptions // with the defaults filled in
 
-	telemetry *postgres.ConsumerTelemetry
-
-	applied, duplicates, handedBack, deadLettered atomic.Int64
-
-	// waitingSince holds, for each message being tried again in place, the
-	// time (UnixNano) of its first failure.
-	waitingSince sync.Map // delivery tag → int64
+	// core decides what becomes of each message, as every broker's
+	// Consumer does; this one tells RabbitMQ.
+	core *consumer.Core
 }
 
 // NewConsumer returns a Consumer of queue, over connections dial makes,
@@ -192,52 +183,46 @@ func NewConsumer(dial func() (*amqp.Connection, error), queue string, h Handler,
 	}
 	opts.HandleTimeout = orDefault(opts.HandleTimeout, DefaultHandleTimeout)
 	opts.Concurrency = orDefault(opts.Concurrency, 1)
-	return &Consumer{dial: dial, queue: queue, handler: h, opts: opts}, nil
+	core, err := consumer.New(h, consumer.Policy{
+		RetryDelay: opts.RetryDelay, MaxRetryDelay: opts.MaxRetryDelay, HandleTimeout: opts.HandleTimeout,
+		MaxBatch: opts.MaxBatch, HandBack: true, SetAsideAs: "dead-lettered", Logger: opts.Logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("rabbitbroker: %w", err)
+	}
+	opts.MaxBatch = core.MaxBatch()
+	opts.Prefetch = max(orDefault(opts.Prefetch, DefaultPrefetch), opts.MaxBatch)
+	return &Consumer{dial: dial, queue: queue, opts: opts, core: core}, nil
 }
 
 // Applied, Duplicates, HandedBack and DeadLettered count the messages the
 // handler applied, the copies it dropped, the deliveries this Consumer
 // handed back (requeued: out of order), and the messages it dead-lettered
 // (not those RabbitMQ dead-lettered past the delivery limit).
-func (c *Consumer) Applied() int64      { return c.applied.Load() }
-func (c *Consumer) Duplicates() int64   { return c.duplicates.Load() }
-func (c *Consumer) HandedBack() int64   { return c.handedBack.Load() }
-func (c *Consumer) DeadLettered() int64 { return c.deadLettered.Load() }
+func (c *Consumer) Applied() int64      { return c.core.Applied() }
+func (c *Consumer) Duplicates() int64   { return c.core.Duplicates() }
+func (c *Consumer) HandedBack() int64   { return c.core.OutOfOrder() }
+func (c *Consumer) DeadLettered() int64 { return c.core.SetAside() }
 
 // Waiting is how many messages are being tried again in place now, after
 // failures that may pass, and OldestWaiting how long ago the oldest of
 // them first failed (zero if none waits): what to watch during an outage
 // of the handler's database. Both are safe to call while Run runs.
-func (c *Consumer) Waiting() int {
-	n := 0
-	c.waitingSince.Range(func(_, _ any) bool { n++; return true })
-	return n
-}
+func (c *Consumer) Waiting() int { return c.core.Waiting() }
 
 // OldestWaiting: see Waiting.
-func (c *Consumer) OldestWaiting() time.Duration {
-	var oldest int64
-	c.waitingSince.Range(func(_, v any) bool {
-		if since := v.(int64); oldest == 0 || since < oldest {
-			oldest = since
-		}
-		return true
-	})
-	if oldest == 0 {
-		return 0
-	}
-	return time.Since(time.Unix(0, oldest))
-}
+func (c *Consumer) OldestWaiting() time.Duration { return c.core.OldestWaiting() }
 
 // Run consumes until ctx ends, and then returns ctx's error. A message
 // whose handling ctx cut short is neither acked nor handed back: RabbitMQ
 // delivers it again once the channel closes.
 func (c *Consumer) Run(ctx context.Context) error {
-	if c == nil || c.dial == nil || c.handler == nil {
+	if c == nil || c.dial == nil || c.core == nil {
 		return fmt.Errorf("%w: rabbitbroker: a Consumer that NewConsumer did not make", postgres.ErrInvalidConfig)
 	}
-	c.telemetry = postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "rabbitmq",
-		"applied, duplicate, retry, out_of_order or dead_lettered")
+	c.core.Start(postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "rabbitmq",
+		"applied, duplicate, retry, out_of_order or dead_lettered"))
+	defer c.core.Stop()
 	for {
 		err := c.consume(ctx)
 		if ctx.Err() != nil {
@@ -264,12 +249,7 @@ func (c *Consumer) consume(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("open a channel: %w", err)
 	}
-	maxBatch := 1
-	batcher, ok := c.handler.(BatchHandler)
-	if ok {
-		maxBatch = max(c.opts.MaxBatch, 1)
-	}
-	prefetch := max(orDefault(c.opts.Prefetch, DefaultPrefetch), maxBatch)
+	prefetch := c.opts.Prefetch
 	if err := ch.Qos(prefetch, 0, false); err != nil {
 		return fmt.Errorf("qos: %w", err)
 	}
@@ -293,8 +273,8 @@ func (c *Consumer) consume(ctx context.Context) error {
 					continue
 				}
 				var err error
-				if maxBatch > 1 {
-					err = c.handleBatch(ctx, batcher, gather(d, workers[i], maxBatch), len(workers) == 1)
+				if c.opts.MaxBatch > 1 {
+					err = c.handleBatch(ctx, gather(d, workers[i], c.opts.MaxBatch), len(workers) == 1)
 				} else {
 					err = c.handle(ctx, d)
 				}
@@ -339,67 +319,34 @@ func worker(d amqp.Delivery, n int) int {
 	return int(h.Sum32() % uint32(n))
 }
 
-// handle handles d and tells RabbitMQ what became of it; it returns an
-// error only when it could not.
+// handle has the core handle d, trying it again in place while it fails
+// for a reason that may pass, and tells RabbitMQ what became of it; it
+// returns an error only when it could not.
 func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) error {
+	return c.settle(d, c.core.Handle(ctx, c.delivery(d)))
+}
+
+// settle tells RabbitMQ what became of d: an ack, a requeue (out of
+// order: it spends a delivery, which x-delivery-limit bounds), or a nack
+// without requeue, which dead-letters it.
+func (c *Consumer) settle(d amqp.Delivery, v consumer.Verdict) error {
+	switch v.Outcome {
+	case consumer.Applied, consumer.Duplicate:
+		return d.Ack(false)
+	case consumer.OutOfOrder:
+		return d.Nack(false, true)
+	case consumer.SetAside:
+		return d.Nack(false, false)
+	default: // Stopped: delivered again once the channel closes
+		return nil
+	}
+}
+
+// delivery is d as the core takes it.
+func (c *Consumer) delivery(d amqp.Delivery) consumer.Delivery {
 	m, err := decode(d)
-	sctx, done := c.telemetry.Process(ctx, m, c.queue,
-		attribute.String("messaging.rabbitmq.destination.routing_key", d.RoutingKey))
-	result := "retry"
-	defer func() { done(result, err) }()
-	if err != nil {
-		result = "dead_lettered"
-		return c.deadLetter(d, m, err)
-	}
-	delay := c.opts.RetryDelay
-	maxDelay := c.opts.MaxRetryDelay
-	defer c.waitingSince.Delete(d.DeliveryTag)
-	for attempt := 1; ; attempt++ {
-		hctx, cancel := context.WithTimeout(sctx, c.opts.HandleTimeout)
-		var applied bool
-		applied, err = c.handler.Handle(hctx, m)
-		cancel()
-		switch {
-		case ctx.Err() != nil:
-			return nil // delivered again once the channel closes
-		case err == nil && applied:
-			c.applied.Add(1)
-			result = "applied"
-			c.appliedAfter(m, attempt)
-			return d.Ack(false)
-		case err == nil:
-			c.duplicates.Add(1)
-			result = "duplicate"
-			c.appliedAfter(m, attempt)
-			return d.Ack(false)
-		case errors.Is(err, postgres.ErrMalformedMessage), errors.Is(err, postgres.ErrNoMessageKey), errors.Is(err, postgres.ErrPermanent):
-			result = "dead_lettered"
-			return c.deadLetter(d, m, err)
-		case errors.Is(err, postgres.ErrOutOfOrder):
-			if c.opts.Logger != nil {
-				c.opts.Logger.Warn("message arrived before its predecessor; handing it back", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "error", err)
-			}
-			if !sleep(ctx, c.opts.RetryDelay) {
-				return nil
-			}
-			result = "out_of_order"
-			c.handedBack.Add(1)
-			return d.Nack(false, true) // spends a delivery: x-delivery-limit bounds them
-		}
-		if attempt == 1 {
-			c.waitingSince.Store(d.DeliveryTag, time.Now().UnixNano())
-		}
-		// One line a step of the backoff, not a try: an outage of an hour
-		// logs a handful of lines a message, not thousands.
-		if c.opts.Logger != nil && (attempt == 1 || delay < maxDelay) {
-			c.opts.Logger.Warn("message failed; trying it again in place", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq,
-				"attempt", attempt, "next_try_in", delay, "error", err)
-		}
-		if !sleep(ctx, delay) {
-			return nil
-		}
-		delay = min(2*delay, maxDelay)
-	}
+	return consumer.Delivery{Message: m, Err: err, Destination: c.queue, Where: []any{"queue", c.queue},
+		Attrs: []attribute.KeyValue{attribute.String("messaging.rabbitmq.destination.routing_key", d.RoutingKey)}}
 }
 
 // gatherWait is how long a worker waits for more messages to add to a
@@ -431,33 +378,12 @@ func gather(first amqp.Delivery, w <-chan amqp.Delivery, most int) []amqp.Delive
 // set when every earlier delivery of the channel is settled; if the batch
 // fails, it handles each message one at a time. It returns an error only
 // when it could not tell RabbitMQ what became of a message.
-func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []amqp.Delivery, multiple bool) error {
-	msgs := make([]postgres.Message, len(batch))
-	var err error
+func (c *Consumer) handleBatch(ctx context.Context, batch []amqp.Delivery, multiple bool) error {
+	ds := make([]consumer.Delivery, len(batch))
 	for i, d := range batch {
-		if msgs[i], err = decode(d); err != nil {
-			break
-		}
+		ds[i] = c.delivery(d)
 	}
-	var applied []bool
-	if err == nil {
-		sctx, done := c.telemetry.ProcessBatch(ctx, msgs, c.queue)
-		hctx, cancel := context.WithTimeout(sctx, c.opts.HandleTimeout)
-		applied, err = h.HandleBatch(hctx, msgs)
-		cancel()
-		if err == nil && len(applied) != len(msgs) {
-			err = fmt.Errorf("HandleBatch reported %d results for %d messages", len(applied), len(msgs))
-		}
-		var results []string
-		if err == nil {
-			results = make([]string, len(applied))
-			for i, a := range applied {
-				results[i] = map[bool]string{true: "applied", false: "duplicate"}[a]
-			}
-		}
-		done(results, err)
-	}
-	if err != nil {
+	if _, ok := c.core.Batch(ctx, ds, 0); !ok {
 		if ctx.Err() != nil {
 			return nil // delivered again once the channel closes
 		}
@@ -469,13 +395,6 @@ func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []amqp
 		}
 		return nil
 	}
-	for _, a := range applied {
-		if a {
-			c.applied.Add(1)
-		} else {
-			c.duplicates.Add(1)
-		}
-	}
 	if multiple {
 		return batch[len(batch)-1].Ack(true)
 	}
@@ -485,23 +404,6 @@ func (c *Consumer) handleBatch(ctx context.Context, h BatchHandler, batch []amqp
 		}
 	}
 	return nil
-}
-
-// appliedAfter logs a message handled after it had failed.
-func (c *Consumer) appliedAfter(m postgres.Message, attempt int) {
-	if attempt > 1 && c.opts.Logger != nil {
-		c.opts.Logger.Info("message handled after failures that passed", "key", m.Key, "aggregate", m.Aggregate, "seq", m.Seq, "attempts", attempt)
-	}
-}
-
-// deadLetter hands d back for good: the queue dead-letters it.
-func (c *Consumer) deadLetter(d amqp.Delivery, m postgres.Message, err error) error {
-	c.deadLettered.Add(1)
-	if c.opts.Logger != nil {
-		c.opts.Logger.Error("message dead-lettered: it can never be applied", "queue", c.queue, "key", m.Key,
-			"aggregate", m.Aggregate, "seq", m.Seq, "error", err)
-	}
-	return d.Nack(false, false)
 }
 
 // instrumentationName names this package's tracer and meter.
