@@ -138,3 +138,54 @@ func TestTeamHeadersAndBytesGoByteForByte(t *testing.T) {
 		t.Fatal("the consumer read nothing within a minute")
 	}
 }
+
+// What Kafka cannot take is refused with an error that names it, and
+// nothing after it is stored ahead of it: a topic name Kafka refuses, at
+// NewPublisher and at Provision, before anything is sent; a message whose
+// own header is one the publisher sets (outbox-key), a CloudEvents
+// attribute (ce_id), an empty name, or a value that is not UTF-8: its
+// PublishBatch stores what came before it (B1), refuses it with
+// ErrRejected naming the header, and sends nothing after it (C1), so the
+// next record in the topic is the one published next. (Outbox.Write
+// refuses such headers already; this is a caller publishing by hand.)
+func TestWhatKafkaCannotTakeIsRefusedNamingItWithNothingAheadOfIt(t *testing.T) {
+	ctx := context.Background()
+	c := newCluster(t)
+	for _, name := range []string{"orders/eu", "", strings.Repeat("o", 250), ".."} {
+		if _, err := kafkabroker.NewPublisher(c.client(), kafkabroker.PublisherOptions{Topic: name}); name != "" && // "": the default topic
+			(!errors.Is(err, postgres.ErrInvalidConfig) || !strings.Contains(err.Error(), "PublisherOptions.Topic")) {
+			t.Errorf("NewPublisher to topic %.20q = %v; want ErrInvalidConfig naming PublisherOptions.Topic", name, err)
+		}
+		if err := kafkabroker.Provision(ctx, c.client(), name, 1, 1); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("%q", name)) {
+			t.Errorf("Provision %.20q = %v; want an error naming it", name, err)
+		}
+	}
+	topic := c.topic(1, nil)
+	p := newPublisher(t, c, kafkabroker.PublisherOptions{Topic: topic})
+	bad := map[string]map[string]string{
+		"outbox-key": {"outbox-key": "k9"}, "ce_id": {"ce_id": "forged"}, `""`: {"": "v"}, "Tenant": {"Tenant": "\xff\xfe"},
+	}
+	next := 1
+	for name, headers := range bad {
+		msgs := []postgres.Message{
+			{ID: 1, Key: fmt.Sprintf("b%d", next), Type: "T", Payload: "{}", Aggregate: "b"},
+			{ID: 2, Key: "a1", Type: "T", Payload: "{}", Aggregate: "a", Headers: headers},
+			{ID: 3, Key: "c1", Type: "T", Payload: "{}", Aggregate: "c"},
+		}
+		n, err := p.PublishBatch(ctx, msgs)
+		if n != 1 || !errors.Is(err, postgres.ErrRejected) || !strings.Contains(err.Error(), name) {
+			t.Errorf("a header %s: PublishBatch = %d, %v; want 1 taken and ErrRejected naming %s", name, n, err, name)
+		}
+		if err := p.Publish(ctx, postgres.Message{ID: 4, Key: fmt.Sprintf("s%d", next), Type: "T", Payload: "{}", Aggregate: "s"}); err != nil {
+			t.Fatal(err)
+		}
+		next++
+	}
+	var got []string
+	for _, r := range c.records(topic, 2*len(bad)) {
+		got = append(got, header(r, kafkabroker.HeaderKey))
+	}
+	if want := "b1 s1 b2 s2 b3 s3 b4 s4"; strings.Join(got, " ") != want {
+		t.Errorf("the topic holds %s; want %s: what came before each refused message, then the next publish, nothing after it", strings.Join(got, " "), want)
+	}
+}

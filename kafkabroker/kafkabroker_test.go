@@ -207,8 +207,19 @@ func (l *logBuffer) String() string {
 // handing h its records, until the returned stop is called or t ends.
 func runConsumer(t *testing.T, c *cluster, group, topic string, h kafkabroker.Handler, log *slog.Logger) (stop func()) {
 	t.Helper()
+	stop, _ = runConsumerWith(t, c, group, topic, h, kafkabroker.ConsumerOptions{Logger: log})
+	return stop
+}
+
+// runConsumerWith is runConsumer with opts (RetryDelay and MaxRetryDelay,
+// if zero, short), and returns the Consumer too.
+func runConsumerWith(t *testing.T, c *cluster, group, topic string, h kafkabroker.Handler, opts kafkabroker.ConsumerOptions) (stop func(), _ *kafkabroker.Consumer) {
+	t.Helper()
 	cl := c.consumerClient(group, topic)
-	consumer, err := kafkabroker.NewConsumer(cl, h, kafkabroker.ConsumerOptions{RetryDelay: 50 * time.Millisecond, MaxRetryDelay: 200 * time.Millisecond, Logger: log})
+	if opts.RetryDelay == 0 {
+		opts.RetryDelay, opts.MaxRetryDelay = 50*time.Millisecond, 200*time.Millisecond
+	}
+	consumer, err := kafkabroker.NewConsumer(cl, h, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -226,5 +237,5 @@ func runConsumer(t *testing.T, c *cluster, group, topic string, h kafkabroker.Ha
 		})
 	}
 	t.Cleanup(stop)
-	return stop
+	return stop, consumer
 }

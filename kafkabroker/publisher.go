@@ -20,6 +20,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -60,7 +61,10 @@ const (
 // What the cluster says comes back as the relay needs it:
 //   - a record over the topic's or the client's size limit, or one the
 //     broker calls invalid, can never be stored: an error wrapping
-//     [postgres.ErrRejected], which a relay may park;
+//     [postgres.ErrRejected], which a relay may park; so is a message whose
+//     own headers Kafka cannot carry beside the Publisher's (a reserved
+//     or empty name, text that is not UTF-8), refused before anything of
+//     its call is sent, and the messages after it not sent;
 //   - everything else (a broker down, a partition with no leader, an
 //     unknown topic, no answer before ctx ended) may pass: an error
 //     wrapping [postgres.ErrBrokerUnavailable]; the topic may hold the
@@ -167,6 +171,15 @@ func (p *Publisher) Publish(ctx context.Context, msg postgres.Message) error {
 // after it may have been taken too: the relay publishes it again, a copy
 // the consumer drops by its key.
 func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (int, error) {
+	// A message whose headers Kafka cannot carry as they are is refused
+	// before anything is sent: nothing after it is stored ahead of it.
+	var refused error
+	for i, msg := range msgs {
+		if err := checkHeaders(msg); err != nil {
+			msgs, refused = msgs[:i], fmt.Errorf("message %s to topic %s: %w: %w", msg.Key, p.topic, err, postgres.ErrRejected)
+			break
+		}
+	}
 	results := make([]chan error, len(msgs))
 	for i, msg := range msgs {
 		done := make(chan error, 1)
@@ -183,7 +196,28 @@ func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (
 			return i, p.failed(ctx, msgs[i], ctx.Err())
 		}
 	}
-	return len(msgs), nil
+	return len(msgs), refused
+}
+
+// checkHeaders says why msg's own headers cannot go as Kafka record
+// headers beside the Publisher's: a name this Publisher or CloudEvents'
+// Kafka binding sets (postgres.ReservedHeader: outbox-key, ce_id, …), which
+// a consumer would read in place of the outbox's; an empty name; a name or
+// value that is not UTF-8, as Kafka's clients read header names as text.
+// postgres.Outbox.Write refuses all of these already; this guards what a
+// caller publishes by hand.
+func checkHeaders(msg postgres.Message) error {
+	for k, v := range msg.Headers {
+		switch {
+		case k == "" || !utf8.ValidString(k):
+			return fmt.Errorf("header name %q: want a non-empty UTF-8 name", k)
+		case postgres.ReservedHeader(k):
+			return fmt.Errorf("header %q: a name the publisher or a binding sets itself", k)
+		case !utf8.ValidString(v):
+			return fmt.Errorf("header %q: its value is not UTF-8 text", k)
+		}
+	}
+	return nil
 }
 
 // failed says what err, from publishing msg, means for the relay.
