@@ -7,7 +7,7 @@
 #   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
 #   make example                             the article's scenario and the crash table, printed
 #   make minimum                             the minimum real outbox (postgres/minimum): its example (the article's scenario, then a lost ack and the copy dropped), on a throwaway PostgreSQL
-#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq]  the shop of shop/ on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
+#   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq|kafka]  the shop of shop/ on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
 #
 # Adopting, measuring and operating: the modules' suites, their figures, the relay process.
@@ -30,6 +30,7 @@
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 7 min)
 #   make measure-rabbitbroker                rabbitbroker/README.md's drain figures beside JetStream's, and the latency at 100, 300 and 1,000 orders a second
+#   make measure-kafkabroker                 kafkabroker/README.md's drain figures: the relay to Kafka (kfake), with kgo's default linger and none (about 2 min)
 #
 # make test without T does the same as with it; a T naming another pattern
 # stops with a message saying which one this module holds. .ci/run runs make
@@ -53,7 +54,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
+.PHONY: kafkabroker knee-kafka measure-kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -319,6 +320,9 @@ measure-rabbitbroker: rabbitmq-server
 # of the polling relay (migrate creates its slot). SHOP_BROKER=rabbitmq runs
 # the shop on RabbitMQ instead of JetStream (installed where it is missing):
 # a node the shop starts, its data in FOLDER/rabbitmq, stopped with the shop.
+# SHOP_BROKER=kafka runs it on Kafka: franz-go's Kafka-protocol cluster
+# (kfake; no Kafka server installs here) as a process the shop starts, of
+# SHOP_NODES brokers, its data in FOLDER/kafka, stopped with the shop.
 SHOP_ADDR   ?= 127.0.0.1:8080
 SHOP_RELAY  ?= polling
 SHOP_NODES  ?= 1
@@ -356,6 +360,31 @@ knee:
 	@rm -f knee.test
 	@! grep -E '^(--- )?FAIL' natsbroker/figures/knee.txt
 	cd shop/kneeplot && $(GO) run . ../../natsbroker/figures/knee.txt ../../natsbroker/figures/knee.png
+	$(MAKE) knee-kafka
+
+# Kafka's row of the knee (kafkabroker's BenchmarkKnee, the same harness,
+# shoptest.Pipeline): the polling relay to kfake's three brokers and one
+# member of the warehouse's group, ack-only, one and batch; into
+# kafkabroker/figures/knee.txt, for kafkabroker/README.md. make knee runs it
+# after JetStream's.
+knee-kafka:
+	cd kafkabroker && $(GO) test -c -o ../knee-kafka.test .
+	postgres/with-server.sh bash -c './knee-kafka.test -test.run "^$$" -test.bench "^BenchmarkKnee$$" -test.benchtime 1x -test.timeout 30m' \
+		| grep -E '^(cpu:|Benchmark|    bench_test|--- FAIL|FAIL)' | tee kafkabroker/figures/knee.txt
+	@rm -f knee-kafka.test
+	@! grep -E '^(--- )?FAIL' kafkabroker/figures/knee.txt
+
+# The kafkabroker drain figures, into kafkabroker/figures/measure-kafkabroker.txt:
+# the polling relay's drain rate to kfake's three brokers (a topic of six
+# partitions, three replicas), each ack waited for or a pass's batch at
+# once, through a client with kgo's default linger (10 ms) and with none;
+# three rounds of 2,000 rows each.
+measure-kafkabroker:
+	cd kafkabroker && $(GO) test -c -o ../measure-kafkabroker.test .
+	postgres/with-server.sh bash -c 'cd kafkabroker && ../measure-kafkabroker.test -test.run "^$$" -test.bench "^BenchmarkDrain$$" -test.benchtime 2000x -test.count 3' \
+		| grep -E '^(cpu:|Benchmark|--- FAIL|FAIL)' | tee kafkabroker/figures/measure-kafkabroker.txt
+	@rm -f measure-kafkabroker.test
+	@! grep -E '^(--- )?FAIL' kafkabroker/figures/measure-kafkabroker.txt
 
 # The natsbroker figures, into natsbroker/figures/measure-natsbroker.txt (and
 # benchstat's ratios into measure-natsbroker.stat.txt beside it): the relay's

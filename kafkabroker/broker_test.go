@@ -19,7 +19,7 @@ import (
 )
 
 // newPublisher is a Publisher to topic over a client of its own.
-func newPublisher(t *testing.T, c *cluster, opts kafkabroker.PublisherOptions) *kafkabroker.Publisher {
+func newPublisher(t testing.TB, c *cluster, opts kafkabroker.PublisherOptions) *kafkabroker.Publisher {
 	t.Helper()
 	p, err := kafkabroker.NewPublisher(c.client(), opts)
 	if err != nil {
@@ -29,7 +29,7 @@ func newPublisher(t *testing.T, c *cluster, opts kafkabroker.PublisherOptions) *
 }
 
 // drain runs relay passes until none publishes anything.
-func drain(t *testing.T, relay *postgres.OutboxRelay) {
+func drain(t testing.TB, relay *postgres.OutboxRelay) {
 	t.Helper()
 	for {
 		n, err := relay.PublishPending(context.Background())

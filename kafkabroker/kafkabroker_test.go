@@ -35,7 +35,7 @@ const EnvBrokers = "OUTBOX_KAFKA_BROKERS"
 // cluster is the suite's Kafka: its seed brokers, and a client of the
 // test's for setting it up.
 type cluster struct {
-	t     *testing.T
+	t     testing.TB
 	seeds []string
 	admin *kgo.Client
 	fake  *kfake.Cluster // nil on a real cluster
@@ -45,7 +45,7 @@ var topics atomic.Int64
 
 // newCluster is a cluster of t's own (kfake's three brokers), or the real
 // one EnvBrokers names.
-func newCluster(t *testing.T) *cluster {
+func newCluster(t testing.TB) *cluster {
 	t.Helper()
 	c := &cluster{t: t}
 	if env := os.Getenv(EnvBrokers); env != "" {
@@ -153,7 +153,7 @@ func (c *cluster) consumerClient(group, topic string) *kgo.Client {
 
 // newDatabase is a database of t's own with the outbox's, the consumer's
 // and the shop's tables.
-func newDatabase(t *testing.T) *sql.DB {
+func newDatabase(t testing.TB) *sql.DB {
 	t.Helper()
 	db := pgtest.Open(t, pgtest.NewBlankDatabase(t), "")
 	ob, err := postgres.OpenDB(db, postgres.Config{})
@@ -167,7 +167,7 @@ func newDatabase(t *testing.T) *sql.DB {
 }
 
 // waitFor polls cond until it holds, failing t after a minute.
-func waitFor(t *testing.T, what string, cond func() bool) {
+func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	for deadline := time.Now().Add(time.Minute); !cond(); time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -176,7 +176,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-func count(t *testing.T, db *sql.DB, q string) int {
+func count(t testing.TB, db *sql.DB, q string) int {
 	t.Helper()
 	var n int
 	if err := db.QueryRow(q).Scan(&n); err != nil {
@@ -213,7 +213,7 @@ func runConsumer(t *testing.T, c *cluster, group, topic string, h kafkabroker.Ha
 
 // runConsumerWith is runConsumer with opts (RetryDelay and MaxRetryDelay,
 // if zero, short), and returns the Consumer too.
-func runConsumerWith(t *testing.T, c *cluster, group, topic string, h kafkabroker.Handler, opts kafkabroker.ConsumerOptions) (stop func(), _ *kafkabroker.Consumer) {
+func runConsumerWith(t testing.TB, c *cluster, group, topic string, h kafkabroker.Handler, opts kafkabroker.ConsumerOptions) (stop func(), _ *kafkabroker.Consumer) {
 	t.Helper()
 	cl := c.consumerClient(group, topic)
 	if opts.RetryDelay == 0 {

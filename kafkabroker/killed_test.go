@@ -1,70 +1,20 @@
 package kafkabroker_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"example.com/patterns/enterprise/outbox/kafkabroker"
+	"example.com/patterns/enterprise/outbox/kafkabroker/kafkatest"
 	"example.com/patterns/enterprise/outbox/postgres"
 )
-
-// clusterProcess is kcluster (testdata/kcluster) running: a Kafka-protocol
-// cluster in a process of its own, which a test can kill.
-type clusterProcess struct {
-	cmd   *exec.Cmd
-	seeds []string
-}
-
-// startClusterProcess starts kcluster on ports with its data in dir, and
-// waits until it says it is ready.
-func startClusterProcess(t *testing.T, binary, dir string, ports []string) *clusterProcess {
-	t.Helper()
-	cmd := exec.Command(binary, "-dir", dir, "-ports", strings.Join(ports, ","))
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	line, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil || !strings.HasPrefix(line, "ready ") {
-		t.Fatalf("kcluster said %q, %v", line, err)
-	}
-	return &clusterProcess{cmd: cmd, seeds: strings.Split(strings.TrimSpace(strings.TrimPrefix(line, "ready ")), ",")}
-}
-
-// freePorts are n loopback ports nothing listens on.
-func freePorts(t *testing.T, n int) []string {
-	t.Helper()
-	var ports []string
-	var lns []net.Listener
-	for range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		lns = append(lns, ln)
-		ports = append(ports, fmt.Sprint(ln.Addr().(*net.TCPAddr).Port))
-	}
-	for _, ln := range lns {
-		ln.Close()
-	}
-	return ports
-}
 
 // The cluster's process killed with SIGKILL in the middle of the
 // publishes, and started again on its data: every record it acknowledged
@@ -79,9 +29,12 @@ func TestTheClustersProcessKilledLosesNothingItAcknowledged(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", binary, "./testdata/kcluster").CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
-	dir, ports := t.TempDir(), freePorts(t, 3)
-	proc := startClusterProcess(t, binary, dir, ports)
-	cl, err := kgo.NewClient(kgo.SeedBrokers(proc.seeds...), kgo.RequestRetries(1000))
+	proc, err := kafkatest.Start(kafkatest.Options{Command: []string{binary}, Dir: t.TempDir(), Stderr: os.Stderr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(proc.Stop)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(proc.Seeds()...), kgo.RequestRetries(1000))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,10 +49,7 @@ func TestTheClustersProcessKilledLosesNothingItAcknowledged(t *testing.T) {
 	acked := map[string]bool{}
 	for i := 1; i <= 130; i++ { // ten after the kill, which go unacknowledged
 		if i == 120 {
-			if err := proc.cmd.Process.Signal(syscall.SIGKILL); err != nil {
-				t.Fatal(err)
-			}
-			proc.cmd.Wait()
+			proc.Kill()
 		}
 		msg := postgres.Message{ID: int64(i), Key: fmt.Sprintf("7c0b8d54-0000-4000-8000-%012d", i), Type: "OrderPlaced",
 			Payload: fmt.Sprintf(`{"orderId":%d}`, i), Aggregate: fmt.Sprintf("order/%d", i), Seq: 1}
@@ -112,8 +62,10 @@ func TestTheClustersProcessKilledLosesNothingItAcknowledged(t *testing.T) {
 	if len(acked) < 100 {
 		t.Fatalf("%d publishes acknowledged before the kill; want the first 119", len(acked))
 	}
-	again := startClusterProcess(t, binary, dir, ports)
-	reader, err := kgo.NewClient(kgo.SeedBrokers(again.seeds...), kgo.ConsumeTopics("orders"), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err := proc.Up(); err != nil { // on the same ports and data
+		t.Fatal(err)
+	}
+	reader, err := kgo.NewClient(kgo.SeedBrokers(proc.Seeds()...), kgo.ConsumeTopics("orders"), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
 	if err != nil {
 		t.Fatal(err)
 	}

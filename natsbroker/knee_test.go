@@ -2,14 +2,8 @@ package natsbroker_test
 
 import (
 	"context"
-	"database/sql"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"slices"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go/jetstream"
@@ -17,20 +11,8 @@ import (
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/pgtest"
-	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"example.com/patterns/enterprise/outbox/postgres/shop/shoptest"
 )
-
-// kneeRates are the rates, in orders a second, that BenchmarkKnee offers
-// in turn, each for kneeStep.
-var kneeRates = []int{100, 200, 300, 400, 500, 600, 700, 800, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 8000}
-
-const kneeStep = 3 * time.Second
-
-// kneeClients is how many clients place BenchmarkKnee's orders.
-const kneeClients = 32
-
-// kneeBatch is the MaxBatch of BenchmarkKnee's batch consumer.
-const kneeBatch = 64
 
 // BenchmarkKnee offers orders at rising rates through the whole pipeline:
 // 32 clients placing orders (OrderService, one transaction each), a relay
@@ -72,21 +54,7 @@ func BenchmarkKnee(b *testing.B) {
 	configs = append(configs, config{"one", "poll", "four"})
 	for _, cfg := range configs {
 		b.Run(fmt.Sprintf("broker=%s/relay=%s/consumer=%s", cfg.broker, cfg.relay, cfg.consumer), func(b *testing.B) {
-			p := newPipeline(b, startBenchBroker(b, cfg.broker), cfg.relay, cfg.consumer)
-			for _, rate := range kneeRates {
-				var short bool
-				b.Run(fmt.Sprintf("rate=%d", rate), func(b *testing.B) {
-					s := p.step(b, rate)
-					b.ReportMetric(s.placed, "placed/s")
-					b.ReportMetric(s.applied, "applied/s")
-					b.ReportMetric(float64(s.p50.Microseconds())/1000, "p50-ms")
-					b.ReportMetric(float64(s.p99.Microseconds())/1000, "p99-ms")
-					short = s.placed < 0.9*float64(rate) || s.applied < 0.9*float64(rate) || s.p50 > time.Second
-				})
-				if short {
-					break
-				}
-			}
+			newPipeline(b, startBenchBroker(b, cfg.broker), cfg.relay, cfg.consumer).Run(b)
 		})
 	}
 }
@@ -98,24 +66,13 @@ func once(b *testing.B) {
 	}
 }
 
-// pipeline is BenchmarkKnee's shop: its clients, relay and consumer.
-type pipeline struct {
-	db        *sql.DB
-	service   *shop.OrderService
-	warehouse *shop.Warehouse // nil: ack-only, nothing applied
-
-	mu        sync.Mutex
-	committed map[int64]time.Time
-	applied   map[int64]time.Time
-	reserved  chan struct{} // a token for each order applied
-}
-
-func newPipeline(b *testing.B, url, relay, consumer string) *pipeline {
+// newPipeline is BenchmarkKnee's shop through the broker at url: its
+// clients, the relay it names and the consumer it names.
+func newPipeline(b *testing.B, url, relay, consumer string) *shoptest.Pipeline {
 	db := newDatabase(b)
 	db.SetMaxOpenConns(40)
 	db.SetMaxIdleConns(40)
-	p := &pipeline{db: db, service: shop.NewOrderService(db),
-		committed: map[int64]time.Time{}, applied: map[int64]time.Time{}, reserved: make(chan struct{}, 1<<16)}
+	p := shoptest.NewPipeline(db, consumer != "ack-only")
 	pub := newPublisher(b, connect(b, url))
 	switch relay {
 	case "poll":
@@ -145,9 +102,6 @@ func newPipeline(b *testing.B, url, relay, consumer string) *pipeline {
 		}
 		goRun(b, r.Run)
 	}
-	if consumer != "ack-only" {
-		p.warehouse = shop.NewWarehouse(db)
-	}
 	switch consumer {
 	case "batch":
 		js, err := jetstream.New(connect(b, url))
@@ -158,7 +112,7 @@ func newPipeline(b *testing.B, url, relay, consumer string) *pipeline {
 		if err != nil {
 			b.Fatal(err)
 		}
-		goRun(b, newConsumer(b, cons, p, natsbroker.ConsumerOptions{MaxBatch: kneeBatch}).Run)
+		goRun(b, newConsumer(b, cons, p, natsbroker.ConsumerOptions{MaxBatch: shoptest.KneeBatch}).Run)
 	case "four":
 		for range 4 {
 			runConsumer(b, connect(b, url), p)
@@ -166,139 +120,11 @@ func newPipeline(b *testing.B, url, relay, consumer string) *pipeline {
 	default: // one, ack-only
 		runConsumer(b, connect(b, url), p)
 	}
-	var wg sync.WaitGroup // warm up: every client's connection made, every statement prepared
-	for range kneeClients {
-		wg.Go(func() {
-			for range 2 {
-				if _, err := p.service.PlaceOrder(context.Background(), 2500); err != nil {
-					b.Error(err)
-				}
-			}
-		})
-	}
-	wg.Wait()
-	for range 2 * kneeClients {
-		<-p.reserved
-	}
+	p.WarmUp(b)
 	var pgVersion string
 	if err := db.QueryRow(`SHOW server_version`).Scan(&pgVersion); err != nil {
 		b.Fatal(err)
 	}
 	b.Logf("PostgreSQL %s, nats-server %s", pgVersion, server.VERSION)
 	return p
-}
-
-// Handle applies msg to the warehouse (or, ack-only, nothing) and notes
-// when, for an OrderPlaced.
-func (p *pipeline) Handle(ctx context.Context, msg postgres.Message) (bool, error) {
-	ok, err := true, error(nil)
-	if p.warehouse != nil {
-		ok, err = p.warehouse.Handle(ctx, msg)
-	}
-	if ok {
-		err = errors.Join(err, p.note(msg))
-	}
-	return ok, err
-}
-
-// HandleBatch applies msgs to the warehouse in one transaction and notes
-// when, for each OrderPlaced applied.
-func (p *pipeline) HandleBatch(ctx context.Context, msgs []postgres.Message) ([]bool, error) {
-	applied, err := p.warehouse.HandleBatch(ctx, msgs)
-	if err != nil {
-		return nil, err
-	}
-	for i, m := range msgs {
-		if applied[i] {
-			if err := p.note(m); err != nil {
-				return applied, err
-			}
-		}
-	}
-	return applied, nil
-}
-
-// note notes msg applied now, if it is an OrderPlaced.
-func (p *pipeline) note(msg postgres.Message) error {
-	if msg.Type != shop.OrderPlaced {
-		return nil
-	}
-	var order struct {
-		OrderID int64 `json:"orderId"`
-	}
-	if err := json.Unmarshal([]byte(msg.Payload), &order); err != nil {
-		return err
-	}
-	p.mu.Lock()
-	p.applied[order.OrderID] = time.Now()
-	p.mu.Unlock()
-	p.reserved <- struct{}{}
-	return nil
-}
-
-// stepResult is what one rate gave.
-type stepResult struct {
-	placed, applied float64 // orders a second
-	p50, p99        time.Duration
-}
-
-// step offers rate orders a second for kneeStep through kneeClients clients, waits
-// for every order to be applied, and measures.
-func (p *pipeline) step(b *testing.B, rate int) stepResult {
-	n := int(float64(rate) * kneeStep.Seconds())
-	due := make(chan struct{}, n)
-	ids := make(chan int64, n)
-	var wg sync.WaitGroup
-	var failed error
-	var failOnce sync.Once
-	for range kneeClients {
-		wg.Go(func() {
-			for range due {
-				id, err := p.service.PlaceOrder(context.Background(), 2500)
-				if err != nil {
-					failOnce.Do(func() { failed = err })
-					continue
-				}
-				p.mu.Lock()
-				p.committed[id] = time.Now()
-				p.mu.Unlock()
-				ids <- id
-			}
-		})
-	}
-	start := time.Now()
-	for sent := 0; sent < n; time.Sleep(time.Millisecond) { // the schedule: an order due every 1/rate
-		for ; sent < min(n, int(time.Since(start).Seconds()*float64(rate))+1); sent++ {
-			due <- struct{}{}
-		}
-	}
-	close(due)
-	wg.Wait()
-	placedIn := time.Since(start)
-	close(ids)
-	if failed != nil {
-		b.Fatal(failed)
-	}
-	deadline := time.After(2 * time.Minute)
-	for range n {
-		select {
-		case <-p.reserved:
-		case <-deadline:
-			b.Fatalf("rate %d: orders not all reserved within 2 min of the step", rate)
-		}
-	}
-	appliedIn := time.Since(start)
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var delays []time.Duration
-	for id := range ids {
-		delays = append(delays, p.applied[id].Sub(p.committed[id]))
-	}
-	slices.Sort(delays)
-	return stepResult{
-		placed:  float64(n) / placedIn.Seconds(),
-		applied: float64(n) / appliedIn.Seconds(),
-		p50:     delays[len(delays)/2],
-		p99:     delays[len(delays)*99/100],
-	}
 }

@@ -25,7 +25,7 @@ import (
 )
 
 // documents are the repository's documents, from this folder.
-var documents = []string{"../README.md", "README.md", "ADOPTING.md", "REFERENCE.md", "minimum/README.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md", "../rabbitbroker/README.md", "../shop/README.md", "../outbox-relay/README.md"}
+var documents = []string{"../README.md", "README.md", "ADOPTING.md", "REFERENCE.md", "minimum/README.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md", "../rabbitbroker/README.md", "../kafkabroker/README.md", "../shop/README.md", "../outbox-relay/README.md"}
 
 // targets are the files each make target writes.
 var targets = map[string][]string{
@@ -36,7 +36,8 @@ var targets = map[string][]string{
 	"measure-watermill":    {"figures/measure-watermill.txt", "figures/measure-watermill.stat.txt"},
 	"bench-postgres":       {"figures/bench-postgres.txt", "figures/bench-postgres.stat.txt"},
 	"measure-natsbroker":   {"../natsbroker/figures/measure-natsbroker.txt", "../natsbroker/figures/measure-natsbroker.stat.txt"},
-	"knee":                 {"../natsbroker/figures/knee.txt"},
+	"knee":                 {"../natsbroker/figures/knee.txt", "../kafkabroker/figures/knee.txt"},
+	"measure-kafkabroker":  {"../kafkabroker/figures/measure-kafkabroker.txt"},
 	"measure-rabbitbroker": {"../rabbitbroker/figures/measure-rabbitbroker.txt", "../rabbitbroker/figures/measure-rabbitbroker.stat.txt"},
 }
 

@@ -71,15 +71,17 @@ type runner interface {
 var errNoReplay = errors.New("the broker keeps no message once the warehouse acknowledged it: there is nothing to replay")
 
 // startMessageBroker starts the broker kind names, with its store in
-// store: jetstream or rabbitmq.
+// store: jetstream, rabbitmq or kafka.
 func startMessageBroker(kind, store string, nodes int) (messageBroker, error) {
 	switch kind {
 	case "jetstream":
 		return startJetStream(store, nodes)
 	case "rabbitmq":
 		return startRabbitMQ(store, nodes)
+	case "kafka":
+		return startKafka(store, nodes)
 	}
-	return nil, fmt.Errorf("-broker %q: want jetstream or rabbitmq", kind)
+	return nil, fmt.Errorf("-broker %q: want jetstream, rabbitmq or kafka", kind)
 }
 
 // jetStream is the shop's broker on JetStream: the embedded servers, a

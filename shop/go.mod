@@ -10,6 +10,7 @@ replace (
 
 require (
 	example.com/patterns/enterprise/outbox v0.0.0
+	example.com/patterns/enterprise/outbox/kafkabroker v0.0.0
 	example.com/patterns/enterprise/outbox/natsbroker v0.0.0
 	example.com/patterns/enterprise/outbox/postgres v0.0.0
 	github.com/chromedp/chromedp v0.23.0
@@ -17,6 +18,8 @@ require (
 	github.com/nats-io/nats-server/v2 v2.15.2
 	github.com/nats-io/nats.go v1.55.0
 	github.com/prometheus/client_golang v1.25.0
+	github.com/twmb/franz-go v1.22.3
+	github.com/twmb/franz-go/pkg/kmsg v1.15.1
 	go.opentelemetry.io/otel v1.47.0
 	go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp v1.47.0
 	go.opentelemetry.io/otel/exporters/prometheus v0.69.0
@@ -24,6 +27,11 @@ require (
 	go.opentelemetry.io/otel/sdk v1.47.0
 	go.opentelemetry.io/otel/sdk/metric v1.47.0
 	go.opentelemetry.io/otel/trace v1.47.0
+)
+
+require (
+	github.com/pierrec/lz4/v4 v4.1.33 // indirect
+	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c // indirect
 )
 
 require (
@@ -73,3 +81,5 @@ require (
 )
 
 replace example.com/patterns/enterprise/outbox/rabbitbroker => ../rabbitbroker
+
+replace example.com/patterns/enterprise/outbox/kafkabroker => ../kafkabroker

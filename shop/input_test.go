@@ -259,7 +259,8 @@ func TestSetupRefusesWhatTheShopCannotRun(t *testing.T) {
 		want string
 	}{
 		{setup{broker: "jetstream", nodes: 1, relay: "cdc"}, `-relay "cdc": want polling or log`},
-		{setup{broker: "kafka", nodes: 1, relay: "polling"}, `-broker "kafka": want jetstream or rabbitmq`},
+		{setup{broker: "pulsar", nodes: 1, relay: "polling"}, `-broker "pulsar": want jetstream, rabbitmq or kafka`},
+		{setup{broker: "kafka", nodes: 2, relay: "polling"}, `-nodes 2: want 1, or 3 for a cluster`},
 		{setup{broker: "rabbitmq", nodes: 3, relay: "polling"}, `-nodes 3: the shop runs one RabbitMQ node`},
 		{setup{broker: "jetstream", nodes: 2, relay: "polling"}, `-nodes 2: want 1, or 3 for a cluster`},
 	} {

@@ -345,6 +345,31 @@ func (c *countingHandler) Handle(ctx context.Context, msg postgres.Message) (boo
 	return applied, err
 }
 
+// HandleBatch applies msgs in one transaction if the warehouse takes
+// batches (shop.Warehouse does, through ApplyBatch), counting each; a
+// warehouse that does not is refused, and the consumer then hands it the
+// messages one at a time.
+func (c *countingHandler) HandleBatch(ctx context.Context, msgs []postgres.Message) ([]bool, error) {
+	b, ok := c.handler.(interface {
+		HandleBatch(context.Context, []postgres.Message) ([]bool, error)
+	})
+	if !ok {
+		return nil, errors.New("the warehouse applies one message at a time")
+	}
+	applied, err := b.HandleBatch(ctx, msgs)
+	if err != nil {
+		return nil, err
+	}
+	for _, a := range applied {
+		if a {
+			c.applied.Add(1)
+		} else {
+			c.duplicates.Add(1)
+		}
+	}
+	return applied, nil
+}
+
 // relayRunner runs the relay's loop, and stops and starts it again when the
 // page asks: a relay killed and started again resumes from the table.
 type relayRunner struct {

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -47,12 +48,17 @@ func startOn(t *testing.T, dbs *pools, s setup, migrating bool, migrated io.Writ
 		}
 		return strings.Contains(out.String(), "shop: listening on "+base)
 	})
-	return base, func() {
-		cancel()
-		if err := <-served; err != nil {
-			t.Errorf("serve: %v", err)
-		}
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-served; err != nil {
+				t.Errorf("serve: %v", err)
+			}
+		})
 	}
+	t.Cleanup(stop) // a test that fails midway stops the shop and its broker too
+	return base, stop
 }
 
 // watch reads the shop's /events until an event's state satisfies ok, for

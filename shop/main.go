@@ -1,7 +1,7 @@
 // Command shop is the outbox end to end, to run by hand: an HTTP service
 // that places orders in PostgreSQL, a relay that publishes the outbox to an
-// embedded NATS JetStream (or to RabbitMQ), and the warehouse consuming
-// from it.
+// embedded NATS JetStream (or to RabbitMQ, or Kafka), and the warehouse
+// consuming from it.
 //
 // It has two commands, run one after the other, as a team runs migrations
 // apart from its services:
@@ -15,6 +15,14 @@
 // quorum queue. RabbitMQ drops no copy itself: the warehouse drops each by
 // its key.
 //
+// -broker kafka runs it on Kafka (kafkabroker): a Kafka-protocol cluster of
+// -nodes brokers (franz-go's kfake: no Kafka server can be installed here)
+// run as a process of its own, this binary as "shop kafka-cluster", its
+// data in the store folder; migrate creates the topic outbox with a replica
+// on each broker, and the warehouse, the consumer group warehouse, applies
+// each partition's records in batches. Kafka drops no copy either, and
+// keeps what was consumed, so POST /warehouse/replay hands it all again.
+//
 // -relay log runs the log relay (postgres.LogRelay, reading the server's
 // log; migrate creates its slot) instead of the polling relay.
 //
@@ -27,7 +35,7 @@
 //	POST /orders         {"totalCents":2500} places an order: 201 {"orderId":1}, from the database alone
 //	GET  /orders/{id}    the order, whether its event was sent and whether the warehouse reserved it
 //	GET  /outbox         how many messages wait (unsent, parked) and for how long
-//	POST /broker/down    stops the JetStream server (one node of a cluster) or the RabbitMQ node; POST /broker/up starts it again on the same store
+//	POST /broker/down    stops the JetStream server (one node of a cluster), the RabbitMQ node or the Kafka cluster; POST /broker/up starts it again on the same store
 //
 // Ctrl-C stops everything (make shop then removes the broker's store and the
 // database server).
@@ -53,13 +61,18 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"example.com/patterns/enterprise/outbox/kafkabroker/kafkatest"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
 )
 
 func main() {
+	if len(os.Args) >= 2 && os.Args[1] == "kafka-cluster" { // -broker kafka's cluster, a process of its own
+		kafkaCluster(os.Args[2:])
+		return
+	}
 	if len(os.Args) < 2 || (os.Args[1] != "migrate" && os.Args[1] != "serve") {
-		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR [-broker jetstream|rabbitmq] [-nodes N] [-relay polling|log] | shop serve -store DIR [-broker jetstream|rabbitmq] [-nodes N] [-addr ADDR] [-relay polling|log]")
+		fmt.Fprintln(os.Stderr, "usage: shop migrate -store DIR [-broker jetstream|rabbitmq|kafka] [-nodes N] [-relay polling|log] | shop serve -store DIR [-broker jetstream|rabbitmq|kafka] [-nodes N] [-addr ADDR] [-relay polling|log]")
 		os.Exit(2)
 	}
 	cmd := os.Args[1]
@@ -67,8 +80,8 @@ func main() {
 	addr := flags.String("addr", "127.0.0.1:8080", "where serve's HTTP service listens")
 	var s setup
 	flags.StringVar(&s.store, "store", "", "the folder of the broker's store")
-	flags.StringVar(&s.broker, "broker", "jetstream", "which broker: jetstream (embedded), or rabbitmq (a node the shop starts)")
-	flags.IntVar(&s.nodes, "nodes", 1, "how many JetStream servers: 1, or 3 for a cluster (RabbitMQ: 1)")
+	flags.StringVar(&s.broker, "broker", "jetstream", "which broker: jetstream (embedded), rabbitmq (a node the shop starts), or kafka (a cluster the shop starts)")
+	flags.IntVar(&s.nodes, "nodes", 1, "how many JetStream servers or Kafka brokers: 1, or 3 for a cluster (RabbitMQ: 1)")
 	flags.StringVar(&s.relay, "relay", "polling", "which relay: polling, or log (reading the server's log)")
 	flags.Parse(os.Args[2:])
 	if err := s.check(); err != nil { // before anything is migrated or started
@@ -90,11 +103,21 @@ func main() {
 	}
 }
 
+// kafkaCluster runs -broker kafka's cluster, as "shop kafka-cluster -dir
+// DIR -ports P,P,P", until it is sent SIGTERM; the shop starts it
+// (kafkatest.Start) and stops it.
+func kafkaCluster(args []string) {
+	if err := kafkatest.Serve(args, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "shop:", err)
+		os.Exit(1)
+	}
+}
+
 // setup is how the shop runs: its flags.
 type setup struct {
 	store  string // the folder of the broker's store
-	broker string // jetstream or rabbitmq
-	nodes  int    // the broker's servers: 1, or 3 for a JetStream cluster
+	broker string // jetstream, rabbitmq or kafka
+	nodes  int    // the broker's servers: 1, or 3 for a JetStream or Kafka cluster
 	relay  string // polling or log
 }
 
@@ -103,8 +126,8 @@ func (s setup) check() error {
 	switch {
 	case s.relay != "polling" && s.relay != "log":
 		return fmt.Errorf("-relay %q: want polling or log", s.relay)
-	case s.broker != "jetstream" && s.broker != "rabbitmq":
-		return fmt.Errorf("-broker %q: want jetstream or rabbitmq", s.broker)
+	case s.broker != "jetstream" && s.broker != "rabbitmq" && s.broker != "kafka":
+		return fmt.Errorf("-broker %q: want jetstream, rabbitmq or kafka", s.broker)
 	case s.broker == "rabbitmq" && s.nodes != 1:
 		return fmt.Errorf("-nodes %d: the shop runs one RabbitMQ node", s.nodes)
 	case s.nodes != 1 && s.nodes != 3:

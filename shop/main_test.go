@@ -226,7 +226,13 @@ func (s *syncBuffer) String() string {
 
 // TestMain finds the server OUTBOX_POSTGRES_URL names (make natsbroker
 // sets it), or starts a throwaway one (pgtest.Main).
-func TestMain(m *testing.M) { pgtest.Main(m) }
+func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == "kafka-cluster" { // -broker kafka's cluster: this binary is its process
+		kafkaCluster(os.Args[2:])
+		os.Exit(0)
+	}
+	pgtest.Main(m)
+}
 
 // newDatabase creates a database of its own for t on the tests' server,
 // dropped when t ends, and opens it for the test and as the shop's pools.
