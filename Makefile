@@ -28,7 +28,7 @@
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous, the polling relay and the log relay running through it (about 85 s)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
-#   make knee                                orders offered at rising rates through the whole pipeline, and the plot of it (about 7 min)
+#   make knee                                orders offered at rising rates through the whole pipeline on JetStream, then on Kafka, and the plot of it (about 10 min)
 #   make measure-rabbitbroker                rabbitbroker/README.md's drain figures beside JetStream's, and the latency at 100, 300 and 1,000 orders a second
 #   make measure-kafkabroker                 kafkabroker/README.md's drain figures: the relay to Kafka (kfake), with kgo's default linger and none (about 2 min)
 #

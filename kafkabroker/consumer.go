@@ -104,8 +104,10 @@ type ConsumerOptions struct {
 // between polls, after the records handled are committed, so a member that
 // takes a partition over starts past them; one that dies before its commit
 // leaves its records to the next member, which drops each copy by its key.
-// A member that keeps a record waiting (its database down) holds the
-// rebalance back meanwhile.
+// A member handles its partitions one after another: a record that waits
+// (its database down) holds back the member's other partitions, and a
+// rebalance, meanwhile; more members, up to one a partition, keep
+// partitions apart.
 //
 // A Consumer is not safe for concurrent use, but for its counters, Waiting
 // and OldestWaiting: run one Run at a time. Create one with [NewConsumer].

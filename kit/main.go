@@ -53,6 +53,7 @@ var leftOut = map[string]bool{
 	"postgres/letter_test.go":  true,
 	"natsbroker/figures":       true,
 	"rabbitbroker/figures":     true,
+	"kafkabroker/figures":      true,
 }
 
 // modulePath is what -module may be: a module path of lowercase

@@ -250,8 +250,8 @@ func (c *Core) OutOfOrder() int64 { return c.outOfOrder.Load() }
 func (c *Core) SetAside() int64   { return c.setAside.Load() }
 
 // Waiting is how many messages failed for a reason that may pass, or
-// arrived before their predecessor, and are not yet handled nor set
-// aside; OldestWaiting is how long ago the oldest of them first failed, or
+// arrived before their predecessor (but for those Handle hands back), and
+// are not yet handled nor set aside; OldestWaiting is how long ago the oldest of them first failed, or
 // zero: what to watch during an outage of the handler's database.
 func (c *Core) Waiting() int {
 	c.mu.Lock()
@@ -380,7 +380,9 @@ func (c *Core) Handle(ctx context.Context, d Delivery) (v Verdict) {
 			if gone := c.predecessorGone(ctx, d, "tries"); gone != nil {
 				return c.setAsideNow(d, fmt.Errorf("%w %v", err, gone))
 			}
-			c.waiting(m.Key, false)
+			if !c.p.HandBack { // one handed back waits in the broker, not here
+				c.waiting(m.Key, false)
+			}
 			if c.p.Logger != nil {
 				what := "trying it again in place"
 				if c.p.HandBack {

@@ -306,8 +306,8 @@ func TestHandleHandsBackOrWaitsInPlaceForALatePredecessor(t *testing.T) {
 		h := newHandler(map[string][]error{"k2": early})
 		c, _ := newCore(t, h, consumer.Policy{HandBack: true})
 		c.Start(nil)
-		if v := c.Handle(context.Background(), delivery("k2", 2)); v.Outcome != consumer.OutOfOrder || h.callsOf("k2") != 1 || c.OutOfOrder() != 1 {
-			t.Errorf("%v, %d calls, %d handed back; want OutOfOrder, 1, 1", v.Outcome, h.callsOf("k2"), c.OutOfOrder())
+		if v := c.Handle(context.Background(), delivery("k2", 2)); v.Outcome != consumer.OutOfOrder || h.callsOf("k2") != 1 || c.OutOfOrder() != 1 || c.Waiting() != 0 {
+			t.Errorf("%v, %d calls, %d handed back, %d waiting; want OutOfOrder, 1, 1, and none waiting here", v.Outcome, h.callsOf("k2"), c.OutOfOrder(), c.Waiting())
 		}
 	})
 	t.Run("in place, the predecessor comes", func(t *testing.T) {
