@@ -2,7 +2,6 @@ package kafkabroker_test
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"runtime/debug"
 	"testing"
@@ -33,7 +32,7 @@ func (p publishOnly) Publish(ctx context.Context, m postgres.Message) error {
 // BenchmarkDrain is the polling relay's drain rate to Kafka (franz-go's
 // kfake, three brokers in the benchmark's process, a topic of six
 // partitions with three replicas; acks=all from an idempotent producer),
-// as natsbroker's BenchmarkDrain measures it on JetStream (drainRows),
+// as natsbroker's BenchmarkDrain measures it on JetStream (shoptest.DrainRows),
 // each waiting for each record's
 // acknowledgement (ack=each) or publishing a pass's batch at once and
 // waiting for them in order (ack=batch, PublishBatch); through a client
@@ -71,37 +70,12 @@ func drainTo(b *testing.B, linger time.Duration, mode string) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	drainRows(b, db, relay)
+	shoptest.DrainRows(b, db, relay, `INSERT INTO outbox (type, payload)
+		SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series($1::int, $2::int) g`)
 	if n := count(b, db, `SELECT count(*) FROM outbox WHERE sent_at IS NULL`); n != 0 {
 		b.Fatalf("%d rows unsent after the drain", n)
 	}
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
-}
-
-// drainRows makes b.N rows pass through relay, written in chunks of 1,000
-// with the timer stopped, as natsbroker's BenchmarkDrain does: rows of
-// OrderPlaced with no aggregate, so that a pass claims a whole batch.
-func drainRows(b *testing.B, db *sql.DB, relay *postgres.OutboxRelay) {
-	ctx := context.Background()
-	b.ResetTimer()
-	for done := 0; done < b.N; {
-		chunk := min(1000, b.N-done)
-		b.StopTimer()
-		if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload)
-			SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500) FROM generate_series(1, $1) g`, chunk); err != nil {
-			b.Fatal(err)
-		}
-		b.StartTimer()
-		for sent := 0; sent < chunk; {
-			n, err := relay.PublishPending(ctx)
-			if err != nil || n == 0 {
-				b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
-			}
-			sent += n
-		}
-		done += chunk
-	}
-	b.StopTimer()
 }
 
 // BenchmarkKnee offers orders at rising rates through the whole pipeline

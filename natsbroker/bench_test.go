@@ -13,6 +13,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"example.com/patterns/enterprise/outbox/postgres/shop/shoptest"
 )
 
 // The benchmarks behind the figures in REFERENCE.md; make measure-natsbroker
@@ -87,30 +88,11 @@ func drain(b *testing.B, url, mode string) {
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
 }
 
-// drainRows makes b.N rows pass through relay, written in chunks of 1,000
-// with the timer stopped, each with traceparent as its trace context (an
-// SQL literal, or NULL).
+// drainRows makes b.N rows pass through relay (shoptest.DrainRows), each
+// with traceparent as its trace context (an SQL literal, or NULL).
 func drainRows(b *testing.B, db *sql.DB, relay *postgres.OutboxRelay, traceparent string) {
-	ctx := context.Background()
-	b.ResetTimer()
-	for done := 0; done < b.N; {
-		chunk := min(1000, b.N-done)
-		b.StopTimer()
-		if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload, traceparent)
-			SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500), `+traceparent+` FROM generate_series(1, $1) g`, chunk); err != nil {
-			b.Fatal(err)
-		}
-		b.StartTimer()
-		for sent := 0; sent < chunk; {
-			n, err := relay.PublishPending(ctx)
-			if err != nil || n == 0 {
-				b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
-			}
-			sent += n
-		}
-		done += chunk
-	}
-	b.StopTimer()
+	shoptest.DrainRows(b, db, relay, `INSERT INTO outbox (type, payload, traceparent)
+		SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500), `+traceparent+` FROM generate_series($1::int, $2::int) g`)
 }
 
 // BenchmarkLatency is the time from an order's commit (PlaceOrder's

@@ -14,6 +14,7 @@ import (
 
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/postgres/shop"
+	"example.com/patterns/enterprise/outbox/postgres/shop/shoptest"
 	"example.com/patterns/enterprise/outbox/rabbitbroker"
 )
 
@@ -27,7 +28,6 @@ import (
 func BenchmarkDrain(b *testing.B) {
 	for _, mode := range []string{"each", "batch"} {
 		b.Run("broker=rabbitmq/ack="+mode, func(b *testing.B) {
-			ctx := context.Background()
 			db := newDatabase(b)
 			top := declare(b, node.URL(), 0)
 			var broker postgres.MessageBroker = newPublisher(b, node.URL(), top, 0)
@@ -35,25 +35,8 @@ func BenchmarkDrain(b *testing.B) {
 				broker = publishOnly{broker}
 			}
 			relay := newRelay(b, db, broker)
-			b.ResetTimer()
-			for done := 0; done < b.N; {
-				chunk := min(1000, b.N-done)
-				b.StopTimer()
-				if _, err := db.ExecContext(ctx, `INSERT INTO outbox (type, payload, aggregate, seq)
-					SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500), 'order/' || g, 1 FROM generate_series($1::int, $2::int) g`, done+1, done+chunk); err != nil {
-					b.Fatal(err)
-				}
-				b.StartTimer()
-				for sent := 0; sent < chunk; {
-					n, err := relay.PublishPending(ctx)
-					if err != nil || n == 0 {
-						b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
-					}
-					sent += n
-				}
-				done += chunk
-			}
-			b.StopTimer()
+			shoptest.DrainRows(b, db, relay, `INSERT INTO outbox (type, payload, aggregate, seq)
+				SELECT 'OrderPlaced', json_build_object('orderId', g, 'totalCents', 2500), 'order/' || g, 1 FROM generate_series($1::int, $2::int) g`)
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
 		})
 	}

@@ -219,3 +219,29 @@ func (p *Pipeline) step(b *testing.B, rate int) stepResult {
 		p99:     delays[len(delays)*99/100],
 	}
 }
+
+// DrainRows makes b.N rows pass through relay, as the brokers'
+// BenchmarkDrain measure it: insert writes the rows numbered $1 to $2, in
+// chunks of 1,000 with the timer stopped, and the relay's passes run with
+// it going until each chunk is sent.
+func DrainRows(b *testing.B, db *sql.DB, relay *postgres.OutboxRelay, insert string) {
+	ctx := context.Background()
+	b.ResetTimer()
+	for done := 0; done < b.N; {
+		chunk := min(1000, b.N-done)
+		b.StopTimer()
+		if _, err := db.ExecContext(ctx, insert, done+1, done+chunk); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		for sent := 0; sent < chunk; {
+			n, err := relay.PublishPending(ctx)
+			if err != nil || n == 0 {
+				b.Fatalf("pass = %d, %v, with %d of %d rows still unsent", n, err, chunk-sent, chunk)
+			}
+			sent += n
+		}
+		done += chunk
+	}
+	b.StopTimer()
+}
