@@ -270,11 +270,11 @@ func TestClientsThatCannotKeepThePromiseAreRefused(t *testing.T) {
 	}
 	h := handlerFunc(func(context.Context, postgres.Message) (bool, error) { return true, nil })
 	for name, opts := range map[string][]kgo.Opt{
-		"no group":    {kgo.ConsumeTopics("t")},
-		"autocommit":  {kgo.ConsumerGroup("g"), kgo.ConsumeTopics("t"), kgo.BlockRebalanceOnPoll()},
-		"no blocking": {kgo.ConsumerGroup("g"), kgo.ConsumeTopics("t"), kgo.DisableAutoCommit()},
+		"no group": {kgo.SeedBrokers(c.seeds...), kgo.ConsumeTopics("t")},
+		"no topic": {kgo.SeedBrokers(c.seeds...), kgo.ConsumerGroup("g")},
+		"no seeds": {kgo.SeedBrokers(), kgo.ConsumerGroup("g"), kgo.ConsumeTopics("t")},
 	} {
-		if _, err := kafkabroker.NewConsumer(c.client(opts...), h, kafkabroker.ConsumerOptions{}); !errors.Is(err, postgres.ErrInvalidConfig) {
+		if _, err := kafkabroker.NewConsumer(h, kafkabroker.ConsumerOptions{}, opts...); !errors.Is(err, postgres.ErrInvalidConfig) {
 			t.Errorf("NewConsumer with %s = %v; want ErrInvalidConfig", name, err)
 		}
 	}

@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -76,9 +79,9 @@ type ConsumerOptions struct {
 	MeterProvider  metric.MeterProvider
 }
 
-// Consumer feeds the records of a consumer group member to a Handler, each
-// partition's in their order, and commits a partition's offset only past
-// records whose apply committed (or that were set aside):
+// Consumer is a member of a consumer group that feeds each partition's
+// records to a Handler in their order, and commits a partition's offset
+// only past records whose apply committed (or that were set aside):
 //   - applied, or a duplicate dropped by its key: done;
 //   - failed for a reason that may pass (a database down, a lock
 //     timeout): handled again in place, after RetryDelay, doubling up to
@@ -94,23 +97,28 @@ type ConsumerOptions struct {
 //     dead-letter of its own: the record stays in the topic, where the
 //     log line says.
 //
+// Each partition the member is assigned has a goroutine of its own, so a
+// record that waits (its database down) holds back its own partition only:
+// the member's other partitions go on, and the client stops fetching the
+// waiting one meanwhile, so memory is bounded by a poll a partition. When
+// a rebalance takes a partition away (or the member is evicted from the
+// group), its goroutine is stopped before the rebalance goes on: a record
+// waiting is given up where it is, the records applied before it are
+// committed (not when the partition was lost), and the next owner starts
+// at that record. So nothing is committed past what was applied, and
+// nothing applied is handed to the next owner, but for a member that dies
+// before its commit: its records go to the next owner, which drops each
+// copy by its key.
+//
 // With MaxBatch above 1 and a [BatchHandler], the records of a partition
 // taken in a row from one poll are applied in one HandleBatch: one
 // transaction and one commit for them all. A batch that fails wrote
 // nothing, and its records are then handled one at a time, each as above.
 //
-// The client must be a consumer group member with DisableAutoCommit and
-// BlockRebalanceOnPoll: partitions move between members (a rebalance) only
-// between polls, after the records handled are committed, so a member that
-// takes a partition over starts past them; one that dies before its commit
-// leaves its records to the next member, which drops each copy by its key.
-// A member handles its partitions one after another: a record that waits
-// (its database down) holds back the member's other partitions, and a
-// rebalance, meanwhile; more members, up to one a partition, keep
-// partitions apart.
-//
-// A Consumer is not safe for concurrent use, but for its counters, Waiting
-// and OldestWaiting: run one Run at a time. Create one with [NewConsumer].
+// A Consumer owns its client. It runs once: Run leaves the group and
+// closes the client when it returns, and a second Run returns [ErrClosed].
+// Its counters, Waiting and OldestWaiting are safe to call at any time.
+// Create one with [NewConsumer].
 type Consumer struct {
 	cl   *kgo.Client
 	opts ConsumerOptions // with the defaults filled in
@@ -118,21 +126,51 @@ type Consumer struct {
 	// core decides what becomes of each record, as every broker's
 	// Consumer does; this one commits offsets past it.
 	core *consumer.Core
+
+	ran atomic.Bool // Run was called, or Close
+
+	mu       sync.Mutex
+	ctx      context.Context // Run's, the workers' parent; nil before Run
+	workers  map[partition]*worker
+	assigned map[string][]int32 // by the group, now
 }
 
-// NewConsumer returns a Consumer of cl's group that hands its records to h.
-// It refuses, with an error wrapping [postgres.ErrInvalidConfig] naming
-// it, no client or handler, a negative option, and a client that is no
-// group member or that commits by itself or lets partitions move during a
-// poll's handling (kgo's ConsumerGroup, DisableAutoCommit and
-// BlockRebalanceOnPoll are needed).
-func NewConsumer(cl *kgo.Client, h Handler, opts ConsumerOptions) (*Consumer, error) {
+// partition names a topic's partition.
+type partition struct {
+	topic string
+	id    int32
+}
+
+// worker handles one partition's records, in their order, in a goroutine
+// of its own.
+type worker struct {
+	p      partition
+	cancel context.CancelFunc
+	done   chan struct{} // closed when the goroutine returns
+	wake   chan struct{} // one buffered: records were queued
+	lost   atomic.Bool   // the partition was lost: commit nothing
+
+	mu    sync.Mutex
+	queue []*kgo.Record
+}
+
+// ErrClosed is returned by [Consumer.Run] on a Consumer that has run, or
+// was closed: its client has left the group. Make a new one.
+var ErrClosed = errors.New("kafkabroker: the consumer has run and closed its client: a Consumer runs once")
+
+// NewConsumer returns a Consumer that hands the records of its group to h,
+// through a client of its own made of clientOpts (the seed brokers, TLS,
+// SASL, and at least kgo.ConsumerGroup and kgo.ConsumeTopics). It adds
+// what the Consumer's promise needs, over any of clientOpts:
+// kgo.DisableAutoCommit, kgo.BlockRebalanceOnPoll, and its own
+// OnPartitionsAssigned, OnPartitionsRevoked and OnPartitionsLost. It refuses, with an error
+// wrapping [postgres.ErrInvalidConfig] naming it, no handler, a negative
+// option, options the client refuses, and no group or no topic.
+func NewConsumer(h Handler, opts ConsumerOptions, clientOpts ...kgo.Opt) (*Consumer, error) {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: kafkabroker: %s", postgres.ErrInvalidConfig, fmt.Sprintf(format, args...))
 	}
 	switch {
-	case cl == nil:
-		return nil, bad("NewConsumer: no client")
 	case h == nil:
 		return nil, bad("NewConsumer: no handler")
 	case opts.RetryDelay < 0, opts.MaxRetryDelay < 0, opts.HandleTimeout < 0:
@@ -140,15 +178,6 @@ func NewConsumer(cl *kgo.Client, h Handler, opts ConsumerOptions) (*Consumer, er
 			opts.RetryDelay, opts.MaxRetryDelay, opts.HandleTimeout)
 	case opts.MaxPoll < 0, opts.MaxBatch < 0, opts.MaxOutOfOrder < 0:
 		return nil, bad("ConsumerOptions: a negative count (MaxPoll %d, MaxBatch %d, MaxOutOfOrder %d)", opts.MaxPoll, opts.MaxBatch, opts.MaxOutOfOrder)
-	}
-	if group, _ := cl.OptValue(kgo.ConsumerGroup).(string); group == "" {
-		return nil, bad("the client is no consumer group member (kgo.ConsumerGroup)")
-	}
-	if off, _ := cl.OptValue(kgo.DisableAutoCommit).(bool); !off {
-		return nil, bad("the client commits by itself: it would commit past records not yet applied (kgo.DisableAutoCommit)")
-	}
-	if block, _ := cl.OptValue(kgo.BlockRebalanceOnPoll).(bool); !block {
-		return nil, bad("the client lets partitions move while a poll's records are handled (kgo.BlockRebalanceOnPoll)")
 	}
 	opts.RetryDelay = orDefault(opts.RetryDelay, DefaultRetryDelay)
 	opts.MaxRetryDelay = orDefault(opts.MaxRetryDelay, max(DefaultMaxRetryDelay, opts.RetryDelay))
@@ -166,7 +195,22 @@ func NewConsumer(cl *kgo.Client, h Handler, opts ConsumerOptions) (*Consumer, er
 		return nil, fmt.Errorf("kafkabroker: %w", err)
 	}
 	opts.MaxBatch = core.MaxBatch()
-	return &Consumer{cl: cl, opts: opts, core: core}, nil
+	c := &Consumer{opts: opts, core: core, workers: map[partition]*worker{}}
+	c.cl, err = kgo.NewClient(append(clientOpts[:len(clientOpts):len(clientOpts)],
+		kgo.DisableAutoCommit(), kgo.BlockRebalanceOnPoll(),
+		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, ps map[string][]int32) { c.assign(ps, true) }),
+		kgo.OnPartitionsRevoked(func(_ context.Context, _ *kgo.Client, ps map[string][]int32) { c.stop(ps, false) }),
+		kgo.OnPartitionsLost(func(_ context.Context, _ *kgo.Client, ps map[string][]int32) { c.stop(ps, true) }))...)
+	if err != nil {
+		return nil, bad("the client's options: %v", err)
+	}
+	group, _ := c.cl.OptValue(kgo.ConsumerGroup).(string)
+	topics, _ := c.cl.OptValue(kgo.ConsumeTopics).([]string)
+	if group == "" || len(topics) == 0 {
+		c.cl.Close()
+		return nil, bad("the client's options name no consumer group (kgo.ConsumerGroup %q) or no topic (kgo.ConsumeTopics %q)", group, topics)
+	}
+	return c, nil
 }
 
 // Applied, Duplicates and SetAside count the messages the handler applied,
@@ -184,45 +228,192 @@ func (c *Consumer) Waiting() int { return c.core.Waiting() }
 // OldestWaiting: see Waiting.
 func (c *Consumer) OldestWaiting() time.Duration { return c.core.OldestWaiting() }
 
-// commitTimeout bounds the commit of a poll's offsets.
+// Assigned is the partitions of each topic that the group has assigned
+// the Consumer now.
+func (c *Consumer) Assigned() map[string][]int32 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := map[string][]int32{}
+	for t, ps := range c.assigned {
+		out[t] = slices.Sorted(slices.Values(ps))
+	}
+	return out
+}
+
+// assign notes ps as assigned to the Consumer, or, with in false, no
+// longer.
+func (c *Consumer) assign(ps map[string][]int32, in bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.assigned == nil {
+		c.assigned = map[string][]int32{}
+	}
+	for t, ids := range ps {
+		for _, id := range ids {
+			c.assigned[t] = slices.DeleteFunc(c.assigned[t], func(x int32) bool { return x == id })
+			if in {
+				c.assigned[t] = append(c.assigned[t], id)
+			}
+		}
+		if len(c.assigned[t]) == 0 {
+			delete(c.assigned, t)
+		}
+	}
+}
+
+// commitTimeout bounds each commit of a partition's offset.
 const commitTimeout = 10 * time.Second
 
-// Run handles records until ctx ends, then commits what it handled and
-// returns ctx's error; a poll's fatal error (the group gone, the client
-// closed) ends it too. A Consumer that NewConsumer did not make is refused
-// at once, with an error wrapping postgres.ErrInvalidConfig.
+// Run handles records until ctx ends, then stops every partition's
+// goroutine (each commits what it applied), leaves the group, closes the
+// client and returns ctx's error; a poll's fatal error (the client closed)
+// ends it too. It runs once: a Consumer that has run, or that NewConsumer
+// did not make, is refused at once (ErrClosed; an error wrapping
+// postgres.ErrInvalidConfig).
 func (c *Consumer) Run(ctx context.Context) error {
 	if c == nil || c.cl == nil || c.core == nil {
 		return fmt.Errorf("%w: kafkabroker: a Consumer that NewConsumer did not make", postgres.ErrInvalidConfig)
 	}
+	if c.ran.Swap(true) {
+		return ErrClosed
+	}
 	c.core.Start(postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "kafka",
 		"applied, duplicate, retry or set_aside"))
 	defer c.core.Stop()
+	wctx, cancel := context.WithCancel(ctx)
+	c.mu.Lock()
+	c.ctx = wctx
+	c.mu.Unlock()
+	defer func() {
+		cancel()
+		c.stop(nil, false)    // every worker, each committing what it applied
+		c.cl.AllowRebalance() // a poll's records not handed out are not ours to hold
+		c.cl.Close()          // leaves the group
+	}()
 	for {
 		fetches := c.cl.PollRecords(ctx, c.opts.MaxPoll)
 		if fetches.IsClientClosed() {
 			return errors.New("kafkabroker: the client was closed")
 		}
+		if ctx.Err() != nil {
+			return ctx.Err() // what the poll took is not handed out: the next owner reads it
+		}
 		fetches.EachError(func(topic string, partition int32, err error) {
-			if ctx.Err() == nil && c.opts.Logger != nil {
+			if c.opts.Logger != nil {
 				c.opts.Logger.Warn("kafkabroker: fetch failed", "topic", topic, "partition", partition, "err", err)
 			}
 		})
-		var done []*kgo.Record
-		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-			done = append(done, c.handlePartition(ctx, p.Records)...)
+		byPartition := map[partition][]*kgo.Record{}
+		fetches.EachRecord(func(r *kgo.Record) {
+			p := partition{r.Topic, r.Partition}
+			byPartition[p] = append(byPartition[p], r)
 		})
-		if len(done) > 0 {
+		for p, rs := range byPartition {
+			c.hand(p, rs)
+		}
+		c.cl.AllowRebalance()
+	}
+}
+
+// hand queues rs, records of p in their order, to p's worker, started if
+// there is none, and stops fetching p until the worker has handled them:
+// a partition whose record waits takes no more of the member's memory.
+// It is called between a poll and AllowRebalance, so no rebalance runs
+// meanwhile.
+func (c *Consumer) hand(p partition, rs []*kgo.Record) {
+	c.cl.PauseFetchPartitions(map[string][]int32{p.topic: {p.id}})
+	c.mu.Lock()
+	w := c.workers[p]
+	if w == nil {
+		ctx, cancel := context.WithCancel(c.ctx)
+		w = &worker{p: p, cancel: cancel, done: make(chan struct{}), wake: make(chan struct{}, 1)}
+		c.workers[p] = w
+		go c.work(ctx, w)
+	}
+	c.mu.Unlock()
+	w.mu.Lock()
+	w.queue = append(w.queue, rs...)
+	w.mu.Unlock()
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// work handles w's queued records until ctx ends: each poll's in their
+// order, then commits past those done and lets the client fetch the
+// partition again. Cut short, it commits past those done (unless the
+// partition was lost) and returns.
+func (c *Consumer) work(ctx context.Context, w *worker) {
+	defer close(w.done)
+	for {
+		select {
+		case <-w.wake:
+		case <-ctx.Done():
+			return
+		}
+		w.mu.Lock()
+		rs := w.queue
+		w.queue = nil
+		w.mu.Unlock()
+		if len(rs) == 0 {
+			continue
+		}
+		done := c.handlePartition(ctx, rs)
+		if len(done) > 0 && !w.lost.Load() {
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 			if err := c.cl.CommitRecords(cctx, done...); err != nil && c.opts.Logger != nil {
-				c.opts.Logger.Warn("kafkabroker: commit failed: the records handled come again, and are dropped by key", "records", len(done), "err", err)
+				c.opts.Logger.Warn("kafkabroker: commit failed: the records handled come again, and are dropped by key",
+					"topic", w.p.topic, "partition", w.p.id, "records", len(done), "err", err)
 			}
 			cancel()
 		}
-		c.cl.AllowRebalance()
-		if ctx.Err() != nil {
-			return ctx.Err()
+		if len(done) < len(rs) {
+			return // stopped: the rest go to whoever reads the partition next
 		}
+		c.cl.ResumeFetchPartitions(map[string][]int32{w.p.topic: {w.p.id}})
+	}
+}
+
+// stop stops the workers of ps (every worker if ps is nil) and waits for
+// each to return, having committed what it applied (lost: not), and lets
+// the client fetch those partitions again should they come back. The
+// client calls it before a rebalance takes partitions away, and when the
+// member lost them.
+func (c *Consumer) stop(ps map[string][]int32, lost bool) {
+	if ps != nil {
+		c.assign(ps, false)
+	}
+	c.mu.Lock()
+	var stopping []*worker
+	for p, w := range c.workers {
+		if ps == nil || slices.Contains(ps[p.topic], p.id) {
+			w.lost.Store(lost)
+			w.cancel()
+			stopping = append(stopping, w)
+			delete(c.workers, p)
+		}
+	}
+	c.mu.Unlock()
+	resume := map[string][]int32{}
+	for _, w := range stopping {
+		<-w.done
+		resume[w.p.topic] = append(resume[w.p.topic], w.p.id)
+		if lost && c.opts.Logger != nil {
+			c.opts.Logger.Warn("kafkabroker: partition lost: what was applied and not committed comes again to its next owner, and is dropped by key",
+				"topic", w.p.topic, "partition", w.p.id)
+		}
+	}
+	if len(resume) > 0 {
+		c.cl.ResumeFetchPartitions(resume)
+	}
+}
+
+// Close leaves the group and closes the client of a Consumer that never
+// ran; after Run it does nothing.
+func (c *Consumer) Close() {
+	if c != nil && c.cl != nil && !c.ran.Swap(true) {
+		c.cl.Close()
 	}
 }
 

@@ -144,11 +144,11 @@ func (c *cluster) records(topic string, n int) []*kgo.Record {
 	return out
 }
 
-// consumerClient is a member of group consuming topic, as a Consumer needs
-// it.
-func (c *cluster) consumerClient(group, topic string) *kgo.Client {
-	return c.client(kgo.ConsumerGroup(group), kgo.ConsumeTopics(topic), kgo.DisableAutoCommit(), kgo.BlockRebalanceOnPoll(),
-		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), kgo.SessionTimeout(6*time.Second), kgo.RebalanceTimeout(10*time.Second))
+// memberOptions are the options of a member of group consuming topic
+// from its start, for a Consumer's client.
+func (c *cluster) memberOptions(group, topic string) []kgo.Opt {
+	return []kgo.Opt{kgo.SeedBrokers(c.seeds...), kgo.ConsumerGroup(group), kgo.ConsumeTopics(topic),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(10 * time.Second)}
 }
 
 // newDatabase is a database of t's own with the outbox's, the consumer's
@@ -215,11 +215,10 @@ func runConsumer(t *testing.T, c *cluster, group, topic string, h kafkabroker.Ha
 // if zero, short), and returns the Consumer too.
 func runConsumerWith(t testing.TB, c *cluster, group, topic string, h kafkabroker.Handler, opts kafkabroker.ConsumerOptions) (stop func(), _ *kafkabroker.Consumer) {
 	t.Helper()
-	cl := c.consumerClient(group, topic)
 	if opts.RetryDelay == 0 {
 		opts.RetryDelay, opts.MaxRetryDelay = 50*time.Millisecond, 200*time.Millisecond
 	}
-	consumer, err := kafkabroker.NewConsumer(cl, h, opts)
+	consumer, err := kafkabroker.NewConsumer(h, opts, c.memberOptions(group, topic)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,7 +232,6 @@ func runConsumerWith(t testing.TB, c *cluster, group, topic string, h kafkabroke
 			if err := <-done; !errors.Is(err, context.Canceled) {
 				t.Errorf("Run = %v; want it stopped", err)
 			}
-			cl.LeaveGroup()
 		})
 	}
 	t.Cleanup(stop)

@@ -59,8 +59,11 @@ const (
 // soon after ctx ends, with an error that says the outcome is unknown.
 //
 // What the cluster says comes back as the relay needs it:
-//   - a record over the topic's or the client's size limit, or one the
-//     broker calls invalid, can never be stored: an error wrapping
+//   - a record over the topic's or the client's size limit (sent alone
+//     to tell it from the records the broker refused with it, in its
+//     partition's produce batch), one whose time is outside what the
+//     topic takes, or one the broker calls invalid, can never be stored:
+//     an error wrapping
 //     [postgres.ErrRejected], which a relay may park; so is a message whose
 //     own headers Kafka cannot carry beside the Publisher's (a reserved
 //     or empty name, text that is not UTF-8), refused before anything of
@@ -189,6 +192,12 @@ func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (
 	for i, done := range results {
 		select {
 		case err := <-done:
+			if tooLarge(err) {
+				// The broker refuses a partition's whole produce batch for
+				// one record over its limit: this one may be only its
+				// neighbour. Alone, it says which it is.
+				err = p.cl.ProduceSync(ctx, p.record(msgs[i])).FirstErr()
+			}
 			if err != nil {
 				return i, p.failed(ctx, msgs[i], err)
 			}
@@ -197,6 +206,12 @@ func (p *Publisher) PublishBatch(ctx context.Context, msgs []postgres.Message) (
 		}
 	}
 	return len(msgs), refused
+}
+
+// tooLarge reports whether err is the broker's refusal of a produce batch
+// for its size.
+func tooLarge(err error) bool {
+	return errors.Is(err, kerr.MessageTooLarge) || errors.Is(err, kerr.RecordListTooLarge)
 }
 
 // checkHeaders says why msg's own headers cannot go as Kafka record
@@ -223,9 +238,16 @@ func checkHeaders(msg postgres.Message) error {
 // failed says what err, from publishing msg, means for the relay.
 func (p *Publisher) failed(ctx context.Context, msg postgres.Message, err error) error {
 	switch {
-	case errors.Is(err, kerr.MessageTooLarge), errors.Is(err, kerr.RecordListTooLarge):
-		return fmt.Errorf("message %s to topic %s: %d bytes, over the size the topic or the client takes: %w: %w",
+	case tooLarge(err):
+		return fmt.Errorf("message %s to topic %s: %d bytes, over the size the topic or the client takes, sent alone: %w: %w",
 			msg.Key, p.topic, len(msg.Payload), postgres.ErrRejected, err)
+	case errors.Is(err, kerr.InvalidTimestamp):
+		// Sent again, it is refused again: the row's time is outside what
+		// the topic takes (message.timestamp.before.max.ms and .after.max.ms,
+		// or the older message.timestamp.difference.max.ms), as an old row
+		// replayed or put back may be.
+		return fmt.Errorf("message %s to topic %s: its time %s is outside what the topic takes: %w: %w",
+			msg.Key, p.topic, msg.Time.UTC().Format(time.RFC3339), postgres.ErrRejected, err)
 	case errors.Is(err, kerr.InvalidRecord), errors.Is(err, kerr.CorruptMessage):
 		return fmt.Errorf("message %s to topic %s: the broker calls it invalid: %w: %w", msg.Key, p.topic, postgres.ErrRejected, err)
 	case ctx.Err() != nil:

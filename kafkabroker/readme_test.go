@@ -19,7 +19,7 @@ func TestReadmeBlockBuilds(t *testing.T) {
 	}
 	_, block, _ := strings.Cut(string(page), "<!-- block: builds -->\n```go\n")
 	block, _, ok := strings.Cut(block, "```")
-	for _, want := range []string{"kafkabroker.NewPublisher(cl,", "kafkabroker.NewConsumer(member,", "consumer.Run(ctx)"} {
+	for _, want := range []string{"kafkabroker.NewPublisher(cl,", "kafkabroker.NewConsumer(warehouse,", "consumer.Run(ctx)"} {
 		if !ok || !strings.Contains(block, want) {
 			t.Fatalf("README.md's block lacks %s:\n%s", want, block)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -11,14 +12,17 @@ import (
 )
 
 // Provision creates topic with partitions partitions, each on replicas
-// brokers, and min.insync.replicas of replicas-1 (at least 1), so that
-// acks=all means a record survives a broker lost; a topic that exists is
-// left as it is. Run it apart from the services, as a step of its own.
+// brokers, and the min.insync.replicas that [CheckTopic] asks for: one
+// below replicas, and at least 2 (at most replicas), so that acks=all
+// means a record is on two brokers at least and survives one lost (two
+// replicas then take no write while one is down; a single broker's topic,
+// replicas 1, has 1). A topic that exists is left as it is. Run it apart
+// from the services, as a step of its own.
 func Provision(ctx context.Context, cl *kgo.Client, topic string, partitions int32, replicas int16) error {
 	if !topicName(topic) || partitions < 1 || replicas < 1 {
 		return fmt.Errorf("kafkabroker: Provision %q, %d partitions, %d replicas: want a topic's name and at least one of each", topic, partitions, replicas)
 	}
-	minISR := fmt.Sprint(max(replicas-1, 1))
+	minISR := fmt.Sprint(minInSync(replicas))
 	req := kmsg.NewPtrCreateTopicsRequest()
 	t := kmsg.NewCreateTopicsRequestTopic()
 	t.Topic, t.NumPartitions, t.ReplicationFactor = topic, partitions, replicas
@@ -42,8 +46,23 @@ func Provision(ctx context.Context, cl *kgo.Client, topic string, partitions int
 // cluster does not have.
 var ErrNoTopic = errors.New("kafkabroker: no such topic: provision it first")
 
-// CheckTopic asks the cluster for topic's metadata: it must exist
-// (ErrNoTopic, wrapped, if not), every partition with a leader.
+// ErrTopicUnsafe is returned, wrapped, by [CheckTopic] for a topic on
+// which "every in-sync replica has it" does not keep a record through a
+// broker lost, or on which no write can succeed.
+var ErrTopicUnsafe = errors.New("kafkabroker: the topic cannot keep what it acknowledges")
+
+// minInSync is the min.insync.replicas of a topic of replicas replicas:
+// one below, at least 2, at most replicas.
+func minInSync(replicas int16) int16 { return min(replicas, max(2, replicas-1)) }
+
+// CheckTopic asks the cluster for topic's metadata and its
+// min.insync.replicas: it must exist (ErrNoTopic, wrapped, if not), every
+// partition with a leader, and acks=all must mean what the Publisher
+// promises (ErrTopicUnsafe, wrapped, if not): on a topic of more than one
+// replica, min.insync.replicas at least 2, or the leader alone may
+// acknowledge a record and lose it with itself; and never above the
+// partitions' replicas, or no write succeeds. A topic of one replica (a
+// single broker's) passes: it keeps what its broker keeps.
 func CheckTopic(ctx context.Context, cl *kgo.Client, topic string) error {
 	req := kmsg.NewPtrMetadataRequest()
 	t := kmsg.NewMetadataRequestTopic()
@@ -53,6 +72,7 @@ func CheckTopic(ctx context.Context, cl *kgo.Client, topic string) error {
 	if err != nil {
 		return fmt.Errorf("kafkabroker: topic %s: %w", topic, err)
 	}
+	replicas := -1 // the fewest of a partition
 	for _, rt := range resp.Topics {
 		if err := kerr.ErrorForCode(rt.ErrorCode); errors.Is(err, kerr.UnknownTopicOrPartition) {
 			return fmt.Errorf("topic %s: %w: %w", topic, ErrNoTopic, err)
@@ -63,9 +83,49 @@ func CheckTopic(ctx context.Context, cl *kgo.Client, topic string) error {
 			if p.Leader < 0 {
 				return fmt.Errorf("kafkabroker: topic %s partition %d has no leader", topic, p.Partition)
 			}
+			if replicas < 0 || len(p.Replicas) < replicas {
+				replicas = len(p.Replicas)
+			}
 		}
 	}
+	minISR, err := topicConfig(ctx, cl, topic, "min.insync.replicas")
+	if err != nil {
+		return err
+	}
+	n, err := strconv.Atoi(minISR)
+	switch {
+	case err != nil:
+		return fmt.Errorf("kafkabroker: topic %s: min.insync.replicas %q: %w", topic, minISR, err)
+	case replicas > 1 && n < 2:
+		return fmt.Errorf("topic %s: %w: min.insync.replicas %d with %d replicas: the leader alone may acknowledge a record, and lose it with itself (want 2 or more)",
+			topic, ErrTopicUnsafe, n, replicas)
+	case replicas > 0 && n > replicas:
+		return fmt.Errorf("topic %s: %w: min.insync.replicas %d above its %d replicas: no write can succeed", topic, ErrTopicUnsafe, n, replicas)
+	}
 	return nil
+}
+
+// topicConfig is the value of topic's config name, as the cluster has it.
+func topicConfig(ctx context.Context, cl *kgo.Client, topic, name string) (string, error) {
+	req := kmsg.NewPtrDescribeConfigsRequest()
+	r := kmsg.NewDescribeConfigsRequestResource()
+	r.ResourceType, r.ResourceName, r.ConfigNames = kmsg.ConfigResourceTypeTopic, topic, []string{name}
+	req.Resources = append(req.Resources, r)
+	resp, err := req.RequestWith(ctx, cl)
+	if err != nil {
+		return "", fmt.Errorf("kafkabroker: topic %s's %s: %w", topic, name, err)
+	}
+	for _, rr := range resp.Resources {
+		if err := kerr.ErrorForCode(rr.ErrorCode); err != nil {
+			return "", fmt.Errorf("kafkabroker: topic %s's %s: %w", topic, name, err)
+		}
+		for _, c := range rr.Configs {
+			if c.Name == name && c.Value != nil {
+				return *c.Value, nil
+			}
+		}
+	}
+	return "", fmt.Errorf("kafkabroker: topic %s: the cluster did not say its %s", topic, name)
 }
 
 // Offsets are a topic's offsets, partition by partition: where its records

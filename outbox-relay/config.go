@@ -273,7 +273,7 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.str(&k.brokers, "kafka", "OUTBOX_KAFKA_BROKERS", "127.0.0.1:9092", "the Kafka seed brokers, host:port, comma-separated")
 	s.str(&k.topic, "kafka-topic", "OUTBOX_KAFKA_TOPIC", kafkabroker.Topic, "the topic the relay publishes to")
 	s.integer(&k.partitions, "kafka-partitions", "OUTBOX_KAFKA_PARTITIONS", 6, 1, 10_000, "provision: the topic's partitions")
-	s.integer(&k.replicas, "kafka-replicas", "OUTBOX_KAFKA_REPLICAS", 3, 1, 16, "provision: the topic's replicas (min.insync.replicas one below)")
+	s.integer(&k.replicas, "kafka-replicas", "OUTBOX_KAFKA_REPLICAS", 3, 1, 16, "provision: the topic's replicas (min.insync.replicas one below, at least 2)")
 	s.boolean(&k.tls, "kafka-tls", "OUTBOX_KAFKA_TLS", false, "connect to Kafka over TLS")
 	s.add("kafka-ca", "OUTBOX_KAFKA_CA", "", "TLS: the CA certificates (PEM) the brokers' certificates must chain to", readable(&k.ca))
 	s.add("kafka-cert", "OUTBOX_KAFKA_CERT", "", "TLS: the client's certificate (PEM), with -kafka-key", readable(&k.cert))

@@ -96,39 +96,22 @@ func (b *kafka) Check(ctx context.Context) error {
 
 func (b *kafka) Publisher() postgres.MessageBroker { return b.publisher }
 
-// member is a client in group consuming the topic from its start, as
-// kafkabroker's Consumer needs it.
-func (b *kafka) member(group string) (*kgo.Client, error) {
-	return kgo.NewClient(kgo.SeedBrokers(b.cluster.Seeds()...), kgo.ClientID("shop-"+group),
-		kgo.ConsumerGroup(group), kgo.ConsumeTopics(kafkabroker.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
-		kgo.DisableAutoCommit(), kgo.BlockRebalanceOnPoll())
+// member is the options of a client in group consuming the topic from its
+// start, for kafkabroker's Consumer, which makes the client.
+func (b *kafka) member(group string) []kgo.Opt {
+	return []kgo.Opt{kgo.SeedBrokers(b.cluster.Seeds()...), kgo.ClientID("shop-" + group),
+		kgo.ConsumerGroup(group), kgo.ConsumeTopics(kafkabroker.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart())}
 }
 
 // Warehouse is kafkabroker's Consumer in the group warehouse, applying in
-// batches.
+// batches. It closes its client when Run returns.
 func (b *kafka) Warehouse(h handler, logger *slog.Logger, meters metric.MeterProvider) (runner, error) {
-	cl, err := b.member(kafkaGroup)
+	c, err := kafkabroker.NewConsumer(h, kafkabroker.ConsumerOptions{MaxBatch: kafkaBatch, Logger: logger, MeterProvider: meters}, b.member(kafkaGroup)...)
 	if err != nil {
-		return nil, err
-	}
-	c, err := kafkabroker.NewConsumer(cl, h, kafkabroker.ConsumerOptions{MaxBatch: kafkaBatch, Logger: logger, MeterProvider: meters})
-	if err != nil {
-		cl.Close()
 		return nil, err
 	}
 	b.warehouse.Store(c)
-	return closing{c, cl}, nil
-}
-
-// closing runs a consumer and closes its client once it returns.
-type closing struct {
-	runner
-	cl *kgo.Client
-}
-
-func (c closing) Run(ctx context.Context) error {
-	defer c.cl.Close()
-	return c.runner.Run(ctx)
+	return c, nil
 }
 
 // Stored is how many records the topic holds.
@@ -164,13 +147,8 @@ func (b *kafka) Replay(ctx context.Context, h handler, meters metric.MeterProvid
 		return err
 	}
 	group := fmt.Sprintf("replay-%d", time.Now().UnixNano())
-	cl, err := b.member(group)
+	c, err := kafkabroker.NewConsumer(h, kafkabroker.ConsumerOptions{MaxBatch: kafkaBatch, MeterProvider: meters}, b.member(group)...)
 	if err != nil {
-		return err
-	}
-	c, err := kafkabroker.NewConsumer(cl, h, kafkabroker.ConsumerOptions{MaxBatch: kafkaBatch, MeterProvider: meters})
-	if err != nil {
-		cl.Close()
 		return err
 	}
 	rctx, stop := context.WithCancel(ctx)
@@ -178,9 +156,7 @@ func (b *kafka) Replay(ctx context.Context, h handler, meters metric.MeterProvid
 	go func() { done <- c.Run(rctx) }()
 	defer func() {
 		stop()
-		<-done
-		cl.LeaveGroup()
-		cl.Close()
+		<-done // Run left the group and closed its client
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), brokerTimeout)
 		defer cancel()
 		req := kmsg.NewPtrDeleteGroupsRequest()

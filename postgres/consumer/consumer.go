@@ -356,10 +356,15 @@ func (c *Core) Try(ctx context.Context, d Delivery) (v Verdict) {
 // pass again in place, so that the messages behind it keep their order:
 // RetryDelay after the first failure and twice as long after each next,
 // up to MaxRetryDelay, however long it takes. It returns Stopped if ctx
-// ends first.
+// ends first, and the message no longer counts as Waiting.
 func (c *Core) Handle(ctx context.Context, d Delivery) (v Verdict) {
 	sctx, done := c.process(ctx, d)
-	defer func() { done(v) }()
+	defer func() {
+		if v.Outcome == Stopped {
+			c.waiting(d.Message.Key, true) // it no longer waits here: the broker hands it to whoever comes next
+		}
+		done(v)
+	}()
 	if d.Err != nil {
 		return c.setAsideNow(d, d.Err)
 	}
