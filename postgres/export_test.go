@@ -55,6 +55,9 @@ func SetRunWait(r *OutboxRelay, f func(ctx context.Context, d time.Duration, wak
 // Backoff is backoff.
 var Backoff = backoff
 
+// CommitError reads a commit's error as Commit does.
+var CommitError = commitError
+
 // SetMark makes the relay's passes mark with query, given the accepted ids
 // as $1, for a benchmark of another design.
 func SetMark(r *OutboxRelay, query string) { r.mark = query }

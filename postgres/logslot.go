@@ -135,7 +135,10 @@ const slotReleaseWait = 5 * time.Second
 // relay, and may go both ways: at least once, the consumers drop the
 // copies. It relies on the log relay's marks (unless LogRelayConfig.Unmarked): without
 // them every row ever written goes again. It returns how many rows it
-// published; on an error, call it again.
+// published; on an error, call it again. A recovery whose publishing fails
+// drops the slot it made, so that a log relay started meanwhile finds none
+// (ErrNoSlot) rather than stream past the rows the recovery owes; the
+// error says so if that drop failed too.
 func (o *Outbox[T]) RecoverLogSlot(ctx context.Context, broker MessageBroker) (int, error) {
 	if err := o.usable(); err != nil {
 		return 0, err
@@ -187,7 +190,18 @@ func (o *tables) recoverLogSlot(ctx context.Context, db *sql.DB, slot string, br
 		total += n
 		switch {
 		case err != nil && !errors.Is(err, ErrRejected):
-			return total, fmt.Errorf("recover log slot %s: publish what it may have missed: %w", slot, err)
+			// The new slot would stream only what commits after it: a
+			// relay started again on it would never publish the rows
+			// before it. Dropped, it leaves the next start ErrNoSlot, and
+			// so the recovery to do again.
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), slotReleaseWait)
+			derr := dropLogSlot(dctx, db, slot)
+			cancel()
+			if derr != nil {
+				return total, fmt.Errorf("recover log slot %s: publish what it may have missed: %w; and the new slot could not be dropped, so call RecoverLogSlot again before a log relay reads it: %w",
+					slot, err, derr)
+			}
+			return total, fmt.Errorf("recover log slot %s: publish what it may have missed: %w (the new slot dropped again)", slot, err)
 		case n == 0:
 			return total, err // a refusal, if any, is said: the row stays in the table, parked in time
 		}

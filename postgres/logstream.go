@@ -48,13 +48,18 @@ func (r *LogRelay) Run(ctx context.Context) error {
 		markIn = db
 	}
 	failures := 0
+	recovering := false // a recovery failed: it goes again before any session
 	for {
-		completed, err := r.session(ctx, markIn)
-		if ctx.Err() != nil {
-			return ctx.Err()
+		var completed int
+		var err error
+		if !recovering {
+			completed, err = r.session(ctx, markIn)
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
 		}
-		if r.cfg.RecoverSlot && (errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost)) {
-			if r.cfg.Logger != nil {
+		if r.cfg.RecoverSlot && (recovering || errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost)) {
+			if r.cfg.Logger != nil && !recovering {
 				r.cfg.Logger.Warn("outbox: the log relay's slot is gone: making it anew, and publishing what it may have missed", "slot", r.cfg.Slot, "err", err)
 			}
 			n, rerr := r.Recover(ctx)
@@ -62,13 +67,17 @@ func (r *LogRelay) Run(ctx context.Context) error {
 				if r.cfg.Logger != nil {
 					r.cfg.Logger.Info("outbox: log relay slot recovered", "slot", r.cfg.Slot, "published", n)
 				}
-				failures = 0
+				failures, recovering = 0, false
 				continue
 			}
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			err = fmt.Errorf("recover the slot: %w", rerr) // tried again after the backoff
+			// Tried again, whole, after the backoff, and not a session
+			// before it: the new slot streams only what committed after
+			// it, and the rows before it are what the recovery publishes.
+			recovering = true
+			err = fmt.Errorf("recover the slot: %w", rerr)
 		} else if errors.Is(err, ErrNoSlot) || errors.Is(err, ErrSlotLost) || errors.Is(err, ErrSlotOfAnotherDatabase) || sqlState(err) == "42501" || sqlState(err) == "28000" {
 			if r.cfg.Logger != nil {
 				r.cfg.Logger.Error("outbox: log relay stopped", "err", err)
@@ -351,9 +360,10 @@ func (s *stream) handle(ctx context.Context, data []byte) error {
 			msg, scheduled, err := decodeRow(s.types, rel, m.Tuple)
 			if err != nil {
 				// Read again, it fails again: parked, with the reason, it
-				// no longer holds the log; where it cannot be, the session
-				// fails, and so does the next one.
-				if msg.ID == 0 || !s.parkUnreadable(ctx, table, msg.ID, err) {
+				// no longer holds the log (a session before this one may
+				// have parked it already, and failed later in the
+				// transaction); where it cannot be, the session fails.
+				if msg.ID == 0 || !s.parkUnreadable(ctx, table, msg, err) {
 					return err
 				}
 				s.hold(msg.Aggregate)
@@ -510,21 +520,63 @@ func (s *stream) park(ctx context.Context, i int, refusal error) bool {
 	var parked bool
 	ctx, cancel := context.WithTimeout(ctx, orDefault(r.cfg.PublishTimeout, DefaultPassTimeout))
 	defer cancel()
-	err := s.markIn.QueryRowContext(ctx, `UPDATE `+s.tables[i]+`
-		SET attempts = attempts + 1, rejections = rejections + 1, last_error = $2,
-		    parked_at = CASE WHEN rejections + 1 >= $3 THEN clock_timestamp() END
-		WHERE id = $1 RETURNING parked_at IS NOT NULL`, msg.ID, refusal.Error(), r.cfg.ParkAfter).Scan(&parked)
-	if err != nil {
+	var counted sql.NullBool
+	var otherKey bool
+	err := s.markIn.QueryRowContext(ctx, fmt.Sprintf(countRejection, s.tables[i]),
+		msg.ID, refusal.Error(), r.cfg.ParkAfter, msg.Key).Scan(&counted, &otherKey)
+	switch {
+	case err == nil && otherKey:
+		// As a mark does (logMark): the row the log carried is not in the
+		// table, and another row holds its id (a failover handed it out
+		// again). That row is not the refused one; nothing is left to
+		// park, nor ever to publish.
 		if r.cfg.Logger != nil {
-			r.cfg.Logger.Error("outbox: log relay could not count a rejection", "id", msg.ID, "err", err)
+			r.cfg.Logger.Warn("outbox: log relay left a refused message: the table no longer has its row, and another row holds its id",
+				"id", msg.ID, "key", msg.Key, "err", refusal)
+		}
+		return true
+	case err != nil || !counted.Valid:
+		if r.cfg.Logger != nil {
+			r.cfg.Logger.Error("outbox: log relay could not count a rejection", "id", msg.ID, "key", msg.Key, "err", err)
 		}
 		return false
 	}
+	parked = counted.Bool
 	if parked && r.cfg.Logger != nil {
 		r.cfg.Logger.Warn("outbox: message parked after too many rejections", "id", msg.ID, "key", msg.Key, "err", refusal)
 	}
 	return parked
 }
+
+// countRejection counts a broker's refusal of the row $1 of a table (%s)
+// whose key is $4 (any, if empty), with the reason $2, and parks it at its
+// $3rd; it returns whether the row is parked now (NULL if there is no such
+// row, or it is not visible yet), and whether a row of another key holds
+// the id instead, as the marks find a row (logMark).
+const countRejection = `
+WITH counted AS (
+	UPDATE %[1]s SET attempts = attempts + 1, rejections = rejections + 1, last_error = $2,
+	    parked_at = CASE WHEN rejections + 1 >= $3 THEN clock_timestamp() END
+	WHERE id = $1 AND ($4 = '' OR message_key::text = $4)
+	RETURNING parked_at IS NOT NULL AS parked)
+SELECT (SELECT parked FROM counted),
+       EXISTS (SELECT FROM %[1]s WHERE id = $1 AND $4 <> '' AND message_key::text <> $4)`
+
+// parkUnreadableRow parks the row $1 of a table (%s) whose key is $2 (any,
+// if empty), unsent and not parked, with the reason $3, and returns
+// whether it did; whether the row was parked, or sent, already (by a
+// session before, which failed after it parked the row and before the
+// server heard it was past the row's transaction); and whether a row of
+// another key holds the id instead, as the marks find a row (logMark).
+const parkUnreadableRow = `
+WITH parked AS (
+	UPDATE %[1]s SET attempts = attempts + 1, last_error = $3, parked_at = clock_timestamp()
+	WHERE id = $1 AND ($2 = '' OR message_key::text = $2) AND sent_at IS NULL AND parked_at IS NULL
+	RETURNING 1)
+SELECT EXISTS (SELECT FROM parked),
+       EXISTS (SELECT FROM %[1]s WHERE id = $1 AND ($2 = '' OR message_key::text = $2)
+               AND coalesce(parked_at, sent_at) IS NOT NULL),
+       EXISTS (SELECT FROM %[1]s WHERE id = $1 AND $2 <> '' AND message_key::text <> $2)`
 
 // An aggregate with a row parked, scheduled for later, or left unsent
 // behind one, is held back: the log relay leaves its later rows unsent, in
@@ -615,30 +667,45 @@ func (s *stream) heldBack(ctx context.Context, table string, msg Message) (bool,
 	return true, nil
 }
 
-// parkUnreadable parks the row id of table, which the relay could not read
-// (err says why), within PublishTimeout, logs it and reports true: the relay
-// then skips it. Unmarked, or if the row cannot be parked (the mark's
-// snapshot does not see it yet, or the statement fails), it reports false.
-func (s *stream) parkUnreadable(ctx context.Context, table string, id int64, err error) bool {
+// parkUnreadable parks msg's row of table, which the relay could not read
+// (err says why; msg holds what could be read of it, its id and key), by
+// its id and key, within PublishTimeout, logs it and reports true: the
+// relay then skips it. A row parked (or sent) already, by a session that
+// failed after it parked it, is skipped too; so is one the table no longer
+// has, another row of another key holding its id. Unmarked, or if the row
+// cannot be parked (the mark's snapshot does not see it yet, or the
+// statement fails), it reports false.
+func (s *stream) parkUnreadable(ctx context.Context, table string, msg Message, err error) bool {
 	r := s.relay
 	if s.markIn == nil {
 		return false
 	}
 	ctx, cancel := context.WithTimeout(ctx, orDefault(r.cfg.PublishTimeout, DefaultPassTimeout))
 	defer cancel()
-	n, perr := rowsAffected(s.markIn.ExecContext(ctx, `UPDATE `+table+`
-		SET attempts = attempts + 1, last_error = $2, parked_at = clock_timestamp()
-		WHERE id = $1 AND sent_at IS NULL AND parked_at IS NULL`, id, err.Error()))
-	if perr != nil || n == 0 {
+	var parked, before, otherKey bool
+	perr := s.markIn.QueryRowContext(ctx, fmt.Sprintf(parkUnreadableRow, table), msg.ID, msg.Key, err.Error()).Scan(&parked, &before, &otherKey)
+	switch {
+	case perr == nil && otherKey:
 		if r.cfg.Logger != nil {
-			r.cfg.Logger.Error("outbox: log relay could not park a row it cannot read", "id", id, "err", err, "park_err", perr)
+			r.cfg.Logger.Warn("outbox: log relay left a row it cannot read: the table no longer has it, and another row holds its id",
+				"id", msg.ID, "key", msg.Key, "err", err)
 		}
-		return false
+		return true
+	case perr == nil && parked:
+		if r.cfg.Logger != nil {
+			r.cfg.Logger.Warn("outbox: message parked: the log relay cannot read it", "id", msg.ID, "key", msg.Key, "err", err)
+		}
+		return true
+	case perr == nil && before:
+		if r.cfg.Logger != nil {
+			r.cfg.Logger.Info("outbox: log relay passed over a row it cannot read, parked before", "id", msg.ID, "key", msg.Key)
+		}
+		return true
 	}
 	if r.cfg.Logger != nil {
-		r.cfg.Logger.Warn("outbox: message parked: the log relay cannot read it", "id", id, "err", err)
+		r.cfg.Logger.Error("outbox: log relay could not park a row it cannot read", "id", msg.ID, "key", msg.Key, "err", err, "park_err", perr)
 	}
-	return true
+	return false
 }
 
 // safe is the position the server may hear of: how far the relay
@@ -681,6 +748,7 @@ func decodeRow(types *pgtype.Map, rel *pglogrepl.RelationMessage, tuple *pglogre
 		return msg, false, fmt.Errorf("log relay: a row of %s.%s that does not match its description", rel.Namespace, rel.RelationName)
 	}
 	var traceparent, tracestate string
+	var first error // the first column that could not be read
 	for i, col := range tuple.Columns {
 		if col.DataType != pglogrepl.TupleDataTypeText {
 			continue // NULL ('n'); an insert sends no unchanged TOAST ('u')
@@ -721,9 +789,15 @@ func decodeRow(types *pgtype.Map, rel *pglogrepl.RelationMessage, tuple *pglogre
 		case "headers":
 			msg.Headers, err = decodeHeaders(v)
 		}
-		if err != nil {
-			return msg, false, fmt.Errorf("log relay: column %s: %w", rel.Columns[i].Name, err)
+		if err != nil && first == nil {
+			// Read on: the id and key in the columns after it name the
+			// row to park.
+			first = fmt.Errorf("log relay: column %s: %w", rel.Columns[i].Name, err)
 		}
+		err = nil
+	}
+	if first != nil {
+		return msg, false, first
 	}
 	msg.TraceContext = claimedTraceContext(traceparent, tracestate)
 	return msg, scheduled, nil

@@ -10,6 +10,9 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+
+	"example.com/patterns/enterprise/outbox/postgres/pgtest"
 )
 
 // These tests feed a log relay's stream the protocol's messages as a
@@ -222,5 +225,54 @@ func TestDeliveredRowsReachTheMarksWithTheirTransaction(t *testing.T) {
 	}
 	if m.pendingTo != 0x500 {
 		t.Errorf("pending up to %v, want the second transaction's end 0/500 (a part moves no position)", m.pendingTo)
+	}
+}
+
+// The snapshot guard of stillHeld: an aggregate held back by a transaction
+// that the marks' snapshot cannot see yet (the log carries a commit a
+// moment before other sessions see it; here, a transaction still open) is
+// still held, though no unsent row of it comes before: the query cannot
+// tell yet. Once that transaction has ended, the aggregate is free.
+// (Without the guard, the aggregate was let go at once: a row of it
+// published ahead of the one that held it.)
+func TestHeldBackKeepsAnAggregateWhoseHolderItCannotSeeYet(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.Open(t, pgtest.NewBlankDatabase(t), "")
+	ob, err := OpenDB(db, Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback()
+	var xid int64
+	if err := holder.QueryRowContext(ctx, `SELECT txid_current()`).Scan(&xid); err != nil {
+		t.Fatal(err)
+	}
+	var reading int64 // the transaction the stream reads, committed
+	if err := db.QueryRowContext(ctx, `SELECT txid_current()`).Scan(&reading); err != nil {
+		t.Fatal(err)
+	}
+	s, _ := testStream(t, &syncRecorder{}, LogRelayConfig{})
+	s.markIn, s.xid = db, uint32(reading)
+	s.held = map[string]uint32{"cart/A": uint32(xid)}
+	table := pgx.Identifier{"public", "outbox"}.Sanitize()
+	if held, err := s.heldBack(ctx, table, Message{ID: 10, Aggregate: "cart/A"}); err != nil || !held {
+		t.Fatalf("heldBack while the holding transaction is invisible = %v, %v; want held", held, err)
+	}
+	if err := holder.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRowContext(ctx, `SELECT txid_current()`).Scan(&reading); err != nil { // the next transaction read
+		t.Fatal(err)
+	}
+	s.xid = uint32(reading)
+	if held, err := s.heldBack(ctx, table, Message{ID: 11, Aggregate: "cart/A"}); err != nil || held {
+		t.Errorf("heldBack once the holder ended, with no unsent row before = %v, %v; want free", held, err)
 	}
 }

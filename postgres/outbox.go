@@ -117,7 +117,9 @@ func TransactionPgx(ctx context.Context, p *pgxpool.Pool, fn func(ctx context.Co
 // nothing tx wrote is kept, since the server answered the COMMIT with an
 // error of its own (a deferred constraint, a serialization failure) or
 // with a rollback (a statement had failed and the caller went on:
-// [pgx.ErrTxCommitRollback]). An error wrapping ErrCommitUnknown: the
+// [pgx.ErrTxCommitRollback]), or the server said it had ended the session
+// while it sat idle in its transaction (25P03), rolling it back. An error
+// wrapping ErrCommitUnknown: the
 // COMMIT was sent, or may have been, and the answer says only that the
 // session ended (the connection broke, the context ended, or the server or
 // a pooler ended the session: a FATAL, a code of class 08 such as
