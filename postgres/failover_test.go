@@ -435,7 +435,9 @@ func TestRelayWhoseRoleCannotReadItsStandbysSaysWhichGrant(t *testing.T) {
 
 // A relay that waits for standbys by number counts the ones streaming from
 // the primary it is on, whichever they are, and not the log relay's
-// walsender: one standby attached, StandbyCount 1 publishes and 2 waits,
+// walsender, nor a WAL archiver (pg_receivewal --synchronous, which
+// flushes and never replays: caught counted, with no standby a failover
+// could promote): one standby attached, StandbyCount 1 publishes and 2 waits,
 // saying that 1 streams; with none attached, StandbyCount 1 waits, saying
 // that none streams, unless PublishWithoutStandbys, which publishes and
 // says so at Warn. Bad combinations are refused when the relay is made.
@@ -476,6 +478,22 @@ func TestRelayWaitsForStandbysByNumberOnThePrimaryItIsOn(t *testing.T) {
 		t.Fatalf("StandbyCount 1, PublishWithoutStandbys, no standby = %d, %v (logged %q); want the row published and a warning", n, err, warned.String())
 	}
 
+	// A WAL archiver streams and flushes the log, and replays nothing: no
+	// failover can promote it, so it is no standby to count.
+	stopArchiver, err := primary.StartReceiveWAL("archiver")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stopArchiver)
+	waitUntil(t, "the archiver streaming", func() bool {
+		var n int
+		return db.QueryRow(`SELECT count(*) FROM pg_stat_replication WHERE application_name = 'archiver' AND state = 'streaming' AND flush_lsn IS NOT NULL`).Scan(&n) == nil && n == 1
+	})
+	place(t, db, 150)
+	if n, err := pass(postgres.RelayConfig{StandbyCount: 1}); n != 0 || !errors.Is(err, postgres.ErrStandbyBehind) || !strings.Contains(err.Error(), "(0 streaming from this primary)") {
+		t.Fatalf("StandbyCount 1 with a WAL archiver alone = %d, %v; want nothing and ErrStandbyBehind saying no standby streams", n, err)
+	}
+
 	standby, err := primary.StartStandby("any_name")
 	if err != nil {
 		t.Fatal(err)
@@ -489,8 +507,8 @@ func TestRelayWaitsForStandbysByNumberOnThePrimaryItIsOn(t *testing.T) {
 	if n, err := pass(postgres.RelayConfig{StandbyCount: 2, PublishWithoutStandbys: true}); n != 0 || !errors.Is(err, postgres.ErrStandbyBehind) || !strings.Contains(err.Error(), "(1 streaming from this primary)") {
 		t.Fatalf("StandbyCount 2 with one standby = %d, %v; want nothing and ErrStandbyBehind saying 1 streams", n, err)
 	}
-	if n, err := pass(postgres.RelayConfig{StandbyCount: 1}); n != 1 || err != nil {
-		t.Fatalf("StandbyCount 1 with one standby = %d, %v; want the row published", n, err)
+	if n, err := pass(postgres.RelayConfig{StandbyCount: 1}); n != 2 || err != nil {
+		t.Fatalf("StandbyCount 1 with one standby = %d, %v; want both rows published", n, err)
 	}
 	for _, cfg := range []postgres.RelayConfig{{StandbyCount: -1}, {StandbyCount: 1, Standbys: []string{"s"}}, {PublishWithoutStandbys: true}} {
 		if _, err := sqlOutbox(t, db, postgres.Config{}).NewRelay(broker, cfg); !errors.Is(err, postgres.ErrInvalidConfig) {

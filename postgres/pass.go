@@ -285,11 +285,15 @@ FROM pg_stat_replication WHERE application_name = ANY($2::text[]) AND flush_lsn 
 // standbysCounted says how many physical standbys stream from this
 // primary, how many of them have flushed the log up to $1, and whether the
 // role may read their positions. A logical walsender (the log relay's
-// slot) is no standby.
+// slot) is no standby; nor is a WAL archiver (pg_receivewal, a backup
+// tool's streaming), which flushes the log and reports it, but replays
+// nothing, so its replay_lsn is NULL: no failover can promote it. A role
+// that may not read the positions sees every one NULL, and every walsender
+// counted, so that it is told so rather than shown none.
 const standbysCounted = `SELECT count(*), count(*) FILTER (WHERE flush_lsn >= $1::pg_lsn),
        pg_has_role('pg_read_all_stats', 'USAGE')
 FROM pg_stat_replication r
-WHERE state = 'streaming'
+WHERE state = 'streaming' AND (replay_lsn IS NOT NULL OR flush_lsn IS NULL)
   AND NOT EXISTS (SELECT 1 FROM pg_replication_slots s WHERE s.active_pid = r.pid AND s.slot_type = 'logical')`
 
 // waitForStandbys waits until every standby of r.cfg.Standbys, or

@@ -185,6 +185,43 @@ func (s *Server) StartStandby(name string, opts ...string) (*Server, error) {
 	return sb, nil
 }
 
+// StartReceiveWAL starts pg_receivewal --synchronous on the server, as
+// application name: a WAL archiver, which streams and flushes the log as a
+// standby does, and reports it flushed, but replays nothing and can never
+// be promoted (a backup tool's streaming). stop ends it and removes what
+// it received.
+func (s *Server) StartReceiveWAL(name string) (stop func(), err error) {
+	dir, err := os.MkdirTemp("", "outbox-receivewal.")
+	if err != nil {
+		return nil, err
+	}
+	if len(s.as) > 0 {
+		info, err := os.Stat(s.Dir)
+		if err == nil {
+			err = os.Chown(dir, int(info.Sys().(*syscall.Stat_t).Uid), -1)
+		}
+		if err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+	}
+	argv := append(append([]string{}, s.as...), filepath.Join(s.bindir, "pg_receivewal"), "--synchronous", "--no-loop",
+		"-D", dir, "-d", "host="+s.Dir+" user=postgres application_name="+name)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Dir = s.Dir
+	if err := cmd.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	return func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		<-done
+		os.RemoveAll(dir)
+	}, nil
+}
+
 // Kill kills the server's postmaster and every process it started with
 // SIGKILL, as a machine that dies would: nothing is flushed, nobody is
 // told. Remove still removes its folder.
