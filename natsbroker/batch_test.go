@@ -65,7 +65,8 @@ func TestBatchConsumerAppliesInBatchesAndGivesUpOnlyOnTheBadMessage(t *testing.T
 		t.Fatal(err)
 	}
 	logs := &logBuffer{}
-	goRun(t, newConsumer(t, cons, h, natsbroker.ConsumerOptions{MaxBatch: 10, Logger: slog.New(slog.NewTextHandler(logs, nil))}).Run)
+	c := newConsumer(t, cons, h, natsbroker.ConsumerOptions{MaxBatch: 10, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	goRun(t, c.Run)
 
 	waitFor(t, "every good order reserved and the bad one terminated", func() bool {
 		return count(t, db, `SELECT count(*) FROM reservations`) == good &&
@@ -87,6 +88,9 @@ func TestBatchConsumerAppliesInBatchesAndGivesUpOnlyOnTheBadMessage(t *testing.T
 	}
 	if h.alone["k5"] != 1 {
 		t.Errorf("the bad message was handled alone %d times, want once (then terminated)", h.alone["k5"])
+	}
+	if c.Applied() != good || c.Duplicates() != 0 || c.SetAside() != 1 {
+		t.Errorf("counted %d applied, %d copies, %d set aside; want %d, 0, 1", c.Applied(), c.Duplicates(), c.SetAside(), good)
 	}
 	inBatches := 0
 	for _, n := range h.batches {

@@ -181,6 +181,13 @@ type Consumer struct {
 	core *consumer.Core
 }
 
+// Applied, Duplicates and SetAside count the messages the handler applied,
+// the copies it dropped, and the messages this Consumer terminated (set
+// aside: they can never apply), as every broker's Consumer counts them.
+func (c *Consumer) Applied() int64    { return c.core.Applied() }
+func (c *Consumer) Duplicates() int64 { return c.core.Duplicates() }
+func (c *Consumer) SetAside() int64   { return c.core.SetAside() }
+
 // Waiting is how many messages this Consumer has asked JetStream for again,
 // after failures that may pass or for arriving before their predecessor,
 // and not yet handled (nor terminated); OldestWaiting is how long ago the
@@ -348,7 +355,7 @@ func (c *Consumer) settle(msg jetstream.Msg, v consumer.Verdict) error {
 func (c *Consumer) delivery(msg jetstream.Msg) consumer.Delivery {
 	m, err := decode(msg, c.prefix)
 	return consumer.Delivery{Message: m, Err: err, Destination: msg.Subject(), Where: []any{"subject", msg.Subject()},
-		Delivered: deliveries(msg), Pending: func(ctx context.Context) any { return c.pendingBefore(ctx, msg) }}
+		Delivered: deliveries(msg), Pending: func(ctx context.Context) string { return c.pendingBefore(ctx, msg) }}
 }
 
 // gatherWait is how long Run waits for one more message to add to a batch:
@@ -414,9 +421,9 @@ func deliveries(msg jetstream.Msg) int {
 // pendingBefore is, when some message before msg in the stream is still
 // pending on the JetStream consumer (delivered and not acked: msg's
 // predecessor may be one, failing for a reason that passes), a description
-// of them; nil when none is and the predecessor can no longer come from the
+// of them; "" when none is and the predecessor can no longer come from the
 // stream. A consumer whose state cannot be read is taken to have some.
-func (c *Consumer) pendingBefore(ctx context.Context, msg jetstream.Msg) any {
+func (c *Consumer) pendingBefore(ctx context.Context, msg jetstream.Msg) string {
 	meta, err := msg.Metadata()
 	if err != nil {
 		return err.Error()
@@ -433,7 +440,7 @@ func (c *Consumer) pendingBefore(ctx context.Context, msg jetstream.Msg) any {
 	if floor := info.AckFloor.Stream; floor+1 < meta.Sequence.Stream {
 		return fmt.Sprintf("at least one of stream sequences %d to %d", floor+1, meta.Sequence.Stream-1)
 	}
-	return nil
+	return ""
 }
 
 // infoTimeout bounds the request for the JetStream consumer's state.

@@ -68,8 +68,8 @@ func lag(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx],
 	}
 	v := map[string]any{"table": outbox.Table(), "unsent": l.Unsent, "parked": l.Parked, "failing": l.Failing,
 		"scheduled": l.Scheduled, "oldestWaitSeconds": l.Oldest.Seconds()}
-	text := fmt.Sprintf("%s: %d unsent, %d parked, %d failing, %d scheduled for later; the oldest unsent waited %v",
-		outbox.Table(), l.Unsent, l.Parked, l.Failing, l.Scheduled, l.Oldest.Round(time.Millisecond))
+	text := fmt.Sprintf("%s: %d unsent, %d parked, %d failing (%d or more failed attempts), %d scheduled for later; the oldest unsent waited %v",
+		outbox.Table(), l.Unsent, l.Parked, l.Failing, postgres.FailingAfter, l.Scheduled, l.Oldest.Round(time.Millisecond))
 	if b := l.Blocking; b != nil {
 		v["blocking"] = map[string]any{"id": b.ID, "key": b.Key, "type": b.Type, "aggregate": b.Aggregate,
 			"attempts": b.Attempts, "lastError": b.LastError}
@@ -78,7 +78,9 @@ func lag(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx],
 	return p.print(v, text)
 }
 
-// blockingText says which row holds the outbox up, and why.
+// blockingText says which row holds the outbox up, and why: the first
+// unsent row that failed at all, which is failing only past
+// postgres.FailingAfter attempts.
 func blockingText(b *postgres.BlockingRow) string {
 	if b == nil {
 		return ""
@@ -87,7 +89,7 @@ func blockingText(b *postgres.BlockingRow) string {
 	if b.Aggregate != "" {
 		of = ", aggregate " + b.Aggregate
 	}
-	return fmt.Sprintf("failing: row %d (%s%s, key %s) after %d attempts: %s", b.ID, b.Type, of, b.Key, b.Attempts, b.LastError)
+	return fmt.Sprintf("first unsent row that failed: row %d (%s%s, key %s) after %d attempts: %s", b.ID, b.Type, of, b.Key, b.Attempts, b.LastError)
 }
 
 func parked(ctx context.Context, _ config, outbox *postgres.Outbox[postgres.SQLTx], _ *sql.DB, _ []string, p printer, _ *slog.Logger) error {
@@ -250,13 +252,22 @@ func check(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx
 			return err
 		}
 	}
-	b, err := dialBroker(ctx, c)
-	if err == nil {
-		defer b.Close()
-		err = errors.Join(b.Check(ctx), b.CheckRetention(ctx, c.processedRetention))
-	}
-	if err := report("broker", err, c.broker+": reachable, and what the relay publishes to is as configured"); err != nil {
-		return err
+	if role == postgres.RoleConsumer || role == postgres.RoleConsumerMigrator {
+		// A consumer's database has no broker of its own: its consumer
+		// reads one a relay publishes to, checked by that relay's check.
+		if err := p.print(map[string]any{"check": "broker", "ok": true, "skipped": true},
+			"--    broker: not checked: the "+string(role)+"'s part reaches no broker"); err != nil {
+			return err
+		}
+	} else {
+		b, err := dialBroker(ctx, c)
+		if err == nil {
+			defer b.Close()
+			err = errors.Join(b.Check(ctx), b.CheckRetention(ctx, c.processedRetention))
+		}
+		if err := report("broker", err, c.broker+": reachable, and what the relay publishes to is as configured"); err != nil {
+			return err
+		}
 	}
 	if failed > 0 {
 		return fmt.Errorf("check: %d part(s) failed", failed)

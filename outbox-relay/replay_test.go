@@ -137,8 +137,11 @@ func TestReplayInsideJetStreamsWindowSaysWhatItTakesAndDrops(t *testing.T) {
 
 // A row the broker refuses (a payload over the server's max_payload) is
 // named, with its attempts and error, by lag and by /readyz, which still
-// answers 200: the relay is ready, and says what holds the rows up.
-// (Caught: lag said "1 failing" and not which row or why.)
+// answers 200: the relay is ready, and says what holds the rows up. lag's
+// count of failing rows says from how many attempts a row is failing, so
+// that it does not read "0 failing" beside a row named after 3. (Caught:
+// lag said "1 failing" and not which row or why; then "0 failing" above
+// "failing: row 7 … after 3 attempts".)
 func TestLagAndReadyzNameTheFailingRow(t *testing.T) {
 	e := newEnv(t)
 	if code, out := e.runOnce("migrate"); code != 0 {
@@ -151,14 +154,15 @@ func TestLagAndReadyzNameTheFailingRow(t *testing.T) {
 	}
 	addr := freeAddr(t)
 	e.start("run", "-http", addr, "-park-after", "1000", "-retry-delay", "10ms", "-max-retry-delay", "10ms", "-check-every", "50ms")
-	want := fmt.Sprintf("failing: row %d (OrderPlaced, aggregate order/9, key ", id)
+	want := fmt.Sprintf("first unsent row that failed: row %d (OrderPlaced, aggregate order/9, key ", id)
 	waitFor(t, "/readyz to name the row", func() bool {
 		code, body := get("http://" + addr + "/readyz")
 		return code == 200 && strings.Contains(body, want) && strings.Contains(body, "over the server's max_payload")
 	})
 	code, out := e.runOnce("lag")
-	if code != 0 || !strings.Contains(out, want) || !strings.Contains(out, "attempts: message ") {
-		t.Errorf("lag exited %d; want the row named with its attempts and error:\n%s", code, out)
+	threshold := fmt.Sprintf("failing (%d or more failed attempts)", postgres.FailingAfter)
+	if code != 0 || !strings.Contains(out, want) || !strings.Contains(out, "attempts: message ") || !strings.Contains(out, threshold) {
+		t.Errorf("lag exited %d; want the row named with its attempts and error, and the count with its threshold:\n%s", code, out)
 	}
 	code, out = e.runOnce("lag", "-json")
 	if v := jsonLines(t, out); code != 0 || len(v) != 1 || v[0]["blocking"] == nil {

@@ -112,6 +112,7 @@ type LogRelay struct {
 	broker     MessageBroker
 	wait       func(ctx context.Context, d time.Duration) bool // a seam for the tests
 	sent       func(commit, sent time.Time)                    // a seam for the measurements: each transaction's commit, and when the server sent it
+	alone      aloneLog                                        // PublishWithoutStandbys, said once a state
 }
 
 // LogRelayConfig configures a [LogRelay]: [Outbox.NewLogRelay] checks it,
@@ -185,7 +186,8 @@ type LogRelayConfig struct {
 
 	// PublishWithoutStandbys lets the log relay with a StandbyCount publish
 	// while its primary has no standby streaming at all (just promoted),
-	// logged at Warn, as RelayConfig.PublishWithoutStandbys does.
+	// said at Warn once and every 5 minutes while it goes on, as
+	// RelayConfig.PublishWithoutStandbys does.
 	PublishWithoutStandbys bool
 
 	// RecoverSlot has Run make the slot anew, and publish what it may have

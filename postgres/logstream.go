@@ -427,7 +427,7 @@ func (s *stream) deliver(ctx context.Context, end pglogrepl.LSN) (err error) {
 	}()
 	if cfg := s.relay.cfg; len(s.txn) > 0 && cfg.StandbyCount > 0 && !s.onStandby && s.markIn != nil {
 		wctx, cancel := context.WithTimeout(ctx, timeout)
-		err := waitForStandbyCount(wctx, sqlPool{s.markIn}, s.commitLSN.String(), cfg.StandbyCount, cfg.PublishWithoutStandbys, cfg.Logger, s.relay.table)
+		err := waitForStandbyCount(wctx, sqlPool{s.markIn}, s.commitLSN.String(), cfg.StandbyCount, cfg.PublishWithoutStandbys, &s.relay.alone, cfg.Logger, s.relay.table)
 		cancel()
 		if err != nil {
 			return fmt.Errorf("transaction %d, committed at %s: %w", s.xid, s.commitLSN, err)

@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -327,7 +328,7 @@ func (r *OutboxRelay) waitForStandbys(ctx context.Context, tx txn, lsn string) e
 // waitForStandbyCount is waitForStandbys by number: StandbyCount of the
 // primary's physical standbys, whichever they are.
 func (r *OutboxRelay) waitForStandbyCount(ctx context.Context, tx txn, lsn string) error {
-	return waitForStandbyCount(ctx, tx, lsn, r.cfg.StandbyCount, r.cfg.PublishWithoutStandbys, r.cfg.Logger, r.outbox.table)
+	return waitForStandbyCount(ctx, tx, lsn, r.cfg.StandbyCount, r.cfg.PublishWithoutStandbys, &r.alone, r.cfg.Logger, r.outbox.table)
 }
 
 // waitForStandbyCount waits until want of the physical standbys streaming
@@ -335,8 +336,8 @@ func (r *OutboxRelay) waitForStandbyCount(ctx context.Context, tx txn, lsn strin
 // relay's pool) have flushed the log up to lsn, looking again
 // after 1 ms, then twice as long each time up to 50 ms, until ctx ends,
 // and fails with ErrStandbyBehind then. A primary with none at all passes
-// at once if withoutStandbys, logged at Warn.
-func waitForStandbyCount(ctx context.Context, q rowQuerier, lsn string, want int, withoutStandbys bool, log *slog.Logger, table string) error {
+// at once if withoutStandbys, logged at Warn through alone.
+func waitForStandbyCount(ctx context.Context, q rowQuerier, lsn string, want int, withoutStandbys bool, alone *aloneLog, log *slog.Logger, table string) error {
 	var streaming, caught int64
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		var readable bool
@@ -348,12 +349,10 @@ func waitForStandbyCount(ctx context.Context, q rowQuerier, lsn string, want int
 			return fmt.Errorf("%w: pg_stat_replication shows the role flush_lsn NULL: GRANT pg_read_all_stats TO the relay's role",
 				ErrStandbysUnreadable)
 		case err == nil && caught >= int64(want):
+			alone.over(log, table)
 			return nil
 		case err == nil && streaming == 0 && withoutStandbys:
-			if log != nil {
-				log.Warn("outbox: relay publishes with no standby streaming from the primary (PublishWithoutStandbys): a failover before one catches up may leave phantom events",
-					"table", table, "standbyCount", want)
-			}
+			alone.publishing(log, table, want)
 			return nil
 		}
 		if err != nil || !pause(ctx, wait) {
@@ -361,6 +360,50 @@ func waitForStandbyCount(ctx context.Context, q rowQuerier, lsn string, want int
 				ErrStandbyBehind, caught, want, lsn, streaming)
 		}
 	}
+}
+
+// aloneEvery is how often, at most, a relay that goes on publishing with
+// no standby (PublishWithoutStandbys) says so again.
+const aloneEvery = 5 * time.Minute
+
+// aloneLog says when a relay starts to publish with no standby streaming
+// from its primary, again every aloneEvery while it goes on, and when a
+// standby is back: a line a state, not one a pass (a promoted primary's
+// relay logged 1,454 lines in 23 s). Its zero value says nothing yet; it
+// is safe for concurrent use.
+type aloneLog struct {
+	mu          sync.Mutex
+	since, said time.Time // zero: the relay has its standbys
+}
+
+// publishing notes a publish with no standby, and says so if it is the
+// first of a run of them or aloneEvery has passed.
+func (a *aloneLog) publishing(log *slog.Logger, table string, want int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	now := time.Now()
+	if a.since.IsZero() {
+		a.since = now
+	}
+	if log != nil && (a.said.IsZero() || now.Sub(a.said) >= aloneEvery) {
+		a.said = now
+		log.Warn("outbox: relay publishes with no standby streaming from the primary (PublishWithoutStandbys): a failover before one catches up may leave phantom events",
+			"table", table, "standbyCount", want, "since", a.since.Format(time.RFC3339), "next_said_in", aloneEvery)
+	}
+}
+
+// over notes that the standbys are back, and says so if the relay had
+// published without them.
+func (a *aloneLog) over(log *slog.Logger, table string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.since.IsZero() {
+		return
+	}
+	if log != nil {
+		log.Info("outbox: a standby streams from the primary again: the relay waits for its standbys", "table", table, "alone_for", time.Since(a.since).Round(time.Second))
+	}
+	a.since, a.said = time.Time{}, time.Time{}
 }
 
 // pause waits for d, and reports false if ctx ended first.

@@ -116,6 +116,8 @@ type OutboxRelay struct {
 	wait, listenWait func(ctx context.Context, d time.Duration, wake <-chan struct{}) bool
 	mark             string
 
+	alone aloneLog // PublishWithoutStandbys, said once a state
+
 	telemetryOnce sync.Once
 	tel           *relayTelemetry
 }
@@ -146,9 +148,11 @@ type RelayConfig struct {
 
 	// ParkAfter is how many rejections (broker errors wrapping ErrRejected)
 	// set a row aside, parked: 0 means DefaultParkAfter. A parked row is no
-	// longer published and no longer holds back the rows after it, which go
-	// on in the same pass; put back (Unpark), it is published after
-	// messages that were written after it. Errors that do not wrap
+	// longer published. The rows of other aggregates go on in the same
+	// pass; with order per aggregate, the later rows of its own aggregate
+	// wait behind it (migration 5), so that the aggregate's order holds, until it is put back
+	// (Unpark) and published, or dropped (DropParked). A row of no
+	// aggregate holds nothing back. Errors that do not wrap
 	// ErrRejected, a broker that is down among them, never park a row.
 	// ReadLag counts the parked rows; ListParked lists them.
 	ParkAfter int
@@ -221,7 +225,8 @@ type RelayConfig struct {
 
 	// PublishWithoutStandbys lets a pass with a StandbyCount publish while
 	// the primary has no standby streaming at all (just promoted, its
-	// standbys not yet attached), each such pass logged at Warn: the
+	// standbys not yet attached), said at Warn when it starts and every 5
+	// minutes while it goes on, and at Info when a standby is back: the
 	// events go, and a failover before a standby catches up may leave
 	// phantoms. False, the safe default, holds the events until a standby
 	// is attached. A primary with some standbys, fewer than StandbyCount,

@@ -83,7 +83,7 @@ func TestBatchConsumerAppliesInBatchesAndGivesUpOnlyOnTheBadMessage(t *testing.T
 			if h.alone["k5"] != 1 {
 				t.Errorf("the bad message was handled alone %d times, want once (then dead-lettered)", h.alone["k5"])
 			}
-			if c.Applied() != good || c.DeadLettered() != 1 || c.Duplicates() != 0 {
+			if c.Applied() != good || c.DeadLettered() != 1 || c.SetAside() != 1 || c.Duplicates() != 0 {
 				t.Errorf("applied %d, dead-lettered %d, duplicates %d; want %d, 1, 0", c.Applied(), c.DeadLettered(), c.Duplicates(), good)
 			}
 			inBatches := 0

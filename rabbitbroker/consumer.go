@@ -204,6 +204,9 @@ func (c *Consumer) Duplicates() int64   { return c.core.Duplicates() }
 func (c *Consumer) HandedBack() int64   { return c.core.OutOfOrder() }
 func (c *Consumer) DeadLettered() int64 { return c.core.SetAside() }
 
+// SetAside is DeadLettered, by the name every broker's Consumer gives it.
+func (c *Consumer) SetAside() int64 { return c.core.SetAside() }
+
 // Waiting is how many messages are being tried again in place now, after
 // failures that may pass, and OldestWaiting how long ago the oldest of
 // them first failed (zero if none waits): what to watch during an outage

@@ -112,12 +112,13 @@ type Delivery struct {
 	// say, and counts as 1.
 	Delivered int
 	// Pending, if not nil, is asked when the message has been found before
-	// its predecessor MaxOutOfOrder times: it describes what before it is
-	// still pending on the broker (the predecessor may be among it, failing
-	// for a reason that passes), or returns nil when nothing is, and the
-	// predecessor can no longer come. While something is pending the
-	// message waits, however long; nil Pending means nothing can be.
-	Pending func(ctx context.Context) any
+	// its predecessor MaxOutOfOrder times: it says, in a few words for the
+	// log, what before it is still pending on the broker ("stream
+	// sequences 4 to 6": the predecessor may be among it, failing for a
+	// reason that passes), or "" when nothing is, and the predecessor can
+	// no longer come. While something is pending the message waits,
+	// however long; nil Pending means nothing can be.
+	Pending func(ctx context.Context) string
 }
 
 // Verdict is what became of a delivery.
@@ -131,8 +132,18 @@ type Verdict struct {
 	Delay time.Duration
 }
 
+// Defaults of a [Policy]'s zero fields.
+const (
+	DefaultRetryDelay    = time.Second
+	DefaultMaxRetryDelay = 30 * time.Second
+	DefaultHandleTimeout = 30 * time.Second
+)
+
 // Policy is how a Core handles messages. The adapters fill it from their
-// ConsumerOptions, with their own defaults; New refuses what cannot work.
+// ConsumerOptions, with their own defaults. Zero means the default in
+// RetryDelay, MaxRetryDelay and HandleTimeout (DefaultRetryDelay,
+// DefaultMaxRetryDelay or RetryDelay if longer, DefaultHandleTimeout); New
+// refuses what cannot work.
 type Policy struct {
 	// RetryDelay is the wait after a message's first failure, and the wait
 	// before a message out of order is tried again; the wait doubles after
@@ -186,10 +197,10 @@ type Core struct {
 	waitingSince map[string]time.Time // by key: each message tried again, since its first failure
 }
 
-// New returns a Core that hands messages to h as p says. It refuses, with
-// an error wrapping [postgres.ErrInvalidConfig] that names it, no handler,
-// a negative setting, a zero RetryDelay, MaxRetryDelay or HandleTimeout,
-// and a MaxRetryDelay below RetryDelay.
+// New returns a Core that hands messages to h as p says, its zero fields
+// the defaults. It refuses, with an error wrapping
+// [postgres.ErrInvalidConfig] that names it, no handler, a negative
+// setting, and a MaxRetryDelay below RetryDelay.
 func New(h Handler, p Policy) (*Core, error) {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: consumer: %s", postgres.ErrInvalidConfig, fmt.Sprintf(format, args...))
@@ -197,8 +208,19 @@ func New(h Handler, p Policy) (*Core, error) {
 	switch {
 	case h == nil:
 		return nil, bad("no handler")
-	case p.RetryDelay <= 0, p.MaxRetryDelay <= 0, p.HandleTimeout <= 0:
-		return nil, bad("Policy: RetryDelay %v, MaxRetryDelay %v and HandleTimeout %v must each be above zero", p.RetryDelay, p.MaxRetryDelay, p.HandleTimeout)
+	case p.RetryDelay < 0, p.MaxRetryDelay < 0, p.HandleTimeout < 0:
+		return nil, bad("Policy: a negative duration (RetryDelay %v, MaxRetryDelay %v, HandleTimeout %v)", p.RetryDelay, p.MaxRetryDelay, p.HandleTimeout)
+	}
+	if p.RetryDelay == 0 {
+		p.RetryDelay = DefaultRetryDelay
+	}
+	if p.MaxRetryDelay == 0 {
+		p.MaxRetryDelay = max(DefaultMaxRetryDelay, p.RetryDelay)
+	}
+	if p.HandleTimeout == 0 {
+		p.HandleTimeout = DefaultHandleTimeout
+	}
+	switch {
 	case p.MaxRetryDelay < p.RetryDelay:
 		return nil, bad("Policy: MaxRetryDelay %v is below RetryDelay %v", p.MaxRetryDelay, p.RetryDelay)
 	case p.MaxBatch < 0, p.MaxOutOfOrder < 0:
@@ -501,7 +523,7 @@ func (c *Core) predecessorGone(ctx context.Context, d Delivery, tries string) er
 		return nil
 	}
 	if d.Pending != nil {
-		if pending := d.Pending(ctx); pending != nil {
+		if pending := d.Pending(ctx); pending != "" {
 			// Its predecessor may be among them, failing for a reason
 			// that passes: it waits, however long that takes.
 			if n == c.p.MaxOutOfOrder && c.p.Logger != nil {

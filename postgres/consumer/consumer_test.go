@@ -274,9 +274,9 @@ func TestTryWaitsForALatePredecessorWithinItsBound(t *testing.T) {
 	h := newHandler(map[string][]error{"k2": early(10)})
 	c, logs := newCore(t, h, consumer.Policy{RetryDelay: 7 * time.Millisecond, MaxOutOfOrder: 3})
 	c.Start(nil)
-	pending := any("stream sequence 1")
+	pending := "stream sequence 1"
 	d := delivery("k2", 2)
-	d.Pending = func(context.Context) any { return pending }
+	d.Pending = func(context.Context) string { return pending }
 	for i := 1; i <= 5; i++ {
 		v := c.Try(context.Background(), d)
 		if v.Outcome != consumer.OutOfOrder || v.Delay != 7*time.Millisecond {
@@ -286,7 +286,7 @@ func TestTryWaitsForALatePredecessorWithinItsBound(t *testing.T) {
 	if n := len(logs.lines("message still before its predecessor, which may still be pending; waiting for it")); n != 1 {
 		t.Errorf("%d lines say it waits for a pending predecessor; want 1", n)
 	}
-	pending = nil
+	pending = ""
 	v := c.Try(context.Background(), d)
 	if v.Outcome != consumer.SetAside || !errors.Is(v.Err, postgres.ErrOutOfOrder) || !strings.Contains(v.Err.Error(), "after 6 deliveries out of order") {
 		t.Fatalf("with nothing pending: %v (%v); want SetAside after 6 deliveries out of order", v.Outcome, v.Err)
@@ -432,9 +432,9 @@ func (f handlerFunc) Handle(ctx context.Context, m postgres.Message) (bool, erro
 func TestNewRefusesAPolicyThatCannotWork(t *testing.T) {
 	ok := consumer.Policy{RetryDelay: time.Second, MaxRetryDelay: time.Minute, HandleTimeout: time.Second}
 	bad := map[string]func(p *consumer.Policy){
-		"zero RetryDelay":          func(p *consumer.Policy) { p.RetryDelay = 0 },
+		"a negative RetryDelay":    func(p *consumer.Policy) { p.RetryDelay = -1 },
 		"MaxRetryDelay below":      func(p *consumer.Policy) { p.MaxRetryDelay = time.Millisecond },
-		"zero HandleTimeout":       func(p *consumer.Policy) { p.HandleTimeout = 0 },
+		"a negative HandleTimeout": func(p *consumer.Policy) { p.HandleTimeout = -1 },
 		"a negative MaxBatch":      func(p *consumer.Policy) { p.MaxBatch = -1 },
 		"a negative MaxOutOfOrder": func(p *consumer.Policy) { p.MaxOutOfOrder = -1 },
 	}
@@ -503,5 +503,52 @@ func TestTheMetricCountsEachHandlingByItsResult(t *testing.T) {
 	want := "map[applied:3 duplicate:1 out_of_order:1 retry:2 terminated:1]"
 	if got := fmt.Sprint(cnt.counts); got != want {
 		t.Errorf("counted %s; want %s", got, want)
+	}
+}
+
+// The zero Policy is the defaults, as every broker's options are: a
+// message out of order is asked for again after DefaultRetryDelay, and a
+// Handle is bounded by DefaultHandleTimeout. (New refused a zero
+// RetryDelay, MaxRetryDelay or HandleTimeout.)
+func TestTheZeroPolicyIsTheDefaults(t *testing.T) {
+	c, err := consumer.New(newHandler(map[string][]error{"k2": {postgres.ErrOutOfOrder}}), consumer.Policy{})
+	if err != nil {
+		t.Fatalf("New with the zero Policy: %v", err)
+	}
+	c.Start(nil)
+	if v := c.Try(context.Background(), delivery("k2", 2)); v.Outcome != consumer.OutOfOrder || v.Delay != consumer.DefaultRetryDelay {
+		t.Errorf("%v after %v; want OutOfOrder after DefaultRetryDelay (%v)", v.Outcome, v.Delay, consumer.DefaultRetryDelay)
+	}
+	if got := c.HandleTimeout(); got != consumer.DefaultHandleTimeout {
+		t.Errorf("HandleTimeout %v; want %v", got, consumer.DefaultHandleTimeout)
+	}
+	long, err := consumer.New(newHandler(nil), consumer.Policy{RetryDelay: time.Minute})
+	if err != nil {
+		t.Errorf("New with a RetryDelay above DefaultMaxRetryDelay and no MaxRetryDelay: %v; want MaxRetryDelay to follow it", err)
+	} else if long == nil {
+		t.Error("no Core")
+	}
+}
+
+// A message handed back (HandBack) is handed back only after RetryDelay,
+// so that the broker does not deliver it again at once, in a loop, before
+// its predecessor had a chance: a Handle stopped during that wait reports
+// Stopped, not OutOfOrder. (Without the wait, it returned OutOfOrder at
+// once.)
+func TestHandleHandsBackOnlyAfterRetryDelay(t *testing.T) {
+	called := make(chan struct{})
+	h := handlerFunc(func(context.Context, postgres.Message) (bool, error) {
+		close(called)
+		return false, postgres.ErrOutOfOrder
+	})
+	c, _ := newCore(t, h, consumer.Policy{HandBack: true, RetryDelay: time.Hour, MaxRetryDelay: time.Hour})
+	c.Start(nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	verdict := make(chan consumer.Verdict, 1)
+	go func() { verdict <- c.Handle(ctx, delivery("k2", 2)) }()
+	<-called
+	cancel()
+	if v := <-verdict; v.Outcome != consumer.Stopped || c.OutOfOrder() != 0 {
+		t.Errorf("%v, %d handed back; want Stopped during RetryDelay, none handed back", v.Outcome, c.OutOfOrder())
 	}
 }
