@@ -26,6 +26,7 @@
 #   make measure-relays                      the polling relay and the log relay side by side, six runs, medians and spreads (about 4 min)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
+#   make soak-log-relay [SOAK=10m]           the log relay for 10 minutes against rows it cannot read, a broker that fails and sessions cut mid-transaction; its counts into postgres/figures/soak-log-relay.txt (make postgres runs it for 15 s)
 #   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous, the polling relay and the log relay running through it (about 85 s)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #   make knee                                orders offered at rising rates through the whole pipeline on JetStream, then on Kafka, and the plot of it (about 10 min)
@@ -43,6 +44,7 @@ PATTERN  := patterns/enterprise/outbox
 T        ?= $(PATTERN)
 GO       ?= go
 FUZZTIME ?= 3m
+SOAK     ?= 10m
 # benchstat, like staticcheck, is a tool run through the module proxy, never a
 # dependency of the package.
 BENCHSTAT := $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-22c9c6c9d4da
@@ -54,7 +56,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: kafkabroker knee-kafka measure-kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
+.PHONY: soak-log-relay kafkabroker knee-kafka measure-kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -129,6 +131,17 @@ minimum:
 # of its own (Debian's, installed where it is missing).
 postgres: pgbouncer
 	$(call module-tests,postgres)
+
+# The log relay's soak (TestLogRelaySoak) for SOAK: producers commit
+# transactions some of whose rows it cannot read, the broker fails one
+# publish in 150 and its walsender is cut every 3 s; every readable row must
+# reach the broker in order per aggregate, copies only after a failed
+# session, every unreadable row parked, the slot past the last commit. Its
+# counts go into postgres/figures/soak-log-relay.txt. make postgres runs
+# the same test for 15 s.
+soak-log-relay:
+	OUTBOX_SOAK=$(SOAK) OUTBOX_SOAK_OUT=$(CURDIR)/postgres/figures/soak-log-relay.txt postgres/with-server.sh \
+		bash -c 'cd postgres && $(GO) test -count=1 -timeout 40m -run "^TestLogRelaySoak$$" -v .' | grep -v '^=== '
 
 # Eight interleaved rounds of the postgres/ module's benchmarks on a throwaway
 # server, into postgres/figures/bench-postgres.txt, then benchstat's ratios, into

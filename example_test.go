@@ -566,6 +566,30 @@ func (s retryingDirectService) PlaceOrder(totalCents int64) (int64, error) {
 	return order.ID, fmt.Errorf("order %d saved, but %s not published after %d attempts: %w", order.ID, outbox.OrderPlaced, s.attempts, err)
 }
 
+// Retries are no strawman: while the process lives they mend a short
+// outage. The broker refuses the first attempt and takes the second:
+// direct + retries saves the order and publishes its event, once. What
+// they cannot mend is the crash table's: a process that dies between the
+// commit and a publish that succeeds leaves no one to retry.
+func TestRetriesMendAShortOutageWhileNothingCrashes(t *testing.T) {
+	db, broker := new(outbox.Database), new(outbox.InMemoryBroker)
+	refusals := 1
+	flaky := brokerFunc(func(msg outbox.Message) error {
+		if refusals > 0 {
+			refusals--
+			return fmt.Errorf("broker down for a moment: %w", outbox.ErrBrokerUnavailable)
+		}
+		return broker.Publish(msg)
+	})
+	id, err := retryingDirectService{db, flaky, 3}.PlaceOrder(2500)
+	if err != nil || id != 1 {
+		t.Fatalf("PlaceOrder = %d, %v; want order 1 and its event published on the second attempt", id, err)
+	}
+	if got := broker.Published(); len(got) != 1 || got[0].Payload != `{"orderId":1,"totalCents":2500}` {
+		t.Errorf("the broker holds %v; want OrderPlaced for order 1, once", got)
+	}
+}
+
 // splitOutboxService is a third WRONG way: an outbox whose row is written in
 // a transaction of its own, after the order's has committed. It has a table
 // and a relay, and still the dual write: a process that dies between the two

@@ -198,8 +198,8 @@ func kitNote(version, module string) string {
 Version %[1]s of the outbox's product modules (postgres/CHANGELOG.md), copied under %[2]s:
 %[3]s. Each module reports it (`+"`postgres.Version`, `natsbroker.Version`, `rabbitbroker.Version`, `outbox-relay version`"+`).
 
-What you own from here on: the code, its tests (postgres/with-server.sh runs them on a throwaway
-PostgreSQL), the documents, and the schema: the numbered migrations in postgres/migrations/ and
+What you own from here on: the code, its tests (in each module's folder,
+../postgres/with-server.sh go test ./... runs them on a throwaway PostgreSQL), the documents, and the schema: the numbered migrations in postgres/migrations/ and
 postgres/migrations/consumer/, which your databases record by number. Keep those numbers: a
 migration released is never changed or renumbered; a change of yours is a migration after the
 last. Taking a later version is a copy of its own, compared with yours by hand.

@@ -63,6 +63,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"example.com/patterns/enterprise/outbox/kafkabroker"
 	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/rabbitbroker"
@@ -140,8 +141,8 @@ func cli(args []string, out, errOut io.Writer) int {
 // the schema versions it wants, Go's, and the commit if the build recorded
 // one: what an operator pastes into a report.
 func version() string {
-	v := fmt.Sprintf("outbox-relay %s: postgres %s (outbox schema %d, consumer schema %d), natsbroker %s, rabbitbroker %s",
-		postgres.Version, postgres.Version, postgres.SchemaVersion, postgres.ConsumerSchemaVersion, natsbroker.Version, rabbitbroker.Version)
+	v := fmt.Sprintf("outbox-relay %s: postgres %s (outbox schema %d, consumer schema %d), natsbroker %s, rabbitbroker %s, kafkabroker %s",
+		postgres.Version, postgres.Version, postgres.SchemaVersion, postgres.ConsumerSchemaVersion, natsbroker.Version, rabbitbroker.Version, kafkabroker.Version)
 	if info, ok := debug.ReadBuildInfo(); ok {
 		v += "; " + info.GoVersion
 		settings := map[string]string{}

@@ -60,14 +60,17 @@ type Message struct {
 // ([RelayConfig.ParkAfter]). Every other error, such as
 // [ErrBrokerUnavailable], is taken as one that may pass: a broker that
 // is down, however long, never has a message parked.
-var ErrRejected = errors.New("postgres: message rejected by the broker")
+//
+// Its text, like ErrBrokerUnavailable's, begins "outbox:", as the lesson's
+// errors do: it says what the broker did, not PostgreSQL.
+var ErrRejected = errors.New("outbox: message rejected by the broker")
 
 // ErrBrokerUnavailable is what a [MessageBroker] wraps to say that it could not
 // reach the broker, or gave up waiting for its answer: the message may go
 // through on a later try, and so may every message after it. A relay pass stops
 // at it, with order per aggregate too, which passes over only the aggregate of
 // a message refused in any other way.
-var ErrBrokerUnavailable = errors.New("postgres: message broker unavailable")
+var ErrBrokerUnavailable = errors.New("outbox: message broker unavailable")
 
 // MessageBroker is the producer side of a message broker, as the relay uses
 // it: the root teaching package's MessageBroker with a context, so that a

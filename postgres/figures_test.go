@@ -32,6 +32,7 @@ var targets = map[string][]string{
 	"measure-postgres":     {"figures/measure-postgres.txt"},
 	"measure-relays":       {"figures/measure-relays.txt", "figures/measure-relays.stat.txt"},
 	"failover":             {"figures/failover.txt"},
+	"soak-log-relay":       {"figures/soak-log-relay.txt"},
 	"measure-hot":          {"figures/measure-hot.txt", "figures/measure-hot.stat.txt"},
 	"measure-watermill":    {"figures/measure-watermill.txt", "figures/measure-watermill.stat.txt"},
 	"bench-postgres":       {"figures/bench-postgres.txt", "figures/bench-postgres.stat.txt"},

@@ -231,7 +231,9 @@ type LogRelayConfig struct {
 	// relay cannot read at all (headers that are not an object of
 	// strings, written past migration 8's check) is parked at its first
 	// reading, whatever ParkAfter and NeverPark say, since every reading
-	// fails alike; Unmarked, it fails every session. The session's
+	// fails alike, and its aggregate held back; a session that parked it
+	// and then failed leaves it parked, and the next passes over it.
+	// Unmarked, it fails every session. The session's
 	// settings that the rows' text form depends on (bytea_output,
 	// DateStyle) are pinned, whatever the role or database sets.
 	ParkAfter int

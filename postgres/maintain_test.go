@@ -305,7 +305,7 @@ func TestRejectedMessageIsParkedAndTheRestFlow(t *testing.T) {
 	if err != nil || len(parked) != 1 {
 		t.Fatalf("ListParked = %v, %v; want row 2", parked, err)
 	}
-	if p := parked[0]; p.ID != 2 || p.Attempts != 3 || p.Rejections != 3 || p.LastError != "payload over the limit: postgres: message rejected by the broker" || p.Key == "" ||
+	if p := parked[0]; p.ID != 2 || p.Attempts != 3 || p.Rejections != 3 || p.LastError != "payload over the limit: outbox: message rejected by the broker" || p.Key == "" ||
 		p.Aggregate != "order/2" || p.Seq != 1 {
 		t.Errorf("parked row = %+v; want row 2 of order/2, seq 1, after 3 attempts, 3 rejections, and the broker's error", p)
 	}

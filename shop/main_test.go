@@ -394,6 +394,12 @@ func TestTheShopsLogInTheReferenceIsAtTodaysSchema(t *testing.T) {
 	if found == 0 {
 		t.Error("natsbroker/REFERENCE.md shows no line of migrate's; the test looks for the shop's log there")
 	}
+	// The relay's failures there end with the error the code words today.
+	for line := range strings.Lines(string(doc)) {
+		if strings.Contains(line, `msg="outbox: relay pass failed"`) && !strings.Contains(line, postgres.ErrBrokerUnavailable.Error()) {
+			t.Errorf("natsbroker/REFERENCE.md shows a failed pass without %q, as the relay words it today:\n%s", postgres.ErrBrokerUnavailable, line)
+		}
+	}
 }
 
 // The article's duplicate, as the shop shows it on JetStream: the next ack
