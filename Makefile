@@ -6,6 +6,7 @@
 #
 #   make test T=patterns/enterprise/outbox   gofmt check, go vet, all tests (with -race where cgo is available)
 #   make example                             the article's scenario and the crash table, printed
+#   make ladder                              the ladder from the minimum to production (postgres/ladder): each rung's diff printed, its test passing on it and failing on the rung below
 #   make minimum                             the minimum real outbox (postgres/minimum): its example (the article's scenario, then a lost ack and the copy dropped), on a throwaway PostgreSQL
 #   make shop [SHOP_NODES=3] [SHOP_DATA=dir] [SHOP_RELAY=log] [SHOP_BROKER=rabbitmq|kafka]  the shop of shop/ on 127.0.0.1:8080 (SHOP_ADDR), until Ctrl-C
 #   make page [SCREENSHOT=file]              the shop's live page, tested in headless Chromium (installed if missing)
@@ -56,7 +57,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: soak-log-relay kafkabroker knee-kafka measure-kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
+.PHONY: ladder soak-log-relay kafkabroker knee-kafka measure-kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -126,6 +127,12 @@ endef
 # throwaway PostgreSQL (go test checks the output).
 minimum:
 	OUTBOX_TRANSCRIPT=1 postgres/with-server.sh bash -c 'cd postgres && $(GO) test -count=1 -v -run "^(Example|Test)" ./minimum' 2>&1 | grep -v '^=== '
+
+# The ladder (postgres/ladder): each rung's diff on the one before applied
+# to the minimum, its tests run on it and on the rung below, where its own
+# must fail; -v prints each diff. make postgres runs it too.
+ladder:
+	postgres/with-server.sh bash -c 'cd postgres && $(GO) test -count=1 -v -run "^TestLadder$$" ./ladder' 2>&1 | grep -v '^=== '
 
 # The postgres/ module; a test of a COMMIT cut behind PgBouncer starts one
 # of its own (Debian's, installed where it is missing).

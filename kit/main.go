@@ -43,10 +43,11 @@ var Modules = []string{"postgres", "natsbroker", "rabbitbroker", "kafkabroker", 
 
 // leftOut are the paths, relative to the repository, that are this
 // repository's and not the product's: a nested module of benchmarks, the
-// figures the measuring targets print, and tests of the repository's own
-// documents, which read the lesson's and the shop's.
+// figures the measuring targets print, the ladder (a lesson), and tests of
+// the repository's own documents, which read the lesson's and the shop's.
 var leftOut = map[string]bool{
 	"postgres/peerbench":       true,
+	"postgres/ladder":          true,
 	"postgres/figures":         true,
 	"postgres/figures_test.go": true,
 	"postgres/docs_test.go":    true,

@@ -336,36 +336,6 @@ func TestBehindPgBouncerACommitCutAfterTheServerCommittedIsUnknown(t *testing.T)
 	})
 }
 
-// TestTheServersWordThatItEndedAnIdleTransactionIsAFailure.
-func TestACommitAfterTheServerEndedAnIdleTransactionIsAFailure(t *testing.T) {
-	ctx := context.Background()
-	db := newDatabase(t)
-	admin := open(t, pgtest.Config.Database, "")
-	err := postgres.Transaction(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
-		var pid int
-		if err := tx.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
-			return err
-		}
-		if _, err := tx.ExecContext(ctx, `SET LOCAL idle_in_transaction_session_timeout = '50ms'`); err != nil {
-			return err
-		}
-		if _, err := postgres.InsertOutbox(ctx, tx, "Noted", map[string]int{"n": 1}); err != nil {
-			return err
-		}
-		waitUntil(t, "the server to end the idle session", func() bool {
-			var n int
-			return admin.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n) == nil && n == 0
-		})
-		return nil
-	})
-	if err == nil || errors.Is(err, postgres.ErrCommitUnknown) {
-		t.Fatalf("Transaction = %v; want a failure, not ErrCommitUnknown", err)
-	}
-	if n := count(t, db, `SELECT count(*) FROM outbox`); n != 0 {
-		t.Errorf("%d rows kept by a transaction the server rolled back", n)
-	}
-}
-
 // TestTheServersWordThatItEndedAnIdleTransactionIsAFailure: a COMMIT
 // answered with the server's FATAL 25P03 (it ended the session idle in its
 // transaction, and rolled it back) failed: never ErrCommitUnknown, though

@@ -25,7 +25,7 @@ import (
 )
 
 // documents are the repository's documents, from this folder.
-var documents = []string{"../README.md", "README.md", "ADOPTING.md", "REFERENCE.md", "minimum/README.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md", "../rabbitbroker/README.md", "../kafkabroker/README.md", "../shop/README.md", "../outbox-relay/README.md"}
+var documents = []string{"../README.md", "README.md", "ADOPTING.md", "REFERENCE.md", "minimum/README.md", "ladder/README.md", "../natsbroker/README.md", "../natsbroker/REFERENCE.md", "../rabbitbroker/README.md", "../kafkabroker/README.md", "../shop/README.md", "../outbox-relay/README.md"}
 
 // targets are the files each make target writes.
 var targets = map[string][]string{
