@@ -146,8 +146,8 @@ func applyPatch(code, patch string) (string, error) {
 					out = append(out, old[at])
 				}
 				at++
-			case strings.HasPrefix(l, `\`): // "\ No newline at end of file"
 			}
+			// Any other line ("\ No newline at end of file") changes nothing.
 		}
 		i--
 	}
