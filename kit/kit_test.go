@@ -32,6 +32,16 @@ func TestKitCopiesModulesThatBuildAndPassTheirTestsUnderATeamsPath(t *testing.T)
 			t.Errorf("kit did not say that %s builds and vets", m)
 		}
 	}
+	// What README.md shows it saying, its folder as the README names it.
+	readme, rerr := os.ReadFile("README.md")
+	if rerr != nil {
+		t.Fatal(rerr)
+	}
+	_, said, _ := strings.Cut(string(readme), "\n```\ncopied ")
+	said, _, _ = strings.Cut("copied "+said, "```")
+	if got := strings.ReplaceAll(out.String(), into, "../../team-repo/outbox"); got != said {
+		t.Errorf("README.md shows the kit saying:\n%s\nit says:\n%s", said, got)
+	}
 	lesson := regexp.MustCompile(`example\.com/patterns/enterprise/outbox"`)
 	err := filepath.WalkDir(into, func(path string, d fs.DirEntry, err error) error {
 		if err != nil || d.IsDir() {

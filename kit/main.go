@@ -51,6 +51,7 @@ var leftOut = map[string]bool{
 	"postgres/figures":         true,
 	"postgres/figures_test.go": true,
 	"postgres/docs_test.go":    true,
+	"postgres/blocks_test.go":  true,
 	"postgres/letter_test.go":  true,
 	"natsbroker/figures":       true,
 	"rabbitbroker/figures":     true,

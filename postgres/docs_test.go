@@ -313,3 +313,61 @@ func TestReadmesOnePassIsTheClaimAndItsIndex(t *testing.T) {
 		t.Errorf("README does not name the index as the migrations make it: `%s`", index)
 	}
 }
+
+// The README's diagram of the pattern names what the code has: each
+// Name( in it is a function or method of the root package.
+func TestReadmesDiagramNamesWhatTheCodeHas(t *testing.T) {
+	readme, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, diagram, _ := strings.Cut(string(readme), "```mermaid\n")
+	diagram, _, ok := strings.Cut(diagram, "```")
+	if !ok {
+		t.Fatal("README.md has no mermaid block")
+	}
+	files, err := filepath.Glob("../*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var code strings.Builder
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		code.Write(b)
+	}
+	names := regexp.MustCompile(`\b([A-Z]\w*)\(`).FindAllStringSubmatch(diagram, -1)
+	for _, m := range names {
+		if !regexp.MustCompile(`func (\([^)]*\) )?` + m[1] + `\(`).MatchString(code.String()) {
+			t.Errorf("README.md's diagram names %s(, which the root package does not define", m[1])
+		}
+	}
+	if len(names) < 5 {
+		t.Errorf("the diagram names %d calls; want the pattern's", len(names))
+	}
+}
+
+// ADOPTING.md's go.mod lines name modules of this repository, each
+// replaced by its own folder.
+func TestAdoptingsRequireLinesNameTheModules(t *testing.T) {
+	page, err := os.ReadFile("ADOPTING.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := regexp.MustCompile(`(?m)^(require|replace) (\S+)(?: v0\.0\.0| => \.\./outbox/(\S+))$`).FindAllStringSubmatch(string(page), -1)
+	if len(lines) < 4 {
+		t.Fatalf("ADOPTING.md has %d require and replace lines; want two of each", len(lines))
+	}
+	for _, m := range lines {
+		folder := strings.TrimPrefix(m[2], "example.com/patterns/enterprise/outbox/")
+		mod, err := os.ReadFile(filepath.Join("..", folder, "go.mod"))
+		if err != nil || !strings.HasPrefix(string(mod), "module "+m[2]+"\n") {
+			t.Errorf("ADOPTING.md names module %s: no folder %s holds it", m[2], folder)
+		}
+		if m[1] == "replace" && m[3] != folder {
+			t.Errorf("ADOPTING.md replaces %s with ../outbox/%s; want ../outbox/%s", m[2], m[3], folder)
+		}
+	}
+}
