@@ -212,13 +212,14 @@ func runConsumer(t *testing.T, c *cluster, group, topic string, h kafkabroker.Ha
 }
 
 // runConsumerWith is runConsumer with opts (RetryDelay and MaxRetryDelay,
-// if zero, short), and returns the Consumer too.
-func runConsumerWith(t testing.TB, c *cluster, group, topic string, h kafkabroker.Handler, opts kafkabroker.ConsumerOptions) (stop func(), _ *kafkabroker.Consumer) {
+// if zero, short) and, after the member's own, the client options more,
+// and returns the Consumer too.
+func runConsumerWith(t testing.TB, c *cluster, group, topic string, h kafkabroker.Handler, opts kafkabroker.ConsumerOptions, more ...kgo.Opt) (stop func(), _ *kafkabroker.Consumer) {
 	t.Helper()
 	if opts.RetryDelay == 0 {
 		opts.RetryDelay, opts.MaxRetryDelay = 50*time.Millisecond, 200*time.Millisecond
 	}
-	consumer, err := kafkabroker.NewConsumer(h, opts, c.memberOptions(group, topic)...)
+	consumer, err := kafkabroker.NewConsumer(h, opts, append(c.memberOptions(group, topic), more...)...)
 	if err != nil {
 		t.Fatal(err)
 	}

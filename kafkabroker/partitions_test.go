@@ -145,23 +145,7 @@ func TestAWaitingPartitionHoldsOnlyItselfAndARebalanceTakesItCleanly(t *testing.
 	began := time.Now()
 	opts := kafkabroker.ConsumerOptions{RetryDelay: 50 * time.Millisecond, MaxRetryDelay: 500 * time.Millisecond}
 	member := func() (*kafkabroker.Consumer, func()) {
-		consumer, err := kafkabroker.NewConsumer(h, opts, append(c.memberOptions("warehouse", topic), kgo.RebalanceTimeout(time.Minute))...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		runCtx, cancel := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- consumer.Run(runCtx) }()
-		var once sync.Once
-		stop := func() {
-			once.Do(func() {
-				cancel()
-				if err := <-done; !errors.Is(err, context.Canceled) {
-					t.Errorf("Run = %v; want it stopped", err)
-				}
-			})
-		}
-		t.Cleanup(stop)
+		stop, consumer := runConsumerWith(t, c, "warehouse", topic, h, opts, kgo.RebalanceTimeout(time.Minute))
 		return consumer, stop
 	}
 	first, stopFirst := member()

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -79,7 +80,7 @@ func TestLogRelayGoesOnPastARowParkedBeforeItsSessionFailed(t *testing.T) {
 		return count(t, db, fmt.Sprintf(`SELECT count(*) FROM outbox WHERE id = %d AND sent_at IS NOT NULL`, z)) == 1
 	})
 	ids := broker.IDs()
-	if !refused.Load() || !slicesContain(ids, r) || slicesContain(ids, x2) || slicesContain(ids, u) {
+	if !refused.Load() || !slices.Contains(ids, r) || slices.Contains(ids, x2) || slices.Contains(ids, u) {
 		t.Errorf("delivered %v; want R (%d) after its refusal, and neither U (%d) nor X2 (%d)", ids, r, u, x2)
 	}
 	if n := count(t, db, fmt.Sprintf(`SELECT count(*) FROM outbox WHERE id = %d AND parked_at IS NOT NULL`, u)); n != 1 {
@@ -89,15 +90,6 @@ func TestLogRelayGoesOnPastARowParkedBeforeItsSessionFailed(t *testing.T) {
 		t.Errorf("X2 not left unsent, for a polling pass after U")
 	}
 	t.Logf("sessions failed: %d (the broker's one refusal)", failed.Load())
-}
-
-func slicesContain(ids []int64, id int64) bool {
-	for _, x := range ids {
-		if x == id {
-			return true
-		}
-	}
-	return false
 }
 
 // RecoverSlot, with no slot: Run makes it and publishes the rows written
@@ -173,7 +165,7 @@ func TestLogRelayParksARowByItsIDAndKey(t *testing.T) {
 		t.Fatal(err)
 	}
 	runLog(t, relay)
-	waitUntil(t, "the last row delivered", func() bool { return slicesContain(broker.IDs(), last) })
+	waitUntil(t, "the last row delivered", func() bool { return slices.Contains(broker.IDs(), last) })
 	if n := count(t, db, `SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL OR rejections > 0`); n != 0 {
 		t.Errorf("%d rows of other keys parked or counted refused; want none", n)
 	}
@@ -207,8 +199,8 @@ func TestLogRelayHoldsBackTheAggregateOfARowItCannotRead(t *testing.T) {
 	x1 := commit("cart/X", 1, `{"n": 1}`)
 	x2 := commit("cart/X", 2, "")
 	z := commit("cart/Z", 1, "")
-	waitUntil(t, "Z delivered", func() bool { return slicesContain(broker.IDs(), z) })
-	if ids := broker.IDs(); slicesContain(ids, x2) || slicesContain(ids, x1) {
+	waitUntil(t, "Z delivered", func() bool { return slices.Contains(broker.IDs(), z) })
+	if ids := broker.IDs(); slices.Contains(ids, x2) || slices.Contains(ids, x1) {
 		t.Errorf("delivered %v; want neither X1 (%d, parked) nor X2 (%d, behind it)", ids, x1, x2)
 	}
 }
