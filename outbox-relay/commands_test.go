@@ -262,7 +262,7 @@ func TestRelayProcessReadinessFollowsTheDatabaseAndTheBroker(t *testing.T) {
 		t.Fatal("the JetStream server did not start")
 	}
 	t.Cleanup(func() { srv.Shutdown() })
-	e.natsURL = srv.ClientURL()
+	e.nats().url = srv.ClientURL()
 	port := srv.Addr().(*net.TCPAddr).Port
 	if code, out := e.runOnce("migrate"); code != 0 {
 		t.Fatalf("migrate exited %d:\n%s", code, out)

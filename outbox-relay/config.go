@@ -13,10 +13,7 @@ import (
 	"strings"
 	"time"
 
-	"example.com/patterns/enterprise/outbox/kafkabroker"
-	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
-	"example.com/patterns/enterprise/outbox/rabbitbroker"
 )
 
 // config is the relay's configuration, as flags and the environment give
@@ -28,10 +25,8 @@ type config struct {
 	relay postgres.RelayConfig    // polling mode's settings (the loggers and meters are run's)
 	log   postgres.LogRelayConfig // log mode's
 
-	nats        natsConfig
-	rabbit      rabbitConfig
-	kafka       kafkaConfig
-	cloudEvents string // the CloudEvents source the publisher sets; none if empty
+	brokers     map[string]brokerFlags // every registered broker's flags, by name
+	cloudEvents string                 // the CloudEvents source the publisher sets; none if empty
 
 	retention, cleanupEvery time.Duration
 	sweepEvery              time.Duration // log mode: how often unsent rows older than it are swept; 0 never
@@ -45,26 +40,6 @@ type config struct {
 	role            string // grants and check: the part whose privileges; "" for the one -mode runs
 	consumer        string // forget-position: the consumer whose position
 	grantee, schema string // grants: the role granted to, and the schema of the outbox's tables
-}
-
-// natsConfig is how the relay connects to NATS, in the shape of nats.go's
-// options and the nats CLI's flags.
-type natsConfig struct {
-	urls, name                string
-	ca, cert, key, serverName string // TLS: the CA's certificates, the client's certificate and key
-	creds, nkey, user         string // a credentials file, an NKEY seed file, a user
-	password, token           string // read from a file or the environment, never a flag's value
-	stream, prefix            string
-	replicas                  int
-}
-
-// rabbitConfig is how the relay connects to RabbitMQ, in the shape of
-// amqp091-go's Config.
-type rabbitConfig struct {
-	url, user, password, vhost, name string
-	ca, cert, key, serverName        string
-	topology                         rabbitbroker.Topology
-	maxMessageSize                   int
 }
 
 // commands are the relay's commands and how many arguments each takes.
@@ -202,7 +177,7 @@ func parse(cmd string, args []string) (config, []string, error) {
 	var c config
 	s := &settings{fs: flag.NewFlagSet(cmd, flag.ContinueOnError)}
 	s.str(&c.database, "database", "OUTBOX_DATABASE_URL", "", "PostgreSQL connection string, pgx's (TLS, several hosts), with no password in it: PGPASSWORD or a .pgpass file holds it")
-	s.str(&c.broker, "broker", "OUTBOX_BROKER", "nats", "the broker: nats (JetStream), rabbitmq or kafka")
+	s.str(&c.broker, "broker", "OUTBOX_BROKER", brokerKinds[0].name, "the broker: "+brokerNames())
 	s.str(&c.mode, "mode", "OUTBOX_MODE", "polling", "polling (OutboxRelay) or log (LogRelay: logical decoding)")
 	s.str(&c.table, "table", "OUTBOX_TABLE", postgres.DefaultTable, "the outbox table")
 	s.str(&c.http, "http", "OUTBOX_HTTP_ADDR", "", "address of /healthz, /readyz and /metrics; none if empty")
@@ -234,54 +209,11 @@ func parse(cmd string, args []string) (config, []string, error) {
 	s.duration(&l.StatusInterval, "status-interval", "OUTBOX_STATUS_INTERVAL", "0s", 0, "log mode: how often the relay confirms its position to the server; 0 for the default")
 	s.boolean(&l.DeleteDelivered, "delete-delivered", "OUTBOX_DELETE_DELIVERED", false, "log mode: delete each row the broker accepted instead of marking it sent: the cheapest mark, and nothing left to replay")
 
-	// NATS.
-	n := &c.nats
-	s.str(&n.urls, "nats", "OUTBOX_NATS_URL", "nats://127.0.0.1:4222", "the NATS servers, comma-separated")
-	s.str(&n.name, "nats-name", "OUTBOX_NATS_NAME", "outbox-relay", "the connection's name, as the server shows it")
-	s.add("nats-ca", "OUTBOX_NATS_CA", "", "TLS: the CA certificates (PEM) the server's certificate must chain to", readable(&n.ca))
-	s.add("nats-cert", "OUTBOX_NATS_CERT", "", "TLS: the client's certificate (PEM), with -nats-key", readable(&n.cert))
-	s.add("nats-key", "OUTBOX_NATS_KEY", "", "TLS: the client certificate's key (PEM)", readable(&n.key))
-	s.str(&n.serverName, "nats-server-name", "OUTBOX_NATS_SERVER_NAME", "", "TLS: the name the server's certificate must carry; empty for the URL's host")
-	s.add("nats-creds", "OUTBOX_NATS_CREDS", "", "a credentials file (a user JWT and its NKEY seed)", readable(&n.creds))
-	s.add("nats-nkey", "OUTBOX_NATS_NKEY", "", "an NKEY seed file", readable(&n.nkey))
-	s.str(&n.user, "nats-user", "OUTBOX_NATS_USER", "", "the user, with a password")
-	s.secret(&n.password, "nats-password-file", "OUTBOX_NATS_PASSWORD_FILE", "OUTBOX_NATS_PASSWORD", "a file holding the user's password")
-	s.secret(&n.token, "nats-token-file", "OUTBOX_NATS_TOKEN_FILE", "OUTBOX_NATS_TOKEN", "a file holding the token")
-	s.str(&n.stream, "stream", "OUTBOX_STREAM", natsbroker.Stream, "the stream")
-	s.str(&n.prefix, "subject-prefix", "OUTBOX_SUBJECT_PREFIX", natsbroker.SubjectPrefix, "the subjects' prefix")
-	s.integer(&n.replicas, "replicas", "OUTBOX_REPLICAS", 1, 1, 5, "the stream's replicas (3 on a cluster of three)")
-
-	// RabbitMQ.
-	b := &c.rabbit
-	s.str(&b.url, "rabbitmq", "OUTBOX_RABBITMQ_URL", "amqp://127.0.0.1:5672/", "the RabbitMQ server, amqp:// or amqps://, with no password in it")
-	s.str(&b.user, "rabbitmq-user", "OUTBOX_RABBITMQ_USER", "", "the user; empty for the URL's (guest if none)")
-	s.secret(&b.password, "rabbitmq-password-file", "OUTBOX_RABBITMQ_PASSWORD_FILE", "OUTBOX_RABBITMQ_PASSWORD", "a file holding the user's password")
-	s.str(&b.vhost, "rabbitmq-vhost", "OUTBOX_RABBITMQ_VHOST", "", "the virtual host; empty for the URL's")
-	s.str(&b.name, "rabbitmq-name", "OUTBOX_RABBITMQ_NAME", "outbox-relay", "the connection's name, as the server shows it")
-	s.add("rabbitmq-ca", "OUTBOX_RABBITMQ_CA", "", "amqps: the CA certificates (PEM) the server's certificate must chain to", readable(&b.ca))
-	s.add("rabbitmq-cert", "OUTBOX_RABBITMQ_CERT", "", "amqps: the client's certificate (PEM), with -rabbitmq-key", readable(&b.cert))
-	s.add("rabbitmq-key", "OUTBOX_RABBITMQ_KEY", "", "amqps: the client certificate's key (PEM)", readable(&b.key))
-	s.str(&b.serverName, "rabbitmq-server-name", "OUTBOX_RABBITMQ_SERVER_NAME", "", "amqps: the name the server's certificate must carry; empty for the URL's host")
-	b.topology = rabbitbroker.DefaultTopology
-	s.str(&b.topology.Exchange, "exchange", "OUTBOX_EXCHANGE", b.topology.Exchange, "the topic exchange the relay publishes to")
-	s.str(&b.topology.Queue, "queue", "OUTBOX_QUEUE", b.topology.Queue, "the queue migrate binds to the exchange, and run checks")
-	s.integer(&b.topology.DeliveryLimit, "delivery-limit", "OUTBOX_DELIVERY_LIMIT", b.topology.DeliveryLimit, 1, 1_000_000, "the queue's deliveries of a message before it is dead-lettered")
-	s.integer(&b.maxMessageSize, "rabbitmq-max-message-size", "OUTBOX_RABBITMQ_MAX_MESSAGE_SIZE", 0, 0, 512<<20, "the server's max_message_size in bytes; 0 for its default")
-
-	// Kafka.
-	k := &c.kafka
-	s.str(&k.brokers, "kafka", "OUTBOX_KAFKA_BROKERS", "127.0.0.1:9092", "the Kafka seed brokers, host:port, comma-separated")
-	s.str(&k.topic, "kafka-topic", "OUTBOX_KAFKA_TOPIC", kafkabroker.Topic, "the topic the relay publishes to")
-	s.integer(&k.partitions, "kafka-partitions", "OUTBOX_KAFKA_PARTITIONS", 6, 1, 10_000, "provision: the topic's partitions")
-	s.integer(&k.replicas, "kafka-replicas", "OUTBOX_KAFKA_REPLICAS", 3, 1, 16, "provision: the topic's replicas (min.insync.replicas one below, at least 2)")
-	s.boolean(&k.tls, "kafka-tls", "OUTBOX_KAFKA_TLS", false, "connect to Kafka over TLS")
-	s.add("kafka-ca", "OUTBOX_KAFKA_CA", "", "TLS: the CA certificates (PEM) the brokers' certificates must chain to", readable(&k.ca))
-	s.add("kafka-cert", "OUTBOX_KAFKA_CERT", "", "TLS: the client's certificate (PEM), with -kafka-key", readable(&k.cert))
-	s.add("kafka-key", "OUTBOX_KAFKA_KEY", "", "TLS: the client certificate's key (PEM)", readable(&k.key))
-	s.str(&k.serverName, "kafka-server-name", "OUTBOX_KAFKA_SERVER_NAME", "", "TLS: the name the brokers' certificates must carry; empty for each broker's host")
-	s.str(&k.mechanism, "kafka-sasl", "OUTBOX_KAFKA_SASL", "", "SASL: plain, scram-sha-256 or scram-sha-512; none if empty")
-	s.str(&k.user, "kafka-user", "OUTBOX_KAFKA_USER", "", "SASL: the user")
-	s.secret(&k.password, "kafka-password-file", "OUTBOX_KAFKA_PASSWORD_FILE", "OUTBOX_KAFKA_PASSWORD", "SASL: a file holding the user's password")
+	// Each broker's, registered by its own file.
+	c.brokers = map[string]brokerFlags{}
+	for _, k := range brokerKinds {
+		c.brokers[k.name] = k.flags(s)
+	}
 
 	// Cleanup, sweeping and health.
 	s.duration(&c.retention, "retention", "OUTBOX_RETENTION", "168h", 0, "how long a sent row is kept; 0 keeps them")
@@ -355,8 +287,8 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 	if c.mode != "polling" && c.mode != "log" {
 		errs = append(errs, fmt.Errorf("-mode %q: want polling or log", c.mode))
 	}
-	if c.broker != "nats" && c.broker != "rabbitmq" && c.broker != "kafka" {
-		errs = append(errs, fmt.Errorf("-broker %q: want nats, rabbitmq or kafka", c.broker))
+	if _, ok := c.brokers[c.broker]; !ok {
+		errs = append(errs, fmt.Errorf("-broker %q: want %s", c.broker, brokerNames()))
 	}
 	if len(c.relay.Standbys) > 0 && c.mode == "log" {
 		errs = append(errs, errors.New("-standbys is for -mode polling: the log relay waits for standbys by number (-standby-count)"))
@@ -382,32 +314,8 @@ func (c *config) check(cmd string, fs *flag.FlagSet) []error {
 			errs = append(errs, fmt.Errorf("%s %q: want lowercase letters, digits and '_', at most 63 bytes", n.flag, n.v))
 		}
 	}
-	if c.broker == "nats" {
-		n := c.nats
-		if (n.cert == "") != (n.key == "") {
-			errs = append(errs, errors.New("-nats-cert and -nats-key: give both or neither"))
-		}
-		ways := 0
-		for _, given := range []bool{n.creds != "", n.nkey != "", n.user != "" || n.password != "", n.token != ""} {
-			if given {
-				ways++
-			}
-		}
-		if ways > 1 {
-			errs = append(errs, errors.New("NATS: give one of -nats-creds, -nats-nkey, -nats-user with a password, or a token"))
-		}
-		if (n.user == "") != (n.password == "") {
-			errs = append(errs, errors.New("-nats-user needs a password (-nats-password-file or OUTBOX_NATS_PASSWORD), and a password a user"))
-		}
-		if _, err := natsbroker.NewNames(n.stream, n.prefix); err != nil {
-			errs = append(errs, fmt.Errorf("-stream, -subject-prefix: %w", err))
-		}
-	}
-	if c.broker == "rabbitmq" {
-		errs = append(errs, c.rabbit.check()...)
-	}
-	if c.broker == "kafka" {
-		errs = append(errs, c.kafka.check()...)
+	if b, ok := c.brokers[c.broker]; ok {
+		errs = append(errs, b.check()...)
 	}
 	if _, err := url.Parse(c.cloudEvents); err != nil || strings.ContainsFunc(c.cloudEvents, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
 		errs = append(errs, fmt.Errorf("-cloudevents-source (OUTBOX_CLOUDEVENTS_SOURCE) %q: want a URI-reference, such as /shop", c.cloudEvents))

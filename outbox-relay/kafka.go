@@ -20,6 +20,10 @@ import (
 	"example.com/patterns/enterprise/outbox/postgres"
 )
 
+func init() {
+	registerBroker(brokerKind{name: "kafka", rank: 3, module: "kafkabroker", version: kafkabroker.Version, flags: kafkaFlags})
+}
+
 // kafkaConfig is how the relay connects to Kafka, in the shape of kgo's
 // options.
 type kafkaConfig struct {
@@ -31,8 +35,30 @@ type kafkaConfig struct {
 	partitions, replicas      int
 }
 
+// kafkaFlags registers the flags of kafkaConfig.
+func kafkaFlags(s *settings) brokerFlags {
+	k := &kafkaConfig{}
+	s.str(&k.brokers, "kafka", "OUTBOX_KAFKA_BROKERS", "127.0.0.1:9092", "the Kafka seed brokers, host:port, comma-separated")
+	s.str(&k.topic, "kafka-topic", "OUTBOX_KAFKA_TOPIC", kafkabroker.Topic, "the topic the relay publishes to")
+	s.integer(&k.partitions, "kafka-partitions", "OUTBOX_KAFKA_PARTITIONS", 6, 1, 10_000, "provision: the topic's partitions")
+	s.integer(&k.replicas, "kafka-replicas", "OUTBOX_KAFKA_REPLICAS", 3, 1, 16, "provision: the topic's replicas (min.insync.replicas one below, at least 2)")
+	s.boolean(&k.tls, "kafka-tls", "OUTBOX_KAFKA_TLS", false, "connect to Kafka over TLS")
+	s.add("kafka-ca", "OUTBOX_KAFKA_CA", "", "TLS: the CA certificates (PEM) the brokers' certificates must chain to", readable(&k.ca))
+	s.add("kafka-cert", "OUTBOX_KAFKA_CERT", "", "TLS: the client's certificate (PEM), with -kafka-key", readable(&k.cert))
+	s.add("kafka-key", "OUTBOX_KAFKA_KEY", "", "TLS: the client certificate's key (PEM)", readable(&k.key))
+	s.str(&k.serverName, "kafka-server-name", "OUTBOX_KAFKA_SERVER_NAME", "", "TLS: the name the brokers' certificates must carry; empty for each broker's host")
+	s.str(&k.mechanism, "kafka-sasl", "OUTBOX_KAFKA_SASL", "", "SASL: plain, scram-sha-256 or scram-sha-512; none if empty")
+	s.str(&k.user, "kafka-user", "OUTBOX_KAFKA_USER", "", "SASL: the user")
+	s.secret(&k.password, "kafka-password-file", "OUTBOX_KAFKA_PASSWORD_FILE", "OUTBOX_KAFKA_PASSWORD", "SASL: a file holding the user's password")
+	return k
+}
+
+func (k *kafkaConfig) dial(ctx context.Context, cloudEvents string) (broker, error) {
+	return dialKafka(ctx, *k, cloudEvents)
+}
+
 // check is what the flags of Kafka's connection must say together.
-func (k kafkaConfig) check() []error {
+func (k *kafkaConfig) check() []error {
 	var errs []error
 	if strings.TrimSpace(k.brokers) == "" {
 		errs = append(errs, errors.New("-kafka: want the seed brokers, host:port, comma-separated"))

@@ -111,3 +111,13 @@ func TestRelayProcessToKafkaOverTLSWithSASL(t *testing.T) {
 		t.Errorf("check with SASL PLAIN exited %d:\n%s", code, out)
 	}
 }
+
+// Kafka's settings are refused with the flag's name and why.
+func TestKafkaSettingsAreCheckedBeforeAnythingConnects(t *testing.T) {
+	refusesEach(t, []refusedSetting{
+		{[]string{"-broker", "kafka", "-kafka-sasl", "plain"}, "", "-kafka-sasl needs -kafka-user and a password"},
+		{[]string{"-broker", "kafka", "-kafka-topic", "no spaces"}, "", "-kafka-topic"},
+		{[]string{"-broker", "kafka", "-kafka-sasl", "gssapi"}, "", "-kafka-sasl \"gssapi\""},
+		{[]string{"-broker", "kafka", "-kafka-ca", "x"}, "", "-kafka-ca"},
+	})
+}

@@ -63,10 +63,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 
-	"example.com/patterns/enterprise/outbox/kafkabroker"
-	"example.com/patterns/enterprise/outbox/natsbroker"
 	"example.com/patterns/enterprise/outbox/postgres"
-	"example.com/patterns/enterprise/outbox/rabbitbroker"
 )
 
 const usage = "usage: outbox-relay version|migrate|migrate-database|migrate-consumer|provision|grants|run|check|lag|parked|unpark ID|drop ID|replay|forget-position [flags]; outbox-relay run -h lists the flags"
@@ -141,8 +138,11 @@ func cli(args []string, out, errOut io.Writer) int {
 // the schema versions it wants, Go's, and the commit if the build recorded
 // one: what an operator pastes into a report.
 func version() string {
-	v := fmt.Sprintf("outbox-relay %s: postgres %s (outbox schema %d, consumer schema %d), natsbroker %s, rabbitbroker %s, kafkabroker %s",
-		postgres.Version, postgres.Version, postgres.SchemaVersion, postgres.ConsumerSchemaVersion, natsbroker.Version, rabbitbroker.Version, kafkabroker.Version)
+	v := fmt.Sprintf("outbox-relay %s: postgres %s (outbox schema %d, consumer schema %d)",
+		postgres.Version, postgres.Version, postgres.SchemaVersion, postgres.ConsumerSchemaVersion)
+	for _, k := range brokerKinds {
+		v += fmt.Sprintf(", %s %s", k.module, k.version)
+	}
 	if info, ok := debug.ReadBuildInfo(); ok {
 		v += "; " + info.GoVersion
 		settings := map[string]string{}

@@ -83,7 +83,7 @@ func TestRelayProcessBehindPgBouncerInTransactionMode(t *testing.T) {
 		t.Errorf("%d rows unsent", n)
 	}
 	// Each aggregate's events in the stream in their order.
-	s, err := e.js.Stream(context.Background(), natsbroker.Stream)
+	s, err := e.nats().js.Stream(context.Background(), natsbroker.Stream)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -71,7 +71,7 @@ func TestReplayInsideJetStreamsWindowSaysWhatItTakesAndDrops(t *testing.T) {
 		t.Fatal(err)
 	}
 	warehouse := &applier{outbox: ob}
-	c, err := e.js.CreateOrUpdateConsumer(ctx, natsbroker.Stream, natsbroker.ConsumerConfig("warehouse", 0))
+	c, err := e.nats().js.CreateOrUpdateConsumer(ctx, natsbroker.Stream, natsbroker.ConsumerConfig("warehouse", 0))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -176,7 +176,7 @@ func TestCheckTriesAPublishAsTheBrokersUser(t *testing.T) {
 			Publish: &server.SubjectPermission{Allow: []string{"$JS.API.>", "_INBOX.>"}},
 		}},
 	}})
-	e.natsURL = srv.ClientURL()
+	e.nats().url = srv.ClientURL()
 	e.environ = append(e.environ, "OUTBOX_NATS_PASSWORD=relay-pw")
 	if code, out := e.runOnce("migrate", "-nats-user", "relay"); code != 0 {
 		t.Fatalf("migrate exited %d:\n%s", code, out)

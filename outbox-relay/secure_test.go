@@ -7,8 +7,6 @@ package main
 // certificate is made here, with crypto/x509.
 
 import (
-	"context"
-	"database/sql"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,39 +21,8 @@ import (
 	"github.com/nats-io/nkeys"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"example.com/patterns/enterprise/outbox/postgres"
 	"example.com/patterns/enterprise/outbox/rabbitbroker/rabbittest"
 )
-
-// secretFile writes secret to a file of the test's, readable by its owner
-// alone, and returns its name.
-func secretFile(t *testing.T, secret string) string {
-	t.Helper()
-	path := filepath.Join(t.TempDir(), "secret")
-	if err := os.WriteFile(path, []byte(secret+"\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
-
-// writeOrders writes n OrderPlaced events, one transaction each.
-func (e *env) writeOrders(n int) {
-	e.t.Helper()
-	for i := range n {
-		if err := e.writeOrder(i + 1); err != nil {
-			e.t.Fatal(err)
-		}
-	}
-}
-
-// writeOrder writes the OrderPlaced event of order id in a transaction of
-// its own.
-func (e *env) writeOrder(id int) error {
-	return postgres.Transaction(context.Background(), e.db, func(ctx context.Context, tx *sql.Tx) error {
-		_, err := e.outbox.Write(ctx, tx, postgres.Event{Type: "OrderPlaced", Payload: map[string]int{"orderId": id}})
-		return err
-	})
-}
 
 // readmeEnv is the README's block of variables marked <!-- env: name -->,
 // as sh reads it: the block, as printed, sourced by sh with set -a, each
@@ -187,13 +154,13 @@ func TestRelayProcessToATLSOnlyJetStream(t *testing.T) {
 	const password = "pw-7Qk2-never-printed"
 	srv := startJetStream(t, server.Options{TLS: true, TLSVerify: true, TLSConfig: authority.serverTLS(), TLSTimeout: 5,
 		Users: []*server.User{{Username: "relay", Password: password}}})
-	e.natsURL = strings.Replace(srv.ClientURL(), "nats://", "tls://", 1)
-	nc, err := nats.Connect(e.natsURL, nats.Secure(authority.clientTLS()), nats.UserInfo("relay", password))
+	e.nats().url = strings.Replace(srv.ClientURL(), "nats://", "tls://", 1)
+	nc, err := nats.Connect(e.nats().url, nats.Secure(authority.clientTLS()), nats.UserInfo("relay", password))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
-	if e.js, err = jetstream.New(nc); err != nil {
+	if e.nats().js, err = jetstream.New(nc); err != nil {
 		t.Fatal(err)
 	}
 	cert, key := authority.issue("relay", false)
@@ -238,7 +205,7 @@ func TestRelayProcessToATLSOnlyJetStream(t *testing.T) {
 	}
 	noSecret(t, "run's output", p.stderr.String(), password)
 
-	e.runFromReadme("nats", map[string]string{"OUTBOX_DATABASE_URL": e.database, "OUTBOX_NATS_URL": e.natsURL,
+	e.runFromReadme("nats", map[string]string{"OUTBOX_DATABASE_URL": e.database, "OUTBOX_NATS_URL": e.nats().url,
 		"OUTBOX_NATS_CA": authority.File, "OUTBOX_NATS_CERT": cert, "OUTBOX_NATS_KEY": key, "OUTBOX_NATS_PASSWORD_FILE": good},
 		func() int { return int(e.streamMsgs()) })
 }
@@ -431,7 +398,7 @@ func TestRelayProcessToJetStreamWithATokenOrAnNKEY(t *testing.T) {
 	}
 
 	const token = "tok-3Fh8-never-printed"
-	e.natsURL = start(&server.Options{Authorization: token})
+	e.nats().url = start(&server.Options{Authorization: token})
 	for _, tc := range []struct {
 		what    string
 		args    []string
@@ -470,7 +437,7 @@ func TestRelayProcessToJetStreamWithATokenOrAnNKEY(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.natsURL, e.environ = start(&server.Options{Nkeys: []*server.NkeyUser{{Nkey: public}}}), nil
+	e.nats().url, e.environ = start(&server.Options{Nkeys: []*server.NkeyUser{{Nkey: public}}}), nil
 	e.args = []string{"-nats-nkey", secretFile(t, string(seed))}
 	if code, out := e.runOnce("migrate"); code != 0 {
 		t.Errorf("migrate with the NKEY seed exited %d:\n%s", code, out)

@@ -64,7 +64,7 @@ func TestLeastPrivilegeWalkthrough(t *testing.T) {
 	cmd.Env = append(os.Environ(),
 		"PATH="+filepath.Dir(e.binary)+string(os.PathListSeparator)+os.Getenv("PATH"),
 		"PGHOST="+cfg.Host, fmt.Sprintf("PGPORT=%d", cfg.Port), "PGUSER="+owner, "PGDATABASE="+e.name, "PGSSLMODE=disable",
-		"OUTBOX_DATABASE_URL=dbname="+e.name, "OUTBOX_NATS_URL="+e.natsURL)
+		"OUTBOX_DATABASE_URL=dbname="+e.name, "OUTBOX_NATS_URL="+e.nats().url)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	// A file, not a pipe: the relay the script leaves running holds its
 	// output open, and a pipe would keep Run waiting for it.
