@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -77,6 +78,17 @@ type ConsumerOptions struct {
 	// when Run starts.
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
+
+	// Retention, with its Keep set, has Run keep the consumer's records
+	// bounded: every Retention.Every it deletes, in Retention.Forget (the
+	// consumer's database), the keys of messages applied longer than Keep
+	// ago, and Forgotten counts them. Keep must be at least the retention.ms
+	// of each topic consumed, which Run reads: a topic delivers a record
+	// again for as long as it holds it (a group reset to the start). Run
+	// refuses to start, with an error wrapping
+	// consumer.ErrRetentionTooShort, on a Keep below it, or on a topic that
+	// keeps its records for ever (retention.ms -1, or compacted).
+	Retention consumer.Retention
 }
 
 // Consumer is a member of a consumer group that feeds each partition's
@@ -126,6 +138,8 @@ type Consumer struct {
 	// core decides what becomes of each record, as every broker's
 	// Consumer does; this one commits offsets past it.
 	core *consumer.Core
+
+	keeper *consumer.Keeper // the Retention, checked against the topics' retention.ms
 
 	ran atomic.Bool // Run was called, or Close
 
@@ -196,6 +210,9 @@ func NewConsumer(h Handler, opts ConsumerOptions, clientOpts ...kgo.Opt) (*Consu
 	}
 	opts.MaxBatch = core.MaxBatch()
 	c := &Consumer{opts: opts, core: core, workers: map[partition]*worker{}}
+	if c.keeper, err = consumer.NewKeeper(opts.Retention, c.window, opts.Logger); err != nil {
+		return nil, fmt.Errorf("kafkabroker: %w", err)
+	}
 	c.cl, err = kgo.NewClient(append(clientOpts[:len(clientOpts):len(clientOpts)],
 		kgo.DisableAutoCommit(), kgo.BlockRebalanceOnPoll(),
 		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, ps map[string][]int32) { c.assign(ps, true) }),
@@ -218,6 +235,35 @@ func NewConsumer(h Handler, opts ConsumerOptions, clientOpts ...kgo.Opt) (*Consu
 func (c *Consumer) Applied() int64    { return c.core.Applied() }
 func (c *Consumer) Duplicates() int64 { return c.core.Duplicates() }
 func (c *Consumer) SetAside() int64   { return c.core.SetAside() }
+
+// Forgotten is how many keys and positions Run deleted as its Retention
+// says.
+func (c *Consumer) Forgotten() int64 { return c.keeper.Forgotten() }
+
+// window is how long the topics consumed keep a record: the longest
+// retention.ms among them, negative for ever.
+func (c *Consumer) window(ctx context.Context) (time.Duration, error) {
+	topics, _ := c.cl.OptValue(kgo.ConsumeTopics).([]string)
+	var longest time.Duration
+	for _, topic := range topics {
+		if policy, err := topicConfig(ctx, c.cl, topic, "cleanup.policy"); err == nil && strings.Contains(policy, "compact") {
+			return -1, nil // a compacted topic keeps each key's last record for ever
+		}
+		v, err := topicConfig(ctx, c.cl, topic, "retention.ms")
+		if err != nil {
+			return 0, err
+		}
+		ms, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("kafkabroker: topic %s: retention.ms %q: %w", topic, v, err)
+		}
+		if ms < 0 {
+			return -1, nil
+		}
+		longest = max(longest, time.Duration(ms)*time.Millisecond)
+	}
+	return longest, nil
+}
 
 // Waiting is how many records are being handled again in place now, after
 // failures that may pass or for arriving before their predecessor, and
@@ -277,6 +323,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if c.ran.Swap(true) {
 		return ErrClosed
 	}
+	if err := c.keeper.CheckWindow(ctx); err != nil {
+		c.cl.Close()
+		return fmt.Errorf("kafkabroker: %w", err)
+	}
+	keeping, stopKeeping := context.WithCancel(ctx)
+	kept := make(chan struct{})
+	go func() { defer close(kept); c.keeper.Run(keeping) }()
+	defer func() { stopKeeping(); <-kept }()
 	c.core.Start(postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "kafka",
 		"applied, duplicate, retry or set_aside"))
 	defer c.core.Stop()

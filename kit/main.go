@@ -142,7 +142,7 @@ func run(args []string, out io.Writer) error {
 	if *check {
 		for _, m := range copied {
 			dir := filepath.Join(*into, m)
-			for _, args := range [][]string{{"build", "./..."}, {"vet", "./..."}} {
+			for _, args := range [][]string{{"build", "-o", os.DevNull, "./..."}, {"vet", "./..."}} {
 				cmd := exec.Command("go", args...)
 				cmd.Dir = dir
 				if b, err := cmd.CombinedOutput(); err != nil {
@@ -216,6 +216,9 @@ func empty(into string) error {
 // closure is the modules named with those they need, in Modules' order:
 // postgres for every other module, and a broker for the relay.
 func closure(named []string) ([]string, error) {
+	if len(named) == 0 {
+		named = Modules
+	}
 	want := map[string]bool{}
 	for _, m := range named {
 		m = strings.TrimSpace(m)
@@ -223,9 +226,6 @@ func closure(named []string) ([]string, error) {
 			return nil, fmt.Errorf("%w: -modules: %q is not a product module (%s)", ErrRefused, m, strings.Join(Modules, ", "))
 		}
 		want[m] = true
-	}
-	if len(want) == 0 {
-		return nil, fmt.Errorf("%w: -modules names no module", ErrRefused)
 	}
 	if want["outbox-relay"] && !want["natsbroker"] && !want["rabbitbroker"] && !want["kafkabroker"] {
 		return nil, fmt.Errorf("%w: -modules: outbox-relay publishes to a broker: name natsbroker, rabbitbroker or kafkabroker with it", ErrRefused)

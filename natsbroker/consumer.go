@@ -110,6 +110,21 @@ type ConsumerOptions struct {
 	// starts.
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
+
+	// Retention, with its Keep set, has Run keep the consumer's records
+	// bounded: every Retention.Every it deletes, in Retention.Forget (the
+	// consumer's database), the keys of messages applied longer than Keep
+	// ago, and Forgotten counts them. Keep must be at least the stream's
+	// MaxAge, which Run reads through JetStream: a stream delivers a
+	// message again for as long as it holds it (a consumer replayed from
+	// the start). Run refuses to start, with an error wrapping
+	// consumer.ErrRetentionTooShort, on a Keep below it or on a stream
+	// that keeps its messages for ever.
+	Retention consumer.Retention
+
+	// JetStream is the client Run reads the stream's MaxAge through;
+	// Retention needs it.
+	JetStream jetstream.JetStream
 }
 
 // Consumer feeds the messages of a JetStream pull consumer to a Handler, one
@@ -179,6 +194,8 @@ type Consumer struct {
 	// core decides what becomes of each message, as every broker's
 	// Consumer does; this one tells JetStream.
 	core *consumer.Core
+
+	keeper *consumer.Keeper // the Retention, checked against the stream's MaxAge
 }
 
 // Applied, Duplicates and SetAside count the messages the handler applied,
@@ -187,6 +204,10 @@ type Consumer struct {
 func (c *Consumer) Applied() int64    { return c.core.Applied() }
 func (c *Consumer) Duplicates() int64 { return c.core.Duplicates() }
 func (c *Consumer) SetAside() int64   { return c.core.SetAside() }
+
+// Forgotten is how many keys and positions Run deleted as its Retention
+// says.
+func (c *Consumer) Forgotten() int64 { return c.keeper.Forgotten() }
 
 // Waiting is how many messages this Consumer has asked JetStream for again,
 // after failures that may pass or for arriving before their predecessor,
@@ -245,7 +266,24 @@ func NewConsumer(c jetstream.Consumer, h Handler, opts ConsumerOptions) (*Consum
 	if err != nil {
 		return nil, fmt.Errorf("natsbroker: %w", err)
 	}
-	return &Consumer{consumer: c, prefix: prefixOf(c), opts: opts, core: core}, nil
+	if opts.Retention.Keep > 0 && opts.JetStream == nil {
+		return nil, bad("ConsumerOptions.Retention needs JetStream, to read the stream's MaxAge")
+	}
+	stream := c.CachedInfo().Stream
+	keeper, err := consumer.NewKeeper(opts.Retention, func(ctx context.Context) (time.Duration, error) {
+		s, err := opts.JetStream.Stream(ctx, stream)
+		if err != nil {
+			return 0, fmt.Errorf("stream %s: %w", stream, err)
+		}
+		if age := s.CachedInfo().Config.MaxAge; age > 0 {
+			return age, nil
+		}
+		return -1, nil // kept for ever
+	}, opts.Logger)
+	if err != nil {
+		return nil, fmt.Errorf("natsbroker: %w", err)
+	}
+	return &Consumer{consumer: c, prefix: prefixOf(c), opts: opts, core: core, keeper: keeper}, nil
 }
 
 // outOfOrderBound is how many deliveries a message out of order gets, as
@@ -278,11 +316,19 @@ func outOfOrderBound(c jetstream.Consumer, opts ConsumerOptions) (int, time.Dura
 // handling ctx cut short is neither acked nor asked for again: it is
 // delivered again after the consumer's AckWait. A Consumer that NewConsumer
 // did not make is refused at once, with an error wrapping
-// postgres.ErrInvalidConfig.
+// postgres.ErrInvalidConfig; a Retention shorter than the stream keeps its
+// messages, with one wrapping consumer.ErrRetentionTooShort.
 func (c *Consumer) Run(ctx context.Context) error {
 	if c == nil || c.consumer == nil || c.core == nil {
 		return fmt.Errorf("%w: natsbroker: a Consumer that NewConsumer did not make", postgres.ErrInvalidConfig)
 	}
+	if err := c.keeper.CheckWindow(ctx); err != nil {
+		return fmt.Errorf("natsbroker: %w", err)
+	}
+	keeping, stopKeeping := context.WithCancel(ctx)
+	kept := make(chan struct{})
+	go func() { defer close(kept); c.keeper.Run(keeping) }()
+	defer func() { stopKeeping(); <-kept }()
 	c.core.Start(postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "nats",
 		"applied, duplicate, retry, out_of_order or terminated"))
 	defer c.core.Stop()

@@ -88,6 +88,15 @@ type ConsumerOptions struct {
 	// (handed back) or dead_lettered. They are read when Run starts.
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
+
+	// Retention, with its Keep set, has Run keep the consumer's records
+	// bounded: every Retention.Every it deletes, in Retention.Forget (the
+	// consumer's database), the keys of messages applied longer than Keep
+	// ago, and Forgotten counts them. RabbitMQ keeps nothing of a message
+	// once it is acked, so no window of the broker's bounds Keep: it is the
+	// team's word that no copy waits in the queue, or is sent again by a
+	// relay, longer than Keep.
+	Retention consumer.Retention
 }
 
 // Consumer feeds the messages of a queue to a Handler, in the queue's order
@@ -152,6 +161,8 @@ type Consumer struct {
 	// core decides what becomes of each message, as every broker's
 	// Consumer does; this one tells RabbitMQ.
 	core *consumer.Core
+
+	keeper *consumer.Keeper // the Retention
 }
 
 // NewConsumer returns a Consumer of queue, over connections dial makes,
@@ -192,7 +203,11 @@ func NewConsumer(dial func() (*amqp.Connection, error), queue string, h Handler,
 	}
 	opts.MaxBatch = core.MaxBatch()
 	opts.Prefetch = max(orDefault(opts.Prefetch, DefaultPrefetch), opts.MaxBatch)
-	return &Consumer{dial: dial, queue: queue, opts: opts, core: core}, nil
+	keeper, err := consumer.NewKeeper(opts.Retention, nil, opts.Logger)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitbroker: %w", err)
+	}
+	return &Consumer{dial: dial, queue: queue, opts: opts, core: core, keeper: keeper}, nil
 }
 
 // Applied, Duplicates, HandedBack and DeadLettered count the messages the
@@ -206,6 +221,10 @@ func (c *Consumer) DeadLettered() int64 { return c.core.SetAside() }
 
 // SetAside is DeadLettered, by the name every broker's Consumer gives it.
 func (c *Consumer) SetAside() int64 { return c.core.SetAside() }
+
+// Forgotten is how many keys and positions Run deleted as its Retention
+// says.
+func (c *Consumer) Forgotten() int64 { return c.keeper.Forgotten() }
 
 // Waiting is how many messages are being tried again in place now, after
 // failures that may pass, and OldestWaiting how long ago the oldest of
@@ -223,6 +242,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if c == nil || c.dial == nil || c.core == nil {
 		return fmt.Errorf("%w: rabbitbroker: a Consumer that NewConsumer did not make", postgres.ErrInvalidConfig)
 	}
+	keeping, stopKeeping := context.WithCancel(ctx)
+	kept := make(chan struct{})
+	go func() { defer close(kept); c.keeper.Run(keeping) }()
+	defer func() { stopKeeping(); <-kept }()
 	c.core.Start(postgres.NewConsumerTelemetry(c.opts.TracerProvider, c.opts.MeterProvider, instrumentationName, "rabbitmq",
 		"applied, duplicate, retry, out_of_order or dead_lettered"))
 	defer c.core.Stop()
