@@ -278,8 +278,9 @@ func check(ctx context.Context, c config, outbox *postgres.Outbox[postgres.SQLTx
 // part is the role whose privileges grants prints and check checks
 // (-role, or the relay -mode runs), and what the flags add to it:
 // pg_read_all_stats with -standbys and the consumers' tables with
-// -processed-retention, for a relay; REPLICATION in log mode, for the
-// migrator, which makes the slot.
+// -processed-retention, for a relay; in log mode, CREATE on the database
+// and REPLICATION for the migrator, which makes the publication and the
+// slot.
 func part(c config) (postgres.Role, []postgres.Privilege) {
 	role := postgres.Role(c.role)
 	if role == "" {
@@ -292,7 +293,7 @@ func part(c config) (postgres.Role, []postgres.Privilege) {
 	switch role {
 	case postgres.RoleMigrator:
 		if c.mode == "log" {
-			extra = append(extra, postgres.PrivilegeReplication)
+			extra = append(extra, postgres.PrivilegePublication, postgres.PrivilegeReplication)
 		}
 	case postgres.RoleRelay, postgres.RoleLogRelay:
 		if len(c.relay.Standbys) > 0 || c.relay.StandbyCount > 0 {
@@ -348,8 +349,8 @@ func grants(c config, p printer) error {
 		}
 		database = cfg.Database
 	}
-	if role == postgres.RoleMigrator && database == "" {
-		return errors.New("grants -role migrator: -database names the database it creates the publication in")
+	if role == postgres.RoleMigrator && c.mode == "log" && database == "" {
+		return errors.New("grants -role migrator -mode log: -database names the database it creates the publication in")
 	}
 	stmts, err := postgres.GrantStatements(privs, c.schema, database, c.grantee)
 	if err != nil {

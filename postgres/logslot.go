@@ -17,13 +17,27 @@ import (
 // publish: the slot sees only what commits after it exists. It needs
 // wal_level = logical, and says so. A slot of that name that belongs to
 // another database on the server is refused with
-// [ErrSlotOfAnotherDatabase].
+// [ErrSlotOfAnotherDatabase]. It first creates the publication of the
+// outbox's inserts (o's Publication) if the database has none: migration 4
+// skips it for a migrator that may not create one, as a polling
+// deployment's need not ([PrivilegePublication]).
 func (o *Outbox[T]) CreateLogSlot(ctx context.Context, slot string) error {
 	if err := o.usable(); err != nil {
 		return err
 	}
 	db, release := o.sqldb()
 	defer release()
+	// The names are the outbox's own, checked when it was opened.
+	_, err := db.ExecContext(ctx, `DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = '`+o.Publication()+`') THEN
+        CREATE PUBLICATION `+o.Publication()+` FOR TABLE `+o.t.table+` WITH (publish = 'insert');
+    END IF;
+END
+$$`)
+	if err != nil {
+		return fmt.Errorf("create the publication %s: %w", o.Publication(), err)
+	}
 	return createLogSlot(ctx, db, cmp.Or(slot, o.Slot()))
 }
 

@@ -39,7 +39,9 @@ const (
 	// [Outbox.DropParked], [Outbox.Replay], [Outbox.DeleteSent]).
 	RoleOperator Role = "operator"
 	// RoleMigrator runs [Outbox.Migrate]: it creates the outbox's tables in
-	// the schema, and so owns them, and the publication in the database.
+	// the schema, and so owns them. For a log relay it also creates the
+	// publication and the slot ([Outbox.CreateLogSlot]), with
+	// [PrivilegePublication] and [PrivilegeReplication] beside.
 	// Run every migration as the same role: only a table's owner may
 	// alter it.
 	RoleMigrator Role = "migrator"
@@ -97,6 +99,13 @@ func (p Privilege) String() string {
 // standbys' positions in pg_stat_replication.
 var PrivilegeReadAllStats = Privilege{Privilege: "pg_read_all_stats", On: "ROLE",
 	For: "to read the standbys' positions in pg_stat_replication (RelayConfig.Standbys)"}
+
+// PrivilegePublication is what the migrator of a log relay's database
+// needs beside its role's privileges: to create the publication the log
+// relay reads ([Outbox.CreateLogSlot] makes it, and migration 4 where the
+// migrator may). A polling deployment's migrator needs none.
+var PrivilegePublication = Privilege{Privilege: "CREATE", On: "DATABASE",
+	For: "to create the log relay's publication (CreateLogSlot)"}
 
 // PrivilegeReplication is what a role that creates or drops the log
 // relay's slot ([Outbox.CreateLogSlot]) or reads it needs.
@@ -164,7 +173,6 @@ func Privileges(tableName string, role Role) ([]Privilege, error) {
 		return []Privilege{
 			{Privilege: "USAGE", On: "SCHEMA", For: "to reach the schema"},
 			{Privilege: "CREATE", On: "SCHEMA", For: "to create the outbox's tables, indexes and functions"},
-			{Privilege: "CREATE", On: "DATABASE", For: "to create the log relay's publication"},
 		}, nil
 	}
 	return nil, fmt.Errorf("%w: role %q: want one of %v", ErrInvalidConfig, role, Roles)

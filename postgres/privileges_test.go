@@ -302,6 +302,69 @@ func TestEachRoleDoesItsPartWithExactlyItsGrants(t *testing.T) {
 	}
 }
 
+// The migrator needs what the relay's mode needs, and nothing more: a
+// polling deployment's migrates with USAGE and CREATE on the schema alone,
+// and its database holds no publication; a log relay's makes the
+// publication and the slot with PrivilegePublication and
+// PrivilegeReplication beside, and without either of them cannot.
+// (Caught: CREATE on the database asked of every migrator, for a
+// publication a polling relay never reads.)
+func TestAMigratorNeedsThePublicationsGrantsOnlyForALogRelay(t *testing.T) {
+	ctx := context.Background()
+	privs, err := postgres.Privileges("", postgres.RoleMigrator)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range privs {
+		if p.On == "DATABASE" || p.On == "ATTRIBUTE" {
+			t.Errorf("the migrator's privileges hold %s; a polling deployment's needs none on the database", p)
+		}
+	}
+	name, admin := roleDatabase(t, postgres.RoleMigrator)
+	_, db := asRole(t, name, admin, "polling", privs)
+	if err := sqlOutbox(t, db, postgres.Config{}).Migrate(ctx); err != nil {
+		t.Fatalf("Migrate as a polling deployment's migrator: %v", err)
+	}
+	var publications int
+	if err := admin.QueryRow(`SELECT count(*) FROM pg_publication`).Scan(&publications); err != nil || publications != 0 {
+		t.Errorf("a polling deployment's database holds %d publications (%v); want none", publications, err)
+	}
+	logPrivs := append(append([]postgres.Privilege(nil), privs...), postgres.PrivilegePublication, postgres.PrivilegeReplication)
+	work := func(name string, db *sql.DB) error {
+		ob := sqlOutbox(t, db, postgres.Config{})
+		if err := ob.Migrate(ctx); err != nil {
+			return err
+		}
+		err := ob.CreateLogSlot(ctx, name)
+		if err == nil {
+			t.Cleanup(func() { dropSlot(t, admin, name) })
+		}
+		return err
+	}
+	for i := -1; i < len(logPrivs); i++ {
+		less := logPrivs
+		if i >= 0 {
+			less = append(append([]postgres.Privilege(nil), logPrivs[:i]...), logPrivs[i+1:]...)
+		}
+		name, admin := roleDatabase(t, postgres.RoleMigrator)
+		_, db := asRole(t, name, admin, fmt.Sprint("log", i+1), less)
+		err := work(name, db)
+		switch {
+		case i < 0 && err != nil:
+			t.Fatalf("a log relay's migrator with exactly its grants: %v", err)
+		case i < 0:
+			var n int
+			if err := admin.QueryRow(`SELECT count(*) FROM pg_publication WHERE pubname = 'outbox_inserts'`).Scan(&n); err != nil || n != 1 {
+				t.Errorf("the log relay's database holds %d publications outbox_inserts (%v); want 1", n, err)
+			}
+		case err == nil:
+			t.Errorf("without %s: the log relay's migrator's work succeeded: the privilege is more than it needs", logPrivs[i])
+		default:
+			t.Logf("without %s: %v", logPrivs[i], err)
+		}
+	}
+}
+
 // A log relay whose role has exactly RoleLogRelay's privileges reads its
 // slot, publishes what was written and marks it sent.
 func TestLogRelayRunsWithExactlyItsGrants(t *testing.T) {
