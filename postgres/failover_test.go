@@ -122,11 +122,15 @@ func tallyOf(acked map[int64]int64, events []shop.Order, held map[int64]int64, o
 // that does not wait for the standby (no Standbys): it publishes the
 // events of orders the standby never had, as the dual write does, and
 // the warehouse, taking the phantom for the real order that reuses its id,
-// drops the real one's event.
+// drops the real one's event. The last two runs are two failovers in a row
+// on a quorum of standbys (quorumFailover), the polling relay and the log
+// relay.
 func TestFailover(t *testing.T) {
 	for _, mode := range []string{"synchronous", "asynchronous", "asynchronous-unguarded", "synchronous-log", "asynchronous-log"} {
 		t.Run(mode, func(t *testing.T) { failover(t, mode) })
 	}
+	t.Run("quorum", func(t *testing.T) { quorumFailover(t, false) })
+	t.Run("quorum-log", func(t *testing.T) { quorumFailover(t, true) })
 }
 
 func failover(t *testing.T, mode string) {

@@ -185,6 +185,31 @@ func (s *Server) StartStandby(name string, opts ...string) (*Server, error) {
 	return sb, nil
 }
 
+// Rebuild makes s, a server killed or stopped, a streaming standby of
+// primary named name, in its own folder (so on its own socket, which a
+// client's host list already names): its data replaced by a base backup of
+// primary's, as failover tooling rebuilds an old primary to follow the new
+// one. It starts it with its options.
+func (s *Server) Rebuild(primary *Server, name string) error {
+	if pid, ok := s.postmaster(); ok && alive(pid) {
+		return errors.New("pgtest: Rebuild: the server runs; stop or kill it first")
+	}
+	// A killed postmaster leaves its socket's lock file, naming a pid that
+	// may live on as a zombie nobody reaps: the new server would take it
+	// for a server running.
+	stale, _ := filepath.Glob(filepath.Join(s.Dir, ".s.PGSQL.*"))
+	for _, f := range append(stale, filepath.Join(s.Dir, "data")) {
+		if err := os.RemoveAll(f); err != nil {
+			return err
+		}
+	}
+	conninfo := "host=" + primary.Dir + " user=postgres application_name=" + name
+	if err := s.Run("pg_basebackup", "-D", filepath.Join(s.Dir, "data"), "-R", "-X", "stream", "-c", "fast", "--no-sync", "-d", conninfo); err != nil {
+		return err
+	}
+	return s.Ctl("start")
+}
+
 // StartReceiveWAL starts pg_receivewal --synchronous on the server, as
 // application name: a WAL archiver, which streams and flushes the log as a
 // standby does, and reports it flushed, but replays nothing and can never
