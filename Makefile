@@ -28,7 +28,7 @@
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make soak-log-relay [SOAK=10m]           the log relay for 10 minutes against rows it cannot read, a broker that fails and sessions cut mid-transaction; its counts into postgres/figures/soak-log-relay.txt (make postgres runs it for 15 s)
-#   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous, the polling relay and the log relay running through it (about 85 s)
+#   make failover                            a primary killed and its standby promoted mid-traffic, synchronous and asynchronous, and twice in a row on a quorum of standbys, the relays (and the relay process) running through it (about 3 min)
 #   make measure-natsbroker                  natsbroker/REFERENCE.md's drain (one server, synced, a cluster of 3) and latency figures
 #   make knee                                orders offered at rising rates through the whole pipeline on JetStream, then on Kafka, and the plot of it (about 10 min)
 #   make measure-rabbitbroker                rabbitbroker/README.md's drain figures beside JetStream's, and the latency at 100, 300 and 1,000 orders a second
@@ -241,12 +241,16 @@ measure-watermill:
 # (the polling one, then the log relay) and a dual write running, the
 # primary killed with SIGKILL and the standby promoted, the relay running
 # through it unrestarted; the standby synchronous, then asynchronous and
-# behind; into postgres/figures/failover.txt, for postgres/REFERENCE.md.
+# behind; then two failovers in a row on a quorum of two standbys, with the
+# relays and then the relay process (outbox-relay/) running through both;
+# into postgres/figures/failover.txt, for the postgres documents.
 failover:
 	cd postgres && { echo "cpu: $$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"; \
 		$(GO) test -count=1 -v -run '^TestFailover$$' . 2>&1; } \
-		| grep -E '^(cpu:|--- |    failover_test|ok|FAIL)' | tee figures/failover.txt
-	@! grep -E '^(--- )?FAIL' postgres/figures/failover.txt
+		| grep -E '^(cpu:|--- |    --- |    (failover|quorum)_test|ok|FAIL)' | tee figures/failover.txt
+	cd outbox-relay && $(GO) test -count=1 -v -run '^TestRelayProcessRunsThroughTwoFailoversOnAQuorum$$' . 2>&1 \
+		| grep -E '^(--- |    failover_test|ok|FAIL)' | tee -a ../postgres/figures/failover.txt
+	@! grep -E '^(    )?(--- )?FAIL' postgres/figures/failover.txt
 
 # The natsbroker/ module: the outbox end to end through NATS JetStream, which
 # its tests embed (each with its store in a temporary folder); then the shop

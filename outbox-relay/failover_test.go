@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -119,6 +120,165 @@ func TestRelayProcessRunsThroughAFailover(t *testing.T) {
 	t.Logf("%d events acknowledged to the writer, %d rows on the new primary, %d in the stream", written.Load(), rows, e.streamMsgs())
 	if rows < written.Load() {
 		t.Errorf("%d events acknowledged, %d on the new primary, whose standby was synchronous: lost", written.Load(), rows)
+	}
+}
+
+// The night setting that needs no choice, with the relay as operators run
+// it: a primary and two standbys in a quorum (synchronous_standby_names =
+// 'ANY 1 (p, s1, s2)' on every server), the relay waiting for one standby
+// (-standby-count 1, and no -publish-without-standbys), producers writing
+// through the three hosts. Twice in a row, under load: the primary killed,
+// the standby that received the most promoted, the other pointed at it,
+// the killed server rebuilt as a standby of the new primary. The process
+// runs on, never restarted: every event acknowledged to a producer is on
+// the last primary, every row of it reaches the stream once, and the
+// stream holds nothing else: no phantom.
+func TestRelayProcessRunsThroughTwoFailoversOnAQuorum(t *testing.T) {
+	ctx := context.Background()
+	e := newEnv(t)
+	type node struct {
+		name string
+		srv  *pgtest.Server
+	}
+	first, err := pgtest.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { first.Remove() })
+	conn := func(hosts ...string) string {
+		return fmt.Sprintf("host=%s user=postgres dbname=postgres sslmode=disable target_session_attrs=read-write connect_timeout=2", strings.Join(hosts, ","))
+	}
+	admin := stdlib.OpenDB(*mustParse(t, conn(first.Dir)))
+	for _, q := range []string{`ALTER SYSTEM SET synchronous_standby_names = 'ANY 1 (p, s1, s2)'`, `SELECT pg_reload_conf()`} {
+		if _, err := admin.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	admin.Close()
+	nodes := []*node{{"p", first}}
+	for _, name := range []string{"s1", "s2"} {
+		s, err := first.StartStandby(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Remove() })
+		nodes = append(nodes, &node{name, s})
+	}
+	streaming := func(primary *node, names ...string) {
+		t.Helper()
+		db := stdlib.OpenDB(*mustParse(t, conn(primary.srv.Dir)))
+		defer db.Close()
+		waitFor(t, strings.Join(names, " and ")+" streaming in the quorum", func() bool {
+			var n int
+			err := db.QueryRow(`SELECT count(*) FROM pg_stat_replication WHERE application_name = ANY($1) AND state = 'streaming' AND sync_state = 'quorum'`,
+				names).Scan(&n)
+			return err == nil && n == len(names)
+		})
+	}
+	primary := nodes[0]
+	streaming(primary, "s1", "s2")
+	e.database = conn(first.Dir, nodes[1].srv.Dir, nodes[2].srv.Dir)
+	if code, out := e.runOnce("migrate"); code != 0 {
+		t.Fatalf("migrate exited %d:\n%s", code, out)
+	}
+	addr := freeAddr(t)
+	p := e.start("run", "-http", addr, "-standby-count", "1", "-check-every", "50ms", "-poll-interval", "50ms", "-max-backoff", "200ms")
+	waitFor(t, "/readyz 200", func() bool { code, _ := get("http://" + addr + "/readyz"); return code == 200 })
+
+	all := stdlib.OpenDB(*mustParse(t, e.database))
+	t.Cleanup(func() { all.Close() })
+	ob, err := postgres.OpenDB(all, postgres.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var written atomic.Int64
+	writeCtx, stopWriting := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Go(func() {
+			for writeCtx.Err() == nil {
+				err := postgres.Transaction(writeCtx, all, func(ctx context.Context, tx *sql.Tx) error {
+					_, err := ob.Write(ctx, tx, postgres.Event{Type: "OrderPlaced", Payload: map[string]int64{"orderId": written.Load()}})
+					return err
+				})
+				if err == nil {
+					written.Add(1)
+					continue
+				}
+				select { // no server takes writes: a client's pause
+				case <-writeCtx.Done():
+				case <-time.After(20 * time.Millisecond):
+				}
+			}
+		})
+	}
+	t.Cleanup(func() { stopWriting(); wg.Wait() })
+	more := func(n int64) {
+		t.Helper()
+		want := written.Load() + n
+		waitFor(t, fmt.Sprintf("%d more events written", n), func() bool { return written.Load() >= want })
+	}
+	more(100)
+	for round := 1; round <= 2; round++ {
+		var standbys []*node
+		for _, n := range nodes {
+			if n != primary {
+				standbys = append(standbys, n)
+			}
+		}
+		if err := primary.srv.Kill(); err != nil {
+			t.Fatal(err)
+		}
+		killed := time.Now()
+		next, other := standbys[0], standbys[1]
+		a, errA := next.srv.Received(ctx)
+		b, errB := other.srv.Received(ctx)
+		if err := errors.Join(errA, errB); err != nil {
+			t.Fatal(err)
+		}
+		if b > a {
+			next, other = other, next
+		}
+		if err := next.srv.Ctl("promote"); err != nil {
+			t.Fatal(err)
+		}
+		if err := other.srv.Follow(ctx, next.srv, other.name); err != nil {
+			t.Fatal(err)
+		}
+		streaming(next, other.name)
+		more(100)
+		t.Logf("quorum, the relay process: failover %d: %s promoted, %s following it; 100 events written on it %v after the kill",
+			round, next.name, other.name, time.Since(killed).Round(time.Millisecond))
+		if err := primary.srv.Rebuild(next.srv, primary.name); err != nil {
+			t.Fatal(err)
+		}
+		streaming(next, other.name, primary.name)
+		primary = next
+	}
+	stopWriting()
+	wg.Wait()
+
+	last := stdlib.OpenDB(*mustParse(t, conn(primary.srv.Dir)))
+	t.Cleanup(func() { last.Close() })
+	count := func(q string) (n int64) {
+		if err := last.QueryRow(q).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	waitFor(t, "every row of the last primary sent", func() bool { return count(`SELECT count(*) FROM outbox WHERE sent_at IS NULL`) == 0 })
+	if p.cmd.ProcessState != nil {
+		t.Fatalf("the relay process exited: %v", p.cmd.ProcessState)
+	}
+	rows := count(`SELECT count(*) FROM outbox`)
+	waitFor(t, "the stream holding every row", func() bool { return int64(e.streamMsgs()) >= rows })
+	t.Logf("quorum, the relay process, twice: %d events acknowledged, %d rows on the last primary, %d in the stream",
+		written.Load(), rows, e.streamMsgs())
+	if got := int64(e.streamMsgs()); got != rows {
+		t.Errorf("the stream holds %d messages, the last primary %d rows: want one each, no phantom", got, rows)
+	}
+	if rows < written.Load() {
+		t.Errorf("%d events acknowledged, %d on the last primary: lost, on a synchronous quorum", written.Load(), rows)
 	}
 }
 

@@ -8,7 +8,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -164,13 +163,20 @@ func quorumFailover(t *testing.T, logMode bool) {
 		// The standby that received the most becomes the primary: it holds
 		// every commit that any standby acknowledged.
 		next, other := standbys[0], standbys[1]
-		if received(t, other) > received(t, next) {
+		a, errA := next.srv.Received(ctx)
+		b, errB := other.srv.Received(ctx)
+		if err := errors.Join(errA, errB); err != nil {
+			t.Fatal(err)
+		}
+		if b > a {
 			next, other = other, next
 		}
 		if err := next.srv.Ctl("promote"); err != nil {
 			t.Fatal(err)
 		}
-		follow(t, other, next)
+		if err := other.srv.Follow(ctx, next.srv, other.name); err != nil {
+			t.Fatal(err)
+		}
 		newDB := (&ownServer{Server: next.srv, dir: next.srv.Dir}).open(t)
 		streaming(t, newDB, other.name)
 		t.Logf("%s: failover %d: %s promoted, %s following it, %v after the kill", label, round, next.name, other.name,
@@ -249,37 +255,4 @@ func streaming(t *testing.T, db *sql.DB, names ...string) {
 			names).Scan(&n)
 		return err == nil && n == len(names)
 	})
-}
-
-// received is the position in the log up to which n, a standby, has
-// received and flushed what its primary sent.
-func received(t *testing.T, n *node) uint64 {
-	t.Helper()
-	db := (&ownServer{Server: n.srv, dir: n.srv.Dir}).open(t)
-	defer db.Close()
-	var lsn string
-	if err := db.QueryRow(`SELECT coalesce(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn())::text`).Scan(&lsn); err != nil {
-		t.Fatal(err)
-	}
-	hi, lo, _ := strings.Cut(lsn, "/")
-	h, err1 := strconv.ParseUint(hi, 16, 32)
-	l, err2 := strconv.ParseUint(lo, 16, 32)
-	if err := errors.Join(err1, err2); err != nil {
-		t.Fatalf("%s received up to %q: %v", n.name, lsn, err)
-	}
-	return h<<32 | l
-}
-
-// follow points the standby n at primary, as failover tooling does: its
-// primary_conninfo changed and reloaded; it follows the new timeline.
-func follow(t *testing.T, n, primary *node) {
-	t.Helper()
-	db := (&ownServer{Server: n.srv, dir: n.srv.Dir}).open(t)
-	defer db.Close()
-	conninfo := "host=" + primary.srv.Dir + " user=postgres application_name=" + n.name
-	for _, q := range []string{`ALTER SYSTEM SET primary_conninfo = '` + conninfo + `'`, `SELECT pg_reload_conf()`} {
-		if _, err := db.Exec(q); err != nil {
-			t.Fatalf("%s on %s: %v", q, n.name, err)
-		}
-	}
 }

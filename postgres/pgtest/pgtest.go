@@ -210,6 +210,59 @@ func (s *Server) Rebuild(primary *Server, name string) error {
 	return s.Ctl("start")
 }
 
+// Received is the position in the log, as a number, up to which s, a
+// standby, has received and flushed what its primary sent (what it has
+// replayed, if it never streamed): failover tooling promotes the standby
+// that received the most, which holds every commit any standby
+// acknowledged.
+func (s *Server) Received(ctx context.Context) (uint64, error) {
+	db, err := s.open()
+	if err != nil {
+		return 0, err
+	}
+	defer db.Close()
+	var lsn string
+	if err := db.QueryRowContext(ctx, `SELECT coalesce(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn())::text`).Scan(&lsn); err != nil {
+		return 0, err
+	}
+	hi, lo, _ := strings.Cut(lsn, "/")
+	h, err1 := strconv.ParseUint(hi, 16, 32)
+	l, err2 := strconv.ParseUint(lo, 16, 32)
+	if err := errors.Join(err1, err2); err != nil {
+		return 0, fmt.Errorf("pgtest: a position %q: %w", lsn, err)
+	}
+	return h<<32 | l, nil
+}
+
+// Follow points s, a standby, at primary, streaming as name, as failover
+// tooling does after a promotion: its primary_conninfo changed and
+// reloaded. It follows primary's new timeline.
+func (s *Server) Follow(ctx context.Context, primary *Server, name string) error {
+	db, err := s.open()
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	conninfo := "host=" + primary.Dir + " user=postgres application_name=" + name
+	for _, q := range []string{`ALTER SYSTEM SET primary_conninfo = '` + conninfo + `'`, `SELECT pg_reload_conf()`} {
+		if _, err := db.ExecContext(ctx, q); err != nil {
+			return fmt.Errorf("pgtest: %s: %w", q, err)
+		}
+	}
+	return nil
+}
+
+// open is a pool of one connection to s's postgres database.
+func (s *Server) open() (*sql.DB, error) {
+	cfg, err := pgx.ParseConfig(s.ConnString())
+	if err != nil {
+		return nil, err
+	}
+	db := stdlib.OpenDB(*cfg)
+	db.SetMaxOpenConns(1)
+	return db, nil
+}
+
 // StartReceiveWAL starts pg_receivewal --synchronous on the server, as
 // application name: a WAL archiver, which streams and flushes the log as a
 // standby does, and reports it flushed, but replays nothing and can never
