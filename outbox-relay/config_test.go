@@ -193,3 +193,42 @@ func TestHelpPrintsTheUsageAlone(t *testing.T) {
 		}
 	}
 }
+
+// Each part asks only what the options it runs with need, and grants and
+// check both ask it (part): a relay waits for no standby, so it needs no
+// pg_read_all_stats, and a polling deployment's migrator makes no
+// publication, so it needs no CREATE on the database nor REPLICATION;
+// each is asked only with the option that needs it. (Caught: a migrator
+// asked CREATE on the database for a publication a polling relay never
+// reads.)
+func TestEachPartAsksOnlyWhatItsOptionsNeed(t *testing.T) {
+	const db = "-database=host=127.0.0.1 port=1"
+	for _, c := range []struct {
+		cmd  string
+		args []string
+		want []string // the privileges beside the role's, as String says them
+	}{
+		{"check", nil, nil},
+		{"check", []string{"-standby-count", "1"}, []string{"membership of pg_read_all_stats"}},
+		{"check", []string{"-standbys", "s1"}, []string{"membership of pg_read_all_stats"}},
+		{"check", []string{"-mode", "log"}, nil},
+		{"check", []string{"-mode", "log", "-standby-count", "1"}, []string{"membership of pg_read_all_stats"}},
+		{"check", []string{"-role", "migrator"}, nil},
+		{"check", []string{"-role", "migrator", "-mode", "log"}, []string{"CREATE on the database", "the REPLICATION attribute"}},
+		{"check", []string{"-processed-retention", "169h"}, []string{"SELECT on table processed_messages", "DELETE on table processed_messages",
+			"SELECT on table aggregate_positions", "DELETE on table aggregate_positions"}},
+	} {
+		cfg, _, err := parse(c.cmd, append([]string{db}, c.args...))
+		if err != nil {
+			t.Fatalf("%s %v: %v", c.cmd, c.args, err)
+		}
+		_, extra := part(cfg)
+		var got []string
+		for _, p := range extra {
+			got = append(got, p.String())
+		}
+		if strings.Join(got, "; ") != strings.Join(c.want, "; ") {
+			t.Errorf("%s %v asks beside its role's: %q; want %q", c.cmd, c.args, got, c.want)
+		}
+	}
+}
