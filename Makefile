@@ -25,6 +25,7 @@
 #   make bench-postgres                      the postgres/ module's benchmarks on a throwaway PostgreSQL
 #   make measure-postgres                    postgres/REFERENCE.md's latency, drain and cleanup figures (about 50 s)
 #   make measure-relays                      the polling relay and the log relay side by side, six runs, medians and spreads (about 4 min)
+#   make measure-write                       what a team pays on every order: orders a second, p50, p99 at 1, 8, 32 producers on a durable server, with and without the outbox row (about 4 min)
 #   make measure-hot                         a hot aggregate: passes over a backlog of 1,000 and 100,000 rows of one aggregate, and the claim's plan (about 30 s)
 #   make measure-watermill                   the polling relay's drain against watermill-sql's forwarder and bare pgx loops (postgres/peerbench, about 7 min)
 #   make soak-log-relay [SOAK=10m]           the log relay for 10 minutes against rows it cannot read, a broker that fails and sessions cut mid-transaction; its counts into postgres/figures/soak-log-relay.txt (make postgres runs it for 15 s)
@@ -57,7 +58,7 @@ RACE     := $(if $(filter 1,$(shell $(GO) env CGO_ENABLED)),-race)
 SHELL       := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: ladder soak-log-relay kafkabroker knee-kafka measure-kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
+.PHONY: measure-write ladder soak-log-relay kafkabroker knee-kafka measure-kafkabroker kit minimum test pattern example fuzz bench lint postgres bench-postgres measure-postgres measure-relays measure-hot measure-watermill failover natsbroker rabbitmq-server rabbitbroker shop page measure-natsbroker measure-rabbitbroker knee outbox-relay pgbouncer
 
 test: pattern
 	@bad=$$(gofmt -l .); if [ -n "$$bad" ]; then echo "gofmt would change: $$bad" >&2; exit 1; fi
@@ -177,6 +178,21 @@ measure-postgres:
 		| grep -E '^(cpu:|Benchmark|    bench_test)' | tee postgres/figures/measure-postgres.txt
 	@rm -f measure-postgres.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-postgres.txt
+
+# What a team pays on every order (BenchmarkTheWrite): on a durable server
+# of the benchmark's own (fsync, full_page_writes, synchronous_commit on),
+# orders a second and their p50 and p99 at 1, 8 and 32 producers, the
+# order alone and with its outbox row (by Write, by Queue in the order's
+# round trip, each with and without the NOTIFY); five interleaved rounds
+# into postgres/figures/measure-write.txt, then benchstat's table into
+# measure-write.stat.txt beside it.
+measure-write:
+	cd postgres && $(GO) test -c -o ../measure-write.test .
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5; do ./measure-write.test -test.run "^$$" -test.bench "^BenchmarkTheWrite$$" -test.benchtime 2000x || exit 1; done' \
+		| tee postgres/figures/measure-write.txt
+	@rm -f measure-write.test
+	@! grep -E '^(--- )?FAIL' postgres/figures/measure-write.txt
+	$(BENCHSTAT) -col '/write@(order outbox outbox-no-notify queued queued-no-notify)' postgres/figures/measure-write.txt | tee postgres/figures/measure-write.stat.txt
 
 # The two relays side by side, on one throwaway server (wal_level = logical,
 # as with-server.sh sets it): 8 producers for 5 s while the polling relay,

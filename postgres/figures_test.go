@@ -36,6 +36,7 @@ var targets = map[string][]string{
 	"measure-hot":          {"figures/measure-hot.txt", "figures/measure-hot.stat.txt"},
 	"measure-watermill":    {"figures/measure-watermill.txt", "figures/measure-watermill.stat.txt"},
 	"bench-postgres":       {"figures/bench-postgres.txt", "figures/bench-postgres.stat.txt"},
+	"measure-write":        {"figures/measure-write.txt", "figures/measure-write.stat.txt"},
 	"measure-natsbroker":   {"../natsbroker/figures/measure-natsbroker.txt", "../natsbroker/figures/measure-natsbroker.stat.txt"},
 	"knee":                 {"../natsbroker/figures/knee.txt", "../kafkabroker/figures/knee.txt"},
 	"measure-kafkabroker":  {"../kafkabroker/figures/measure-kafkabroker.txt"},

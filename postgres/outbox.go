@@ -490,37 +490,50 @@ type rowQuerier interface {
 type rowScanner interface{ Scan(dest ...any) error }
 
 func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, error) {
+	query, args, err := o.statement(ctx, e)
+	if err != nil {
+		return 0, err
+	}
+	var id int64
+	if err := tx.queryRow(ctx, query, args...).Scan(&id); err != nil {
+		return 0, fmt.Errorf("insert into %s: %w", o.table, err)
+	}
+	return id, nil
+}
+
+// statement is the insert of e's row and its arguments, or what e breaks
+// of Write's rules.
+func (o *tables) statement(ctx context.Context, e Event) (string, []any, error) {
 	if !routable(e.Type) {
-		return 0, fmt.Errorf("%w: %q", ErrInvalidEventType, e.Type)
+		return "", nil, fmt.Errorf("%w: %q", ErrInvalidEventType, e.Type)
 	}
 	if e.Aggregate != "" && e.Seq < 1 {
-		return 0, fmt.Errorf("%w: %s seq %d", ErrInvalidSeq, e.Aggregate, e.Seq)
+		return "", nil, fmt.Errorf("%w: %s seq %d", ErrInvalidSeq, e.Aggregate, e.Seq)
 	}
 	if e.Aggregate == "" && e.Seq != 0 {
-		return 0, fmt.Errorf("%w: seq %d of no aggregate", ErrInvalidSeq, e.Seq)
+		return "", nil, fmt.Errorf("%w: seq %d of no aggregate", ErrInvalidSeq, e.Seq)
 	}
 	if y := e.DeliverAt.Year(); !e.DeliverAt.IsZero() && (y < 1 || y > 9999) {
-		return 0, fmt.Errorf("%w: %s", ErrInvalidDeliverAt, e.DeliverAt)
+		return "", nil, fmt.Errorf("%w: %s", ErrInvalidDeliverAt, e.DeliverAt)
 	}
 	if err := checkContentType(e.ContentType); err != nil {
-		return 0, err
+		return "", nil, err
 	}
 	headers, err := checkHeaders(e.Headers)
 	if err != nil {
-		return 0, err
+		return "", nil, err
 	}
 	var data, body []byte
 	contentType := e.ContentType
 	if isJSON(contentType) {
 		contentType = "" // JSON's, the default
 		if data, err = encodePayload(e.Payload); err != nil {
-			return 0, fmt.Errorf("encode %s payload: %w", e.Type, err)
+			return "", nil, fmt.Errorf("encode %s payload: %w", e.Type, err)
 		}
 	} else if body, err = bytesPayload(e.Payload, e.ContentType); err != nil {
-		return 0, err
+		return "", nil, err
 	}
 	aggregate := sql.NullString{String: e.Aggregate, Valid: e.Aggregate != ""}
-	var id int64
 	// Without a trace the row's trace columns are NULL, their default: the
 	// statement then names only the columns of migration 1, and writes on
 	// a database that migration 3 has not reached yet; and only an event
@@ -533,19 +546,13 @@ func (o *tables) insert(ctx context.Context, tx rowQuerier, e Event) (int64, err
 		if !e.DeliverAt.IsZero() {
 			deliverAt = e.DeliverAt
 		}
-		err = tx.queryRow(ctx, o.sql.insertFullRow, e.Type, nullString(string(data)), body,
+		return o.sql.insertFullRow, []any{e.Type, nullString(string(data)), body,
 			nullString(contentType), nullString(string(headers)), aggregate, e.Seq,
-			nullString(parent), nullString(state), deliverAt).Scan(&id)
+			nullString(parent), nullString(state), deliverAt}, nil
 	case parent != "":
-		err = tx.queryRow(ctx, o.sql.insertTracedRow, e.Type, string(data), aggregate, e.Seq,
-			parent, nullString(state)).Scan(&id)
-	default:
-		err = tx.queryRow(ctx, o.sql.insertRow, e.Type, string(data), aggregate, e.Seq).Scan(&id)
+		return o.sql.insertTracedRow, []any{e.Type, string(data), aggregate, e.Seq, parent, nullString(state)}, nil
 	}
-	if err != nil {
-		return 0, fmt.Errorf("insert into %s: %w", o.table, err)
-	}
-	return id, nil
+	return o.sql.insertRow, []any{e.Type, string(data), aggregate, e.Seq}, nil
 }
 
 // encodePayload is payload as JSON text: a []byte or json.RawMessage as it
