@@ -183,16 +183,18 @@ measure-postgres:
 # of the benchmark's own (fsync, full_page_writes, synchronous_commit on),
 # orders a second and their p50 and p99 at 1, 8 and 32 producers, the
 # order alone and with its outbox row (by Write, by Queue in the order's
-# round trip, each with and without the NOTIFY); five interleaved rounds
-# into postgres/figures/measure-write.txt, then benchstat's table into
+# round trip, each with and without the NOTIFY); five interleaved rounds,
+# then the relay's wake-up with the NOTIFY and polling every 10 ms without
+# it, into postgres/figures/measure-write.txt; then benchstat's table into
 # measure-write.stat.txt beside it.
 measure-write:
 	cd postgres && $(GO) test -c -o ../measure-write.test .
-	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5; do ./measure-write.test -test.run "^$$" -test.bench "^BenchmarkTheWrite$$" -test.benchtime 2000x || exit 1; done' \
-		| tee postgres/figures/measure-write.txt
+	postgres/with-server.sh bash -c 'for round in 1 2 3 4 5; do ./measure-write.test -test.run "^$$" -test.bench "^BenchmarkTheWrite$$" -test.benchtime 2000x || exit 1; done && \
+		./measure-write.test -test.run "^$$" -test.bench "^BenchmarkLatency$$/^wake=(notify|poll-10ms)$$" -test.benchtime 1x' \
+		| grep -E '^(goos|goarch|pkg|cpu:|Benchmark|PASS|ok|FAIL|--- )' | tee postgres/figures/measure-write.txt
 	@rm -f measure-write.test
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-write.txt
-	$(BENCHSTAT) -col '/write@(order outbox outbox-no-notify queued queued-no-notify)' postgres/figures/measure-write.txt | tee postgres/figures/measure-write.stat.txt
+	$(BENCHSTAT) -filter .name:TheWrite -col '/write@(order outbox outbox-no-notify queued queued-no-notify)' postgres/figures/measure-write.txt | tee postgres/figures/measure-write.stat.txt
 
 # The two relays side by side, on one throwaway server (wal_level = logical,
 # as with-server.sh sets it): 8 producers for 5 s while the polling relay,
