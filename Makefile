@@ -180,7 +180,8 @@ measure-postgres:
 	@! grep -E '^(--- )?FAIL' postgres/figures/measure-postgres.txt
 
 # What a team pays on every order (BenchmarkTheWrite): on a durable server
-# of the benchmark's own (fsync, full_page_writes, synchronous_commit on),
+# of the benchmark's own (fsync, full_page_writes, synchronous_commit on), a
+# relay running beside,
 # orders a second and their p50 and p99 at 1, 8 and 32 producers, the
 # order alone and with its outbox row (by Write, by Queue in the order's
 # round trip, each with and without the NOTIFY); five interleaved rounds,

@@ -55,7 +55,7 @@ func TestRelayProcessCommandsWithJSON(t *testing.T) {
 		}
 	}
 	if code != 1 || !failed["schema"] || !failed["broker"] || failed["database"] || !failed["privileges"] ||
-		!strings.Contains(out, "no table outbox_migrations, outbox, outbox_cleanup in the search path") {
+		!strings.Contains(out, "no table outbox_migrations, outbox, outbox_cleanup, outbox_awake in the search path") {
 		t.Errorf("check -json before migrate exited %d, failed %v; want schema, privileges (no tables) and broker:\n%s", code, failed, out)
 	}
 	code, out = e.runOnce("migrate", "-json")
@@ -74,6 +74,7 @@ func TestRelayProcessCommandsWithJSON(t *testing.T) {
 	for _, stmt := range []string{
 		"CREATE ROLE " + role + " LOGIN",
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO " + role,
+		"GRANT SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA public TO " + role,
 	} {
 		if _, err := e.db.Exec(stmt); err != nil {
 			t.Fatal(err)

@@ -39,7 +39,7 @@ func TestVersionSaysWhatItWasBuiltFrom(t *testing.T) {
 	}
 	got := string(out)
 	t.Logf("outbox-relay version: %s", got)
-	wants := []string{"outbox-relay " + latest + ":", "postgres " + latest + " (outbox schema 10, consumer schema 1)"}
+	wants := []string{"outbox-relay " + latest + ":", "postgres " + latest + " (outbox schema 11, consumer schema 1)"}
 	for _, k := range brokerKinds {
 		wants = append(wants, k.module+" "+latest)
 	}

@@ -237,3 +237,6 @@ func TryBegin(try func(retry bool) (again bool, err error)) error { return tryBe
 
 // BeginTries is how many tries a pass makes at most.
 const BeginTries = beginTries
+
+// SetAwake is what Run says to the producers: whether a relay is awake.
+func (r *OutboxRelay) SetAwake(ctx context.Context, awake bool) error { return r.setAwake(ctx, awake) }

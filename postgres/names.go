@@ -83,7 +83,7 @@ var tableNames = regexp.MustCompile(`^[a-z][a-z0-9_]{0,39}$`)
 
 // outboxName matches the names the package's SQL gives the default
 // outbox's objects, each a whole word.
-var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_scheduled|_released|_payload_or_body|_headers_strings|_notify|_inserts|_migrations|_cleanup)?\b`)
+var outboxName = regexp.MustCompile(`\boutbox(_unsent_by_aggregate|_unsent|_parked|_held|_scheduled|_released|_payload_or_body|_headers_strings|_notify|_awake|_inserts|_migrations|_cleanup)?\b`)
 
 // named is query with the default outbox's names replaced by o's: the
 // table, its indexes, trigger, function, channel, publication and record

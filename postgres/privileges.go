@@ -132,6 +132,7 @@ func Privileges(tableName string, role Role) ([]Privilege, error) {
 		return []Privilege{usage, schema,
 			table("INSERT", t, "to write an event"),
 			table("SELECT", t, "to return the id of the row written", "id"),
+			table("SELECT", t+"_awake", "to notify only while no relay is awake (its trigger)"),
 		}, nil
 	case RoleRelay, RoleLogRelay:
 		p := []Privilege{usage, schema,
@@ -140,6 +141,10 @@ func Privileges(tableName string, role Role) ([]Privilege, error) {
 			table("DELETE", t, "to delete the sent rows past their retention"),
 			table("SELECT", t+"_cleanup", "to read what cleanup cut"),
 			table("UPDATE", t+"_cleanup", "to record what cleanup cut"),
+			table("SELECT", t+"_awake", "to release scheduled rows (its trigger reads whether a relay is awake)"),
+		}
+		if role == RoleRelay {
+			p = append(p, table("UPDATE", t+"_awake", "to say whether it is awake, so that producers notify only while none is"))
 		}
 		if role == RoleLogRelay {
 			p = append(p, PrivilegeReplication)

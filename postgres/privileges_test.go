@@ -115,7 +115,17 @@ var roleWorks = map[postgres.Role]roleWork{
 		}
 		return tx.Commit()
 	},
-	postgres.RoleRelay: relayWork,
+	postgres.RoleRelay: func(ctx context.Context, t *testing.T, name string, admin, db *sql.DB) error {
+		if err := relayWork(ctx, t, name, admin, db); err != nil {
+			return err
+		}
+		// What Run says to the producers: awake, then asleep.
+		relay, err := sqlOutbox(t, db, postgres.Config{}).NewRelay(&recorder{}, postgres.RelayConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return errors.Join(relay.SetAwake(ctx, true), relay.SetAwake(ctx, false))
+	},
 	postgres.RoleLogRelay: func(ctx context.Context, t *testing.T, name string, admin, db *sql.DB) error {
 		if err := relayWork(ctx, t, name, admin, db); err != nil {
 			return err

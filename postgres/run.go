@@ -65,6 +65,16 @@ const minBackoff = 100 * time.Millisecond
 // until its next attempt (RetryDelay), and Run goes on with the rest at
 // once, logging each failure at level Error.
 //
+// While Run passes, producers do not notify: a commit that notified takes
+// a lock for the whole server, so with many producers such commits happen
+// one at a time. Run says it is awake through the table's outbox_awake
+// (migration 11), and before it sleeps it says it is not, waits until no
+// transaction that wrote a row without notifying is still open (passing
+// again every few milliseconds meanwhile), and passes once more: a row
+// written while it was awake is published by that pass, and one written
+// after it notifies. A relay that only polls (PollOnly) leaves the flag,
+// and producers notify.
+//
 // Run holds one connection of the relay's pool for listening, and needs
 // pgx's stdlib driver for it. With PollOnly set it does not listen and only
 // polls, for a connection pooler that cannot keep a LISTEN, such as
@@ -98,11 +108,34 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 		listener.Go(func() { r.listen(listenCtx, wake, maxBackoff, listenWait, log) })
 	}
 
+	// While Run passes, producers do not notify (awake.go); before it
+	// sleeps, it lets them, and passes once more once none that did not
+	// is still writing. A relay that only polls keeps no flag: producers
+	// notify.
+	keepsFlag := !r.cfg.PollOnly
+	resting := false // the flag says asleep: the pass that sees the last writers, or the wait after it
+	if keepsFlag {
+		if err := r.setAwake(ctx, true); err != nil {
+			log.Warn("outbox: relay could not say it is awake; producers notify", "err", err)
+		}
+		defer func() {
+			if err := r.setAwake(context.WithoutCancel(ctx), false); err != nil {
+				log.Warn("outbox: relay could not say it stopped; producers notify once the next relay passes", "err", err)
+			}
+		}()
+	}
+
 	failures := 0
 	for {
 		res, err := r.pass(ctx)
 		if ctx.Err() != nil {
 			return ctx.Err()
+		}
+		if resting && res.claimed > 0 {
+			resting = false // rows came in: awake again
+			if err := r.setAwake(ctx, true); err != nil {
+				log.Warn("outbox: relay could not say it is awake; producers notify", "err", err)
+			}
 		}
 		if res.fatal {
 			log.Error("outbox: relay stopped: its pass can never succeed as the database stands", "err", err)
@@ -134,9 +167,32 @@ func (r *OutboxRelay) Run(ctx context.Context) error {
 				"published", res.published, "marked", res.marked)
 		case res.full, res.marked+len(res.parked) < res.claimed:
 			// more may be waiting: pass again at once
+		case keepsFlag && !resting:
+			// About to sleep: once no writer that counted on this relay is
+			// still open, one more pass sees all they wrote.
+			free, err := r.mayRest(ctx)
+			if err == nil && free {
+				resting = true
+				continue
+			}
+			if err != nil && ctx.Err() == nil {
+				log.Warn("outbox: relay could not tell whether it may sleep; passing again soon", "err", err)
+			}
+			if err := r.setAwake(ctx, true); err != nil && ctx.Err() == nil {
+				log.Warn("outbox: relay could not say it is awake; producers notify", "err", err)
+			}
+			if !wait(ctx, awakePoll, nil) {
+				return ctx.Err()
+			}
 		default:
 			if !wait(ctx, poll, wake) {
 				return ctx.Err()
+			}
+			if keepsFlag {
+				resting = false
+				if err := r.setAwake(ctx, true); err != nil {
+					log.Warn("outbox: relay could not say it is awake; producers notify", "err", err)
+				}
 			}
 		}
 	}

@@ -18,13 +18,15 @@ import (
 
 // BenchmarkTheWrite is what a team pays on every order, on a durable server
 // of the benchmark's own (fsync, full_page_writes and synchronous_commit
-// on: each commit waits for the disk), through pgxpool: orders placed a
-// second by 1, 8 and 32 producers at once, and each order's p50 and p99.
-// An op is one order. The ways:
+// on: each commit waits for the disk), through pgxpool, a relay running
+// beside the producers and publishing to discard: orders placed a second
+// by 1, 8 and 32 producers at once, and each order's p50 and p99. An op
+// is one order. The ways:
 //   - order: the order alone (BEGIN, INSERT, COMMIT);
 //   - outbox: the order and its outbox row by Write, a round trip of its
-//     own, and the NOTIFY at commit;
-//   - outbox-no-notify: the same on a table whose trigger is disabled;
+//     own, and the NOTIFY at commit while the relay sleeps (migration 11);
+//   - outbox-no-notify: the same on a table whose trigger is disabled, the
+//     relay polling every 10 ms;
 //   - queued: the row queued beside the order by Queue, one round trip for
 //     both, and the NOTIFY;
 //   - queued-no-notify: the same without the NOTIFY.
@@ -75,6 +77,21 @@ func BenchmarkTheWrite(b *testing.B) {
 			}
 		}
 		pools[notify] = pool
+		// A relay runs beside the producers, as in a deployment: with the
+		// NOTIFY it says it is awake, and producers notify only while it
+		// sleeps; without, it polls every 10 ms.
+		relayCfg := postgres.RelayConfig{}
+		if !notify {
+			relayCfg.PollOnly, relayCfg.PollInterval = true, 10*time.Millisecond
+		}
+		relay, err := ob.NewRelay(discard{}, relayCfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		runCtx, stop := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- relay.Run(runCtx) }()
+		b.Cleanup(func() { stop(); <-done })
 	}
 	ways := []struct {
 		name   string
